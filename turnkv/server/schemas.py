@@ -1,0 +1,216 @@
+"""Request bodies of the OpenAI-compatible routes, and the error shape.
+
+Bodies are parsed from raw JSON bytes in strict mode (``Model.model_validate_json``), so a string
+where a number belongs is an error, as with the OpenAI API, and invalid JSON is an error of the same
+kind. Unknown fields are accepted and ignored (clients send many we do not use); fields we cannot
+honour (``n > 1``, ``logprobs``, tools, penalties other than 0) are refused with 400 rather than
+silently ignored.
+
+Every 4xx/5xx body has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}``; a 507
+adds ``needed_bytes`` and ``available_bytes`` inside ``error``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from turnkv.engine.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4  # as the OpenAI API
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI shape with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.extra = extra
+
+    def body(self) -> dict:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        err.update(self.extra)
+        return {"error": err}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code=code, param=param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Sampling(_Body):
+    """Fields shared by both routes."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension; -1 and 0 mean off
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    cache_salt: str | None = None  # as vLLM names it: adds to the cache namespace
+
+    @model_validator(mode="after")
+    def _check(self) -> _Sampling:
+        if self.n != 1:
+            raise ValueError("n must be 1: turnkv generates one choice per request")
+        if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} other than 0 is not supported")
+        return self
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=self.stops(),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template takes them (``developer`` is a system message)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class CompletionRequest(_Sampling):
+    # a string, a list of one string, or token ids (a list of ints, or a list of one such list)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt must not be empty")
+            if isinstance(self.prompt[0], (str, list)) and len(self.prompt) != 1:
+                raise ValueError("one prompt per request (a batch of prompts is not supported)")
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of must be 1")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+def parse_body(model: type[_Body], raw: bytes) -> Any:
+    """Validate raw JSON bytes into ``model``; any failure is an :class:`ApiError` 400."""
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """The first problem of a pydantic error, in words a client can act on."""
+    first = e.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first['msg']}")
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    msg = first["msg"].removeprefix("Value error, ")
+    return bad_request(f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+def error_body(status: int, message: str, type_: str, code: str | None = None) -> dict:
+    return ApiError(status, message, type_, code=code).body()
