@@ -1,0 +1,283 @@
+"""One decoder for the Llama family: Llama (incl. 3.x rope scaling), Mistral, Qwen2, Qwen3, SmolLM2.
+
+The model runs one sequence at a time over a *window* of ``M`` new rows whose positions start at
+``cache.num_tokens``. Everything a family member adds is a flag on ``ModelConfig``:
+``attention_bias`` (q/k/v bias, Qwen2), ``qk_norm`` (per-head RMSNorm on q and k before RoPE,
+Qwen3), ``tie_embeddings`` (the LM head is the embedding matrix), ``rope_scaling`` (``llama3``,
+``linear``).
+
+Weights are kept fused (q|k|v in one matrix, gate|up in another) so a layer costs three matmuls
+plus the output projection. ``load_hf_tensor`` takes tensors named as in a Hugging Face
+checkpoint and writes them into the right slice; every loader speaks that one naming.
+
+Numerics follow transformers' Llama so logits match it: RMSNorm in fp32 then cast back, RoPE
+tables computed in fp32, residual stream in the model dtype, logits returned in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from turnkv.attention.route import AttentionRouter
+from turnkv.config import ModelConfig, RopeScaling
+from turnkv.kv.cache import KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32, result in x's dtype (as transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies ``[D/2]`` in fp32, with ``llama3`` or ``linear`` scaling applied."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    if scaling.kind != "llama3":
+        return inv
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # the two cut-offs blends linearly in 1/wavelength.
+    old = scaling.original_max_position
+    long_cut = old / scaling.low_freq_factor  # wavelengths above this are scaled fully
+    short_cut = old / scaling.high_freq_factor  # wavelengths below this are untouched
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > long_cut, inv / scaling.factor, inv)
+    blend = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * scaled / scaling.factor + blend * scaled
+    middle = (wavelen >= short_cut) & (wavelen <= long_cut)
+    return torch.where(middle, blended, scaled)
+
+
+class Rope(nn.Module):
+    """cos/sin tables ``[P, D]`` (rotate-half layout), grown lazily to the largest position asked for.
+
+    Tables are computed in fp32 (positions times inverse frequencies) and kept in the model dtype
+    too, so a window only slices. ``freq_factors`` (GGUF ``rope_freqs``) divide the frequencies.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dtype = dtype
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv.to(device), persistent=False)  # [D/2] fp32
+        self._cos = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
+        self._sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
+
+    def set_freq_factors(self, factors: torch.Tensor) -> None:
+        """Divide the inverse frequencies by ``factors`` ``[D/2]`` (llama.cpp's rope_freqs)."""
+        if factors.numel() != self.inv_freq.numel():
+            raise ValueError(f"rope_freqs has {factors.numel()} entries, expected {self.inv_freq.numel()}")
+        self.inv_freq = self.inv_freq / factors.to(self.inv_freq.device, torch.float32).flatten()
+        self._cos = self._cos[:0]
+        self._sin = self._sin[:0]
+
+    def tables(self, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[m, D]`` for positions ``[start, start+m)`` in the model dtype."""
+        end = start + m
+        if end > self._cos.shape[0]:
+            size = max(end, 2 * self._cos.shape[0], 256)
+            pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.int64).float()
+            freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+            self._cos = emb.cos().to(self.dtype)
+            self._sin = emb.sin().to(self.dtype)
+        return self._cos[start:end], self._sin[start:end]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[H, M, D]``, cos/sin ``[M, D]``: rotate-half RoPE (the Hugging Face weight layout)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def _param(*shape: int, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one block. ``qkv`` rows are q (Hq*D) | k (Hkv*D) | v (Hkv*D); ``gate_up`` is gate | up."""
+
+    def __init__(self, cfg: ModelConfig, device, dtype):
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        self.attn_norm = _param(hidden, device=device, dtype=dtype)
+        self.qkv = _param((hq + 2 * hkv) * d, hidden, device=device, dtype=dtype)
+        self.qkv_bias = _param((hq + 2 * hkv) * d, device=device, dtype=dtype) if cfg.attention_bias else None
+        self.o = _param(hidden, hq * d, device=device, dtype=dtype)
+        # Llama/Qwen3 with attention_bias also bias o_proj; Qwen2 biases q/k/v only.
+        self.o_bias = (
+            _param(hidden, device=device, dtype=dtype) if cfg.attention_bias and cfg.arch != "qwen2" else None
+        )
+        self.q_norm = _param(d, device=device, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = _param(d, device=device, dtype=dtype) if cfg.qk_norm else None
+        self.mlp_norm = _param(hidden, device=device, dtype=dtype)
+        self.gate_up = _param(2 * inter, hidden, device=device, dtype=dtype)
+        self.down = _param(hidden, inter, device=device, dtype=dtype)
+
+
+class LlamaModel(nn.Module):
+    """The decoder. Batch size 1: ``forward`` takes one window of ``M`` token ids.
+
+    Invariants: parameters never require grad; ``forward`` runs under ``torch.no_grad`` (not
+    ``inference_mode``, so tensors it hands the cache stay ordinary tensors that other code may
+    update in place later).
+    """
+
+    def __init__(self, cfg: ModelConfig, device, dtype):
+        super().__init__()
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(
+                f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}"
+            )
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, device=self.device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.device, dtype) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, device=self.device, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, device=self.device, dtype=dtype)
+        )
+        self.rope = Rope(cfg, self.device, dtype)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    # ---- weights -------------------------------------------------------------------------
+    def hf_names(self) -> list[str]:
+        """Every tensor name (Hugging Face convention) this model needs from a checkpoint."""
+        cfg = self.cfg
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_embeddings:
+            names.append("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if layer.qkv_bias is not None:
+                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if layer.o_bias is not None:
+                names.append(p + "self_attn.o_proj.bias")
+            if layer.q_norm is not None:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (Hugging Face name and layout) into its parameter slice.
+
+        Raises KeyError for a name this model has no place for, ValueError on a shape mismatch.
+        """
+        dst = self.hf_slot(name)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}"
+            )
+        with torch.no_grad():
+            dst.copy_(tensor)
+
+    def hf_slot(self, name: str) -> torch.Tensor:
+        """The parameter (or fused slice of one) that the checkpoint tensor ``name`` fills, for
+        loaders that write in place. Raises KeyError for a name this model has no place for."""
+        return self._slot(name).detach()
+
+    def _slot(self, name: str) -> torch.Tensor:
+        cfg = self.cfg
+        top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if name in top:
+            return top[name]
+        if name == "lm_head.weight" and self.lm_head is not None:
+            return self.lm_head
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            raise KeyError(name)
+        layer: DecoderLayer = self.layers[int(parts[2])]
+        rest = ".".join(parts[3:])
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv_rows = {"q": (0, qd), "k": (qd, qd + kd), "v": (qd + kd, qd + 2 * kd)}
+        inter = cfg.intermediate_size
+        simple = {
+            "input_layernorm.weight": layer.attn_norm,
+            "post_attention_layernorm.weight": layer.mlp_norm,
+            "self_attn.o_proj.weight": layer.o,
+            "self_attn.o_proj.bias": layer.o_bias,
+            "self_attn.q_norm.weight": layer.q_norm,
+            "self_attn.k_norm.weight": layer.k_norm,
+            "mlp.down_proj.weight": layer.down,
+            "mlp.gate_proj.weight": layer.gate_up[:inter],
+            "mlp.up_proj.weight": layer.gate_up[inter:],
+        }
+        if rest in simple and simple[rest] is not None:
+            return simple[rest]
+        proj, _, kind = rest.removeprefix("self_attn.").partition("_proj.")
+        if rest.startswith("self_attn.") and proj in qkv_rows:
+            lo, hi = qkv_rows[proj]
+            if kind == "weight":
+                return layer.qkv[lo:hi]
+            if kind == "bias" and layer.qkv_bias is not None:
+                return layer.qkv_bias[lo:hi]
+        raise KeyError(name)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Fill every weight in place on its device (norms at 1): for benches and tests."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, std, generator=gen)
+
+    # ---- forward -------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache, router: AttentionRouter, last_only: bool = False
+    ) -> torch.Tensor:
+        """Run the window ``tokens`` ``[M]`` at positions ``[n, n+M)``, ``n = cache.num_tokens``.
+
+        Calls ``cache.reserve(M)``, then per layer ``cache.write(layer, k, v)`` (``[Hkv, M, D]``
+        after RoPE and k-norm, in the cache dtype) and ``router.attend(q, cache.views(layer), scale)``.
+        Never commits. Returns fp32 logits ``[M, V]`` (``[1, V]`` for the last row if ``last_only``).
+        """
+        cfg = self.cfg
+        m = tokens.shape[0]
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        kv_dtype = cache.shape.dtype
+        start = cache.num_tokens
+        cache.reserve(m)
+        cos, sin = self.rope.tables(start, m)  # [M, D]
+        x = F.embedding(tokens, self.embed)  # [M, hidden]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [M, (Hq+2Hkv)*D]
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = q.view(m, hq, d).transpose(0, 1)  # [Hq, M, D]
+            k = k.view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
+            v = v.view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            cache.write(i, k.to(kv_dtype), v.to(kv_dtype))
+            # q goes in the cache dtype so the router never has to gather mixed-dtype views.
+            o = router.attend(q.to(kv_dtype), cache.views(i), self.scale)  # [Hq, M, D]
+            o = o.transpose(0, 1).reshape(m, hq * d).to(x.dtype)  # [M, Hq*D]
+            x = x + F.linear(o, layer.o, layer.o_bias)
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [M, I] each
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        if last_only:
+            x = x[-1:]
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()  # [M or 1, V]
