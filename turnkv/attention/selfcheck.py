@@ -1,0 +1,290 @@
+"""The load-time support verdict for the fused route, and the ``turnkv selfcheck`` probe.
+
+``decide`` answers once per model load whether multi-segment attention may use the fused Triton
+kernel: never on an unsupported shape or device, and only after the kernel ran at the model's own
+head_dim, GQA group and dtype (1, 4 and 32 query rows and a prefill window; one view, three views
+with an empty and a one-row view, and thirteen views, i.e. two segment groups) and matched the
+fp32 reference (``reference.py``) within ``tolerance``. Any failure keeps the ``lse`` route and
+says why in the ``Verdict``. Triton is imported lazily, so this module imports on any machine.
+
+Tolerance (per element): ``|out - ref| <= u * (|ref| + A) + 2**-16 * A``, where ``u`` is the unit
+roundoff of the dtype (2**-8 for bf16, 2**-11 for fp16) and ``A`` is the same attention over
+``|v|``. The ``u * |ref|`` term is the one final rounding; ``u * A`` bounds rounding the
+probabilities to the input dtype before P·V (``|sum_j (p^_j - p_j) v_j| <= u * sum_j p_j |v_j|``);
+the last term leaves room for fp32 summation order. An exact fp32 result rounded once is inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from turnkv.attention.reference import reference_attention
+from turnkv.attention.route import AttentionRouter, FusedFn, Verdict
+
+log = logging.getLogger(__name__)
+
+# The kernel's limits, repeated here so the verdict needs no triton import.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MAX_GQA = 8
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+Views = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1``: the kernel runs on the CPU through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def tolerance(
+    q: torch.Tensor, views: Views, scale: float, ref: torch.Tensor, window_start=None
+) -> torch.Tensor:
+    """Per-element error allowed for a fused result against the fp32 ``ref`` (see module doc)."""
+    a = reference_attention(q, [(k, v.abs()) for k, v in views], scale, window_start)
+    return unit_roundoff(q.dtype) * (ref.abs() + a) + 2.0**-16 * a
+
+
+def error_ratio(out: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> float:
+    """max |out - ref| / tol over all elements; 0/0 (a row that sees no key, exactly zero) counts 0."""
+    err = (out.float() - ref).abs()
+    ratio = torch.where(err == 0, torch.zeros_like(err), err / tol)
+    return ratio.max().item() if ratio.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """One probe case: head counts, head_dim, window rows and the view lengths (the last holds the window)."""
+
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    rows: int
+    lengths: tuple[int, ...]
+
+
+@dataclass
+class ProbeResult:
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    rows: int
+    segments: int
+    keys: int
+    max_err: float
+    tol_ratio: float  # max over elements of |err| / tolerance; <= 1 passes
+    ok: bool
+    error: str | None = None
+
+
+def probe_views(shape: ProbeShape, dtype: torch.dtype, device: torch.device, seed: int) -> tuple:
+    """Random q and views for ``shape``: strided slices of a [layers, Hkv, capacity, D] buffer, like the
+    KV layouts hand out (head and row strides differ between views)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    views = []
+    for i, n in enumerate(shape.lengths):
+        cap = n + 8 * (i % 3 + 1)  # spare capacity, as a tail buffer has
+        k = torch.randn(2, shape.num_kv_heads, cap, shape.head_dim, generator=g)
+        v = torch.randn(2, shape.num_kv_heads, cap, shape.head_dim, generator=g)
+        k, v = k.to(device, dtype), v.to(device, dtype)
+        views.append((k[1, :, :n], v[1, :, :n]))
+    q = torch.randn(shape.num_heads, shape.rows, shape.head_dim, generator=g).to(device, dtype)
+    return q, views
+
+
+def run_probe(fused: FusedFn, shape: ProbeShape, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """Runs ``fused`` at ``shape`` against the fp32 reference; never raises (errors become ``ok=False``)."""
+    keys = sum(shape.lengths)
+    res = ProbeResult(shape.head_dim, shape.num_heads, shape.num_kv_heads, shape.rows, len(shape.lengths), keys,
+                      float("nan"), float("nan"), False)  # fmt: skip
+    try:
+        q, views = probe_views(shape, dtype, device, seed)
+        scale = shape.head_dim**-0.5
+        out = fused(q, views, scale)
+        ref = reference_attention(q, views, scale)
+        res.max_err = (out.float() - ref).abs().max().item()
+        res.tol_ratio = error_ratio(out, ref, tolerance(q, views, scale, ref))
+        res.ok = (
+            out.dtype == dtype
+            and out.shape == q.shape
+            and bool(torch.isfinite(out).all())
+            and res.tol_ratio <= 1
+        )
+    except Exception as exc:  # a compile or launch failure is a failed check, not a crash at load
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    return res
+
+
+def model_shapes(head_dim: int, num_heads: int, num_kv_heads: int, small: bool) -> list[ProbeShape]:
+    """The cases checked at load for one model; ``small`` for the CPU interpreter."""
+    if small:
+        layouts = [(37,), (0, 1, 45), (3,) * 12 + (21,)]
+        prefill = 40
+    else:
+        layouts = [(4099,), (0, 1, 3001, 517), (129,) * 12 + (700,)]
+        prefill = 300
+    out = []
+    for rows in (1, 4, 32, prefill):
+        for lengths in layouts if rows <= 32 else layouts[1:2]:
+            lengths = (*lengths[:-1], lengths[-1] + rows)  # the window's rows end the last view
+            out.append(ProbeShape(head_dim, num_heads, num_kv_heads, rows, lengths))
+    return out
+
+
+def _unsupported(
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> tuple[str, str] | None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim_{head_dim}_unsupported", f"the kernel takes head_dim {SUPPORTED_HEAD_DIMS}"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GQA:
+        return f"gqa_{num_heads}_{num_kv_heads}_unsupported", f"the kernel takes GQA groups of 1-{MAX_GQA}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype_{str(dtype).removeprefix('torch.')}_unsupported", "the kernel takes bf16 and fp16"
+    return None
+
+
+def _load_kernel() -> tuple[FusedFn | None, str | None]:
+    try:
+        from turnkv.attention.triton_segments import fused_attention
+    except ImportError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return fused_attention, None
+
+
+def decide(
+    mode: str, device: torch.device, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> tuple[Verdict, FusedFn | None]:
+    """The route for multi-segment attention at load: ``(Verdict, checked kernel or None)``.
+
+    ``mode``: ``auto`` | ``fused`` | ``lse`` (``--attention``). The fused callable is returned only
+    with ``verdict == "ok"``; ``fused`` mode with any failing verdict serves lse and says so.
+    """
+    if mode not in ("auto", "fused", "lse"):
+        raise ValueError(f"--attention must be auto, fused or lse, not {mode!r}")
+    device = torch.device(device)
+    if mode == "lse":
+        return Verdict("lse", "forced_lse", "--attention lse"), None
+    verdict, fused = _check(mode, device, head_dim, num_heads, num_kv_heads, dtype)
+    if verdict.verdict != "ok" and mode == "fused":
+        verdict.reason = f"--attention fused was asked, but {verdict.reason}; serving the lse route"
+        log.warning("%s", verdict.reason)
+    return verdict, fused
+
+
+def _check(mode, device, head_dim, num_heads, num_kv_heads, dtype) -> tuple[Verdict, FusedFn | None]:
+    cpu_check = device.type == "cpu" and interpreting() and mode == "fused"
+    if device.type != "cuda" and not cpu_check:
+        return Verdict("lse", "no_cuda", f"the fused kernel needs a CUDA device (got {device.type})"), None
+    bad = _unsupported(head_dim, num_heads, num_kv_heads, dtype)
+    if bad:
+        return Verdict("lse", bad[0], bad[1]), None
+    fused, why = _load_kernel()
+    if fused is None:
+        return Verdict("lse", "triton_missing", f"triton does not import ({why})"), None
+    t0 = time.perf_counter()
+    shapes = model_shapes(head_dim, num_heads, num_kv_heads, small=device.type == "cpu")
+    results = [run_probe(fused, s, dtype, device, seed=i) for i, s in enumerate(shapes)]
+    report = _report(results, dtype, time.perf_counter() - t0)
+    if not report["passed"]:
+        worst = next(r for r in results if not r.ok)
+        why = worst.error or f"error {worst.max_err:.3g} is {worst.tol_ratio:.2f}x the tolerance"
+        reason = f"self-check failed at {_label(worst)}: {why}"
+        return Verdict("lse", "selfcheck_failed", reason, report), None
+    reason = (
+        f"self-check passed: {len(results)} shapes at head_dim {head_dim}, {num_heads}/{num_kv_heads} heads"
+    )
+    return Verdict("fused", "ok", reason, report), fused
+
+
+def make_router(
+    mode: str, device: torch.device, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> AttentionRouter:
+    """The engine's router: decides the verdict once and hands over the checked kernel, if any."""
+    verdict, fused = decide(mode, device, head_dim, num_heads, num_kv_heads, dtype)
+    return AttentionRouter(verdict=verdict, fused=fused)
+
+
+def _label(r: ProbeResult) -> str:
+    return f"head_dim {r.head_dim}, {r.num_heads}/{r.num_kv_heads} heads, {r.rows} rows, {r.segments} views"
+
+
+def _report(results: list[ProbeResult], dtype: torch.dtype, seconds: float) -> dict:
+    return {
+        "passed": all(r.ok for r in results),
+        "dtype": str(dtype).removeprefix("torch."),
+        "tolerance": "|out-ref| <= u*(|ref|+A) + 2^-16*A; u = unit roundoff, A = attention over |v|",
+        "worst_tol_ratio": max((r.tol_ratio for r in results), default=0.0),
+        "seconds": round(seconds, 3),
+        "shapes": [asdict(r) for r in results],
+    }
+
+
+def cli_shapes(small: bool) -> list[ProbeShape]:
+    """Representative shapes for ``turnkv selfcheck``: head_dim 64/128/256 x GQA 1/4/8 x rows 1/4/32."""
+    heads = [(2, 2), (8, 2), (8, 1)] if small else [(8, 8), (32, 8), (32, 4)]
+    lengths = (0, 5, 1, 30) if small else (2047, 0, 1, 8190, 333)
+    out = []
+    for d in SUPPORTED_HEAD_DIMS:
+        for hq, hkv in heads:
+            for rows in (1, 4, 32):
+                out.append(ProbeShape(d, hq, hkv, rows, (*lengths[:-1], lengths[-1] + rows)))
+    return out
+
+
+def cli_main(device: str, as_json: bool) -> int:
+    """``turnkv selfcheck [--device D] [--json]``: probe, print verdict and per-shape error; 0 iff ok."""
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
+    dtype = torch.bfloat16
+    results: list[ProbeResult] = []
+    verdict = Verdict()
+    if dev.type != "cuda" and not (dev.type == "cpu" and interpreting()):
+        verdict = Verdict(
+            "lse", "no_cuda", f"no CUDA device ({dev}); set TRITON_INTERPRET=1 to check on the CPU"
+        )
+    else:
+        fused, why = _load_kernel()
+        if fused is None:
+            verdict = Verdict("lse", "triton_missing", f"triton does not import ({why})")
+        else:
+            t0 = time.perf_counter()
+            results = [
+                run_probe(fused, s, dtype, dev, seed=i) for i, s in enumerate(cli_shapes(dev.type == "cpu"))
+            ]
+            report = _report(results, dtype, time.perf_counter() - t0)
+            ok = report["passed"]
+            verdict = Verdict(
+                "fused" if ok else "lse",
+                "ok" if ok else "selfcheck_failed",
+                f"{sum(r.ok for r in results)}/{len(results)} shapes within tolerance",
+                report,
+            )
+    if as_json:
+        print(json.dumps({"device": str(dev), **asdict(verdict)}))
+    else:
+        _print_table(dev, verdict, results)
+    return 0 if verdict.verdict == "ok" else 1
+
+
+def _print_table(dev: torch.device, verdict: Verdict, results: list[ProbeResult]) -> None:
+    out = sys.stdout
+    if results:
+        out.write(
+            f"{'head_dim':>8} {'heads':>6} {'rows':>4} {'views':>5} {'keys':>6} {'max_err':>9} {'tol_ratio':>9}  ok\n"
+        )
+        for r in results:
+            line = f"{r.head_dim:>8} {r.num_heads:>3}/{r.num_kv_heads:<2} {r.rows:>4} {r.segments:>5} {r.keys:>6} "
+            line += f"{r.max_err:>9.2e} {r.tol_ratio:>9.3f}  {'yes' if r.ok else 'NO'}"
+            out.write(line + (f"  {r.error}" if r.error else "") + "\n")
+    out.write(f"device {dev}: verdict {verdict.verdict} (route {verdict.route}): {verdict.reason}\n")
