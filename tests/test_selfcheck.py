@@ -1,0 +1,131 @@
+"""The support verdict and the self-check probe (turnkv/attention/selfcheck.py).
+
+Kernel-running cases use CUDA when present, else Triton's CPU interpreter (TRITON_INTERPRET=1);
+without either they skip. The verdict logic for failures is driven by real wrong kernels (an
+attention that misses one key, one that raises), which the probe must catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from turnkv.attention import selfcheck
+from turnkv.attention.lse import lse_attention
+from turnkv.attention.route import AttentionRouter
+
+CUDA = torch.cuda.is_available()
+KERNEL_DEVICE = torch.device("cuda" if CUDA else "cpu")
+needs_kernel = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1", reason="no CUDA and TRITON_INTERPRET unset"
+)
+BF16 = torch.bfloat16
+
+
+def test_forced_lse():
+    verdict, fused = selfcheck.decide("lse", torch.device("cpu"), 64, 8, 2, BF16)
+    assert (verdict.route, verdict.verdict, fused) == ("lse", "forced_lse", None)
+
+
+def test_cpu_without_interpreter_is_no_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for mode in ("auto", "fused"):
+        verdict, fused = selfcheck.decide(mode, torch.device("cpu"), 64, 8, 2, BF16)
+        assert (verdict.route, verdict.verdict, fused) == ("lse", "no_cuda", None)
+    assert "serving the lse route" in verdict.reason  # fused was asked for: it says it fell back
+
+
+def test_auto_on_cpu_never_runs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    verdict, fused = selfcheck.decide("auto", torch.device("cpu"), 64, 8, 2, BF16)
+    assert verdict.verdict == "no_cuda" and fused is None
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "hq", "hkv", "dtype", "code"),
+    [
+        (96, 8, 2, BF16, "head_dim_96_unsupported"),
+        (128, 18, 2, BF16, "gqa_18_2_unsupported"),
+        (128, 8, 3, BF16, "gqa_8_3_unsupported"),
+        (64, 8, 2, torch.float32, "dtype_float32_unsupported"),
+    ],
+)
+def test_unsupported_shapes(monkeypatch, head_dim, hq, hkv, dtype, code):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    verdict, fused = selfcheck.decide("fused", KERNEL_DEVICE, head_dim, hq, hkv, dtype)
+    assert (verdict.route, verdict.verdict, fused) == ("lse", code, None)
+
+
+def test_triton_missing(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.delitem(sys.modules, "turnkv.attention.triton_segments", raising=False)
+    verdict, fused = selfcheck.decide("fused", KERNEL_DEVICE, 64, 8, 2, BF16)
+    assert (verdict.route, verdict.verdict, fused) == ("lse", "triton_missing", None)
+
+
+def _off_by_one(q, views, scale):
+    """A wrong kernel: every row misses the newest key it should see."""
+    t = sum(k.shape[1] for k, _ in views)
+    return lse_attention(q, views, scale, window_start=t - q.shape[1] - 1)
+
+
+def _raises(q, views, scale):
+    raise RuntimeError("launch failed")
+
+
+@pytest.mark.parametrize("kernel", [_off_by_one, _raises])
+def test_a_wrong_kernel_fails_the_check(monkeypatch, kernel):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "_load_kernel", lambda: (kernel, None))
+    verdict, fused = selfcheck.decide("fused", KERNEL_DEVICE, 64, 8, 2, BF16)
+    assert (verdict.route, verdict.verdict, fused) == ("lse", "selfcheck_failed", None)
+    assert verdict.selfcheck["passed"] is False
+    assert "serving the lse route" in verdict.reason
+    if kernel is _raises:
+        assert "launch failed" in verdict.reason
+
+
+def test_exact_attention_passes_the_probe():
+    # the lse route is the fp32 result rounded once: inside the tolerance by construction
+    for shape in selfcheck.model_shapes(64, 8, 2, small=True):
+        res = selfcheck.run_probe(lse_attention, shape, BF16, torch.device("cpu"))
+        assert res.ok and res.tol_ratio <= 0.51, res
+
+
+@needs_kernel
+def test_the_real_kernel_passes_at_the_model_shapes():
+    router = selfcheck.make_router("fused", KERNEL_DEVICE, 64, 9, 3, BF16)
+    assert isinstance(router, AttentionRouter)
+    assert (router.verdict.route, router.verdict.verdict) == ("fused", "ok"), router.verdict.reason
+    report = router.verdict.selfcheck
+    assert report["passed"] and len(report["shapes"]) == 10
+    assert {r["segments"] for r in report["shapes"]} == {1, 3, 13}
+    assert {r["rows"] for r in report["shapes"]} >= {1, 4, 32}
+    assert all(r["tol_ratio"] <= 1 for r in report["shapes"])
+    q = torch.randn(9, 4, 64).to(KERNEL_DEVICE, BF16)
+    views = [(torch.randn(3, n, 64).to(KERNEL_DEVICE, BF16),) * 2 for n in (5, 0, 9)]
+    router.attend(q, views, 0.125)
+    assert router.route_counts == {"fused_q4": 1}
+
+
+@needs_kernel
+def test_cli_json(capsys):
+    code = selfcheck.cli_main(str(KERNEL_DEVICE), as_json=True)
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["verdict"] == "ok" and doc["route"] == "fused"
+    shapes = doc["selfcheck"]["shapes"]
+    assert {(s["head_dim"], s["num_heads"] // s["num_kv_heads"], s["rows"]) for s in shapes} == {
+        (d, g, m) for d in (64, 128, 256) for g in (1, 4, 8) for m in (1, 4, 32)
+    }
+    assert all(s["ok"] and s["segments"] >= 4 for s in shapes)
+
+
+def test_cli_without_a_kernel_device_says_why(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert selfcheck.cli_main("cpu", as_json=False) == 1
+    assert "verdict no_cuda" in capsys.readouterr().out
