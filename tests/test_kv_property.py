@@ -21,7 +21,7 @@ MAX_SNAPSHOTS = 5
 # A small policy so that short runs reach the anchor and the hard bound, not only the cascade.
 SMALL_POLICY = MergePolicy(soft_limit=4, anchor_rows=20, ratio=2)
 SETTINGS = settings(
-    max_examples=120,
+    max_examples=100,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -30,7 +30,7 @@ TINY = KVShape(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, de
 def add_turn(cache, rows: int, gen: torch.Generator, window: int = 7) -> torch.Tensor:
     """Append ``rows`` rows in windows (one row kept less in the last window); returns K ``[L, Hkv, rows, D]``."""
     s = cache.shape
-    cache.plan(rows)
+    cache.plan(rows + 1)  # the last window reaches one row past the kept ones
     kept = []
     start = cache.num_tokens
     while sum(k.shape[2] for k in kept) < rows:

@@ -21,7 +21,6 @@ import torch
 
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import (
-    PLAN_SLACK_ROWS,
     Segment,
     SegmentedSnapshot,
     SegmentStats,
@@ -78,8 +77,8 @@ class ContiguousKV:
         return self.capacity * self.shape.bytes_per_row
 
     def plan(self, rows: int) -> None:
-        """About ``rows`` more rows come this turn: the next growth sizes for all of them."""
-        self._planned = max(self._planned, self._n + max(rows, 0) + PLAN_SLACK_ROWS)
+        """At most ``rows`` more rows come this turn: the next allocation holds exactly them."""
+        self._planned = max(self._planned, self._n + max(rows, 0))
 
     def reserve(self, m: int) -> None:
         if m < 1:

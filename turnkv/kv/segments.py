@@ -45,7 +45,6 @@ ANCHOR_ROWS = 512  # by default a first segment this long is never rewritten by 
 MERGE_RATIO = 2  # by default cascade while newest * MERGE_RATIO >= the segment before it
 TAIL_MIN_ROWS = 64  # smallest tail allocation; avoids regrowing for every decode step
 TAIL_GROWTH = 1.5  # amortised growth factor of a tail (or a contiguous buffer)
-PLAN_SLACK_ROWS = 32  # plan() leaves room for one verify window past the planned end (its extra rows drop)
 
 
 _ids = itertools.count(1)
@@ -370,8 +369,12 @@ class ConversationKV:
 
     # -- one window ------------------------------------------------------------------------------
     def plan(self, rows: int) -> None:
-        """About ``rows`` more rows come this turn: the next tail growth sizes for all of them."""
-        self._planned = max(self._planned, self._n_tail + max(rows, 0) + PLAN_SLACK_ROWS)
+        """At most ``rows`` more rows come this turn: the tail is then allocated for exactly that many.
+
+        The admission prices the same number, so the caller includes any verify window that may
+        reach past the last kept row; a window past the plan still works but regrows (a copy).
+        """
+        self._planned = max(self._planned, self._n_tail + max(rows, 0))
 
     def reserve(self, m: int) -> None:
         """Open a window of ``m`` rows ``[n, n + m)``; grows the tail (copying its committed rows)."""
