@@ -30,9 +30,12 @@ log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when what is cached changes meaning
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-# ggml type names this loader dequantizes (through gguf.quants; the block formats are checked
-# against an independent implementation in tests).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# ggml type names this loader dequantizes (F32/F16/BF16/Q8_0/Q4_0/Q4_1 in torch, the rest through
+# gguf.quants); tests check each against transformers' dequantizer or the block layout itself.
+SUPPORTED_TYPES = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+)
 
 
 class GGUFError(ValueError):

@@ -284,6 +284,8 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     """A ModelConfig from a ``config.json`` dict (transformers 4.x or 5.x spelling)."""
     archs = cfg.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
+    if not archs and cfg.get("model_type") in HF_ARCHS.values():  # a bare config.save_pretrained
+        arch = cfg["model_type"]
     if arch is None:
         raise ModelLoadError(
             f"architecture {', '.join(archs) or cfg.get('model_type', '?')} is not supported "
