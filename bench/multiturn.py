@@ -1,0 +1,209 @@
+"""Follow-up turns at growing context: segmented against contiguous, in one process.
+
+Each layout runs the same conversation: a first turn of ``--history`` prompt tokens, then
+``--turns`` follow-up turns of ``--new`` prompt tokens and ``--gen`` generated tokens each. Between
+turns the conversation goes through a bank the way the server does it: the finished turn is
+sealed, snapshotted, and the next turn restores from that snapshot (zero-copy for segments, a
+copy for the contiguous layout). Per turn it reports prompt tokens prefilled, TTFT, decode tok/s
+and peak KV memory above the turn's start: on CUDA ``torch.cuda.max_memory_allocated`` (all
+allocations: KV, activations, restore copies); on CPU the peak of the KV bytes the layouts hold
+(unique bytes of the banked snapshot plus the live cache, sampled after restore, prefill, decode
+and snapshot).
+
+    python bench/multiturn.py                                     # default model, CPU
+    python bench/multiturn.py --shape llama3-8b --device cuda --history 8192,32768,65536
+
+Prints a table, writes ``bench/out/multiturn.json`` and ``bench/out/multiturn.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from turnkv.config import EngineConfig
+from turnkv.engine.engine import Engine
+from turnkv.engine.sampling import SamplingParams
+from turnkv.kv.segments import unique_bytes
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def _mem_now(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.loaded.config.vocab_size
+    special = set(engine.tokenizer.eos_token_ids)
+
+    def tokens(n: int) -> list[int]:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        return [t if t not in special else (t + 1) % vocab for t in ids]
+
+    params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+    cuda = engine.shape.device.type == "cuda"
+    prompt: list[int] = []
+    banked = None
+    rows = []
+    for turn in range(args.turns + 1):
+        prompt = prompt + tokens(history if turn == 0 else args.new)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start_mem = _mem_now(engine.shape.device)
+        start_kv = unique_bytes(banked) if banked is not None else 0
+        peak_kv = start_kv
+        t0 = time.perf_counter()
+        cache = engine.restore(banked) if banked is not None else engine.new_cache()
+        peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache) if x is not None)))
+        stats = None
+        generated = []
+        for ev in engine.generate(cache, prompt, params):
+            if ev.token_id is not None:
+                generated.append(ev.token_id)
+            if ev.token_id is not None and len(generated) == 1:
+                peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache) if x is not None)))
+            stats = ev.stats or stats
+        peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache) if x is not None)))
+        cache.seal()
+        snap = cache.snapshot()
+        peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache, snap) if x is not None)))
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start_mem
+        else:
+            peak = peak_kv - start_kv
+        wall = time.perf_counter() - t0
+        del cache
+        banked = snap  # the bank keeps the newest snapshot of the conversation
+        prompt = prompt + generated[:-1]  # what the client resends: history + the answer
+        rows.append(
+            {
+                "turn": turn,
+                "context": stats.prompt_tokens,
+                "cached": stats.cached_tokens,
+                "prefilled": stats.prefilled_tokens,
+                "ttft_s": stats.ttft_s,
+                "decode_tok_s": stats.decode_tok_s,
+                "peak_above_start_bytes": peak,
+                "kv_banked_bytes": unique_bytes(banked),
+                "turn_s": wall,
+                "segments": len(snap.segments()) if hasattr(snap, "segments") else 1,
+            }
+        )
+    return rows
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument(
+        "--shape", help="random weights of llama3-8b | qwen3-8b | qwen3-32b (speed and memory only)"
+    )
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--history", default="1024,2048", help="comma-separated first-turn sizes")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--tag", default="multiturn")
+    args = ap.parse_args()
+
+    model = f"random:{args.shape}" if args.shape else args.model
+    base = EngineConfig(model=model, device=args.device, dtype=args.dtype, attention=args.attention)
+    seg = Engine.from_config(replace(base, kv_layout="segmented"), progress=False)
+    # the same weights behind both layouts: one model, two engines
+    con = Engine(seg.loaded, replace(base, kv_layout="contiguous"))
+    results = {
+        "model": seg.model_name,
+        "random_weights": bool(args.shape),
+        "device": str(seg.shape.device),
+        "dtype": str(seg.shape.dtype),
+        "attention": seg.router.verdict.route,
+        "runs": [],
+    }
+    print(
+        f"# {seg.model_name}{' (random weights: speed and memory only)' if args.shape else ''} "
+        f"on {seg.shape.device} {seg.shape.dtype}, attention={seg.router.verdict.route}"
+    )
+    for history in [int(h) for h in args.history.split(",")]:
+        for name, engine in (("segmented", seg), ("contiguous", con)):
+            rows = run_layout(engine, history, args, seed=history)
+            results["runs"].append({"layout": name, "history": history, "turns": rows})
+
+    hdr = (
+        f"{'hist':>6} {'turn':>4} {'ctx':>7} | {'prefilled':>9} {'ttft s':>7} {'tok/s':>6} {'peak MiB':>9} | "
+        f"{'prefilled':>9} {'ttft s':>7} {'tok/s':>6} {'peak MiB':>9} | {'peak ratio':>10}"
+    )
+    print(f"{'':20} | {'segmented':^35} | {'contiguous':^35} |")
+    print(hdr)
+    by = {(r["layout"], r["history"]): r["turns"] for r in results["runs"]}
+    for history in sorted({r["history"] for r in results["runs"]}):
+        for s, c in zip(by[("segmented", history)], by[("contiguous", history)]):
+            ratio = c["peak_above_start_bytes"] / max(1, s["peak_above_start_bytes"])
+            print(
+                f"{history:>6} {s['turn']:>4} {s['context']:>7} | {s['prefilled']:>9} {s['ttft_s']:>7.3f} "
+                f"{s['decode_tok_s']:>6.1f} {s['peak_above_start_bytes'] / 2**20:>9.1f} | {c['prefilled']:>9} "
+                f"{c['ttft_s']:>7.3f} {c['decode_tok_s']:>6.1f} {c['peak_above_start_bytes'] / 2**20:>9.1f} | "
+                f"{ratio:>9.2f}x"
+            )
+    results.update(
+        date=time.strftime("%Y-%m-%d"),
+        machine=platform.node(),
+        commit=_commit(),
+        torch=torch.__version__,
+        counters=seg.counters(),
+    )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{args.tag}.json").write_text(json.dumps(results, indent=1))
+    _plot(results, OUT / f"{args.tag}.png")
+    print(f"wrote {OUT / f'{args.tag}.json'} and .png")
+
+
+def _plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in results["runs"]:
+        ctx = [r["context"] for r in run["turns"][1:]]
+        style = "-o" if run["layout"] == "segmented" else "--s"
+        label = f"{run['layout']} h={run['history']}"
+        axes[0].plot(ctx, [r["peak_above_start_bytes"] / 2**20 for r in run["turns"][1:]], style, label=label)
+        axes[1].plot(ctx, [r["ttft_s"] for r in run["turns"][1:]], style, label=label)
+    axes[0].set(
+        xlabel="context tokens", ylabel="peak above turn start (MiB)", title="follow-up turns: memory"
+    )
+    axes[1].set(xlabel="context tokens", ylabel="TTFT (s)", title="follow-up turns: time to first token")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{results['model']} on {results['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
