@@ -156,7 +156,7 @@ def main() -> None:
     print(hdr)
     by = {(r["layout"], r["history"]): r["turns"] for r in results["runs"]}
     for history in sorted({r["history"] for r in results["runs"]}):
-        for s, c in zip(by[("segmented", history)], by[("contiguous", history)]):
+        for s, c in zip(by[("segmented", history)], by[("contiguous", history)], strict=True):
             ratio = c["peak_above_start_bytes"] / max(1, s["peak_above_start_bytes"])
             print(
                 f"{history:>6} {s['turn']:>4} {s['context']:>7} | {s['prefilled']:>9} {s['ttft_s']:>7.3f} "
