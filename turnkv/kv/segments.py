@@ -20,8 +20,11 @@ Merge policy (``MergePolicy.next_merge``; applied after every seal, pure over th
 So a conversation never holds more than ``soft_limit`` (default ``SOFT_SEGMENTS`` = 8) sealed
 segments, and its views (segments + tail) never exceed ``MAX_SEGMENTS``, the fused kernel's
 per-launch limit, across any number of turns. Measured with random turns of 1-3000 rows: 3 after
-12 turns, a median of 4 and at most 7 over 200 turns, each row copied about 6 times in all. A merge writes a *new* segment; snapshots taken before keep references to the old
-ones, so no snapshot ever sees a change. Merged copies are the only KV memory a merge allocates.
+12 turns, a median of 4 and at most 7 over 200 turns, each row copied about 6 times in all.
+
+A merge writes a *new* segment; snapshots taken before keep references to the old ones, so no
+snapshot ever sees a change. Merged copies are the only KV memory a merge allocates (and while an
+older snapshot still holds the old segments, both count in ``unique_bytes``).
 
 ``snapshot()`` seals first (a snapshot covers every committed row, as with the contiguous layout);
 the engine calls ``seal()`` at the end of a turn, so the bank's snapshot then copies nothing.
@@ -45,7 +48,6 @@ ANCHOR_ROWS = 512  # by default a first segment this long is never rewritten by 
 MERGE_RATIO = 2  # by default cascade while newest * MERGE_RATIO >= the segment before it
 TAIL_MIN_ROWS = 64  # smallest tail allocation; avoids regrowing for every decode step
 TAIL_GROWTH = 1.5  # amortised growth factor of a tail (or a contiguous buffer)
-
 
 _ids = itertools.count(1)
 _last_id = 0
