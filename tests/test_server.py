@@ -1,0 +1,319 @@
+"""The OpenAI-compatible server with the real default model, driven by the ``openai`` client.
+
+Servers run under uvicorn in a thread on a free port; they share one loaded model (each has its
+own engine, bank and budget), so the model loads once for this file. Answers are short (greedy,
+a few tokens) to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from turnkv.config import EngineConfig
+from turnkv.engine.engine import Engine
+from turnkv.models.load import load_model
+from turnkv.server.app import create_app
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+
+
+class Live:
+    """One app under uvicorn in a daemon thread; ``server`` is the app's state (bank, worker)."""
+
+    def __init__(self, loaded, **cfg) -> None:
+        self.cfg = replace(EngineConfig(device="cpu", bank_bytes="1G"), **cfg)
+        self.engine = Engine(loaded, self.cfg)
+        app = create_app(self.engine, self.cfg)
+        self.server = app.state.server
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uv.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        headers = {"content-type": "application/json", **kw.pop("headers", {})}
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=120, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def idle(self) -> None:
+        """Wait until the worker has finished (and banked) everything queued."""
+        deadline = time.monotonic() + 60
+        while self.server.worker.busy or self.server.worker.waiting:
+            assert time.monotonic() < deadline, "worker stuck"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("default", "cpu", "auto", progress=False)
+
+
+@pytest.fixture(scope="module")
+def live(loaded):
+    srv = Live(loaded)
+    yield srv
+    srv.close()
+
+
+def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int = 8, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **kw
+    )
+
+
+def history_tokens(engine: Engine, messages: list[dict]) -> int:
+    return len(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+
+
+# -- multi-turn reuse ----------------------------------------------------------------------------
+
+
+def test_multi_turn_reuses_the_whole_history(live):
+    c = live.client()
+    msgs = [SYSTEM, {"role": "user", "content": "Name a colour of the sky."}]
+    cached = []
+    for follow_up in ("And of grass?", "And of snow?", "Thanks. Name a fruit."):
+        r = chat(c, msgs)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        prior = history_tokens(live.engine, msgs[:-1]) if len(msgs) > 2 else 0
+        assert cached[-1] >= prior  # every earlier turn, as the template re-renders it
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}]
+        msgs += [{"role": "user", "content": follow_up}]
+    assert cached[1] > cached[0] and cached[2] > cached[1]
+    r = chat(c, msgs)
+    # the re-rendered history (including the last answer's end-of-turn tokens) is reused in full
+    assert r.usage.prompt_tokens_details.cached_tokens == history_tokens(live.engine, msgs[:-1])
+
+
+def test_fork_regenerate_and_edit_reuse_the_shared_prefix(live):
+    c = live.client()
+    msgs = [SYSTEM, {"role": "user", "content": "Count to three."}]
+    first = chat(c, msgs)
+    msgs.append({"role": "assistant", "content": first.choices[0].message.content})
+    msgs.append({"role": "user", "content": "Now count backwards."})
+    base = chat(c, msgs)
+    prompt = base.usage.prompt_tokens
+
+    again = chat(c, msgs)  # regenerate: the whole prompt is banked; only its last row is recomputed
+    assert again.usage.prompt_tokens_details.cached_tokens == prompt - 1
+    assert again.choices[0].message.content == base.choices[0].message.content
+
+    fork = chat(c, [*msgs[:-1], {"role": "user", "content": "Now count to five."}])
+    assert fork.usage.prompt_tokens_details.cached_tokens >= history_tokens(live.engine, msgs[:-1])
+
+    edited = [SYSTEM, {"role": "user", "content": "Count to four."}, *msgs[2:]]
+    e = chat(c, edited)
+    shared = history_tokens(live.engine, [SYSTEM])
+    assert shared <= e.usage.prompt_tokens_details.cached_tokens < history_tokens(live.engine, msgs[:-1])
+
+
+def test_greedy_answers_equal_a_fresh_servers(live, loaded):
+    c = live.client()
+    msgs = [SYSTEM, {"role": "user", "content": "What is the capital of Italy?"}]
+    for follow_up in ("And of Spain?", "And of Japan?"):
+        r = chat(c, msgs, max_tokens=12)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}]
+        msgs += [{"role": "user", "content": follow_up}]
+    warm = chat(c, msgs, max_tokens=12)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    fresh = Live(loaded)
+    try:
+        cold = chat(fresh.client(), msgs, max_tokens=12)
+    finally:
+        fresh.close()
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_contiguous_layout_serves_the_same_answers(live, loaded):
+    msgs = [SYSTEM, {"role": "user", "content": "Say hello in French."}]
+    want = chat(live.client(), msgs).choices[0].message.content
+    con = Live(loaded, kv_layout="contiguous")
+    try:
+        c = con.client()
+        r1 = chat(c, msgs)
+        assert r1.choices[0].message.content == want
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content}]
+        msgs += [{"role": "user", "content": "And in German?"}]
+        r2 = chat(c, msgs)
+        assert r2.usage.prompt_tokens_details.cached_tokens == history_tokens(con.engine, msgs[:-1])
+        assert con.health()["kv_layout"] == "contiguous"
+    finally:
+        con.close()
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+
+def test_streaming_matches_non_streaming(live):
+    c = live.client()
+    msgs = [SYSTEM, {"role": "user", "content": "Give me two animals."}]
+    plain = chat(c, msgs, max_tokens=10)
+    stream = chat(c, msgs, max_tokens=10, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain.choices[0].message.content
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert len({ch.id for ch in chunks}) == 1
+
+
+def test_sse_wire_format(live):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    r = live.post("/v1/chat/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    objs = [json.loads(e[6:]) for e in events[:-1]]
+    assert {o["object"] for o in objs} == {"chat.completion.chunk"}
+    assert objs[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in o for o in objs)  # only with stream_options.include_usage
+
+
+def test_completions_route(live):
+    c = live.client()
+    prompt = "The three primary colours are"
+    a = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert a.object == "text_completion" and a.choices[0].text
+    b = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
+    assert b.choices[0].text == a.choices[0].text
+    s = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == a.choices[0].text
+    ids = live.engine.tokenizer.prompt_text(prompt)
+    t = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert t.choices[0].text == a.choices[0].text
+    # the follow-up of a completion (prompt + its text) reuses the prompt and the completion
+    longer = prompt + a.choices[0].text + " and"
+    f = c.completions.create(model=MODEL, prompt=longer, max_tokens=2, temperature=0)
+    assert f.usage.prompt_tokens_details.cached_tokens >= len(ids) + a.usage.completion_tokens - 2
+
+
+def test_concurrent_clients_queue_and_all_succeed(live):
+    c = live.client()
+    questions = [f"Say the number {i}." for i in range(3)]
+    want = [
+        chat(c, [{"role": "user", "content": q}], max_tokens=6).choices[0].message.content for q in questions
+    ]
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            got[i] = (
+                chat(c, [{"role": "user", "content": questions[i]}], max_tokens=6).choices[0].message.content
+            )
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [got[i] for i in range(3)] == want
+
+
+# -- status routes -------------------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(live):
+    c = live.client()
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = live.health()
+    assert {
+        "status",
+        "model",
+        "device",
+        "kv_layout",
+        "attention",
+        "segments",
+        "bank",
+        "disk",
+        "speculation",
+    } <= set(h)
+    assert h["status"] == "ok" and h["model"] == MODEL and h["kv_layout"] == "segmented"
+    assert set(h["attention"]) == {"route", "verdict", "reason", "selfcheck"}
+    assert {"seals", "merges", "max_segments", "route_counts"} <= set(h["segments"])
+    assert set(h["bank"]) == {
+        "entries",
+        "unique_bytes",
+        "budget_bytes",
+        "hits",
+        "misses",
+        "evictions",
+        "refusals",
+    }
+    assert h["bank"]["budget_bytes"] == 1 << 30
+    assert h["disk"]["enabled"] is False
+    assert set(h["disk"]) == {
+        "enabled",
+        "blocks",
+        "bytes",
+        "writes",
+        "hits",
+        "misses",
+        "corrupt",
+        "evictions",
+    }
+    assert h["speculation"] == {"drafted": 0, "accepted": 0, "windows": 0}
+    chat(c, [{"role": "user", "content": "One word please."}], max_tokens=2)
+    live.idle()
+    h2 = live.health()
+    assert h2["segments"]["seals"] > h["segments"]["seals"]
+    assert h2["bank"]["entries"] >= 1 and h2["bank"]["unique_bytes"] > 0
+    m = httpx.get(live.url + "/metrics").text
+    for name in (
+        "turnkv_prefix_cache_hit_tokens_total",
+        "turnkv_prefix_cache_query_tokens_total",
+        "turnkv_kv_banked_bytes",
+        "turnkv_kv_live_bytes",
+        "turnkv_bank_evictions_total",
+        "turnkv_kv_refusals_total",
+        'turnkv_requests_total{route="/v1/chat/completions",status="200"}',
+        "turnkv_time_to_first_token_seconds_bucket",
+        "turnkv_time_per_output_token_seconds_bucket",
+        "turnkv_attention_calls_total",
+    ):
+        assert name in m, name

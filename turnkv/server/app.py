@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP server: routes, SSE streaming, API keys, errors.
+
+``create_app(engine, cfg)`` builds the FastAPI app around one engine; ``serve(cfg)`` loads the
+model and runs it under uvicorn. Every turn goes through one :class:`EngineWorker` (one thread,
+one turn at a time); a handler submits its turn and awaits the worker's events. The first event
+decides the status (200, or 400/507 before any work); a client that goes away sets the turn's
+cancel flag, and the worker still seals and banks what it computed.
+
+Namespaces: without ``--api-key`` everyone shares one cache namespace; with keys each key has its
+own, and a request's ``cache_salt`` adds to it, so a prefix banked under one namespace never
+yields ``cached_tokens`` under another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
+from turnkv.config import EngineConfig, parse_size
+from turnkv.engine.engine import GenEvent
+from turnkv.server.health import health
+from turnkv.server.metrics import CONTENT_TYPE, Metrics
+from turnkv.server.schemas import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_body,
+)
+from turnkv.server.worker import Admitted, Banked, EngineWorker, Failed, Turn, TurnService
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+
+
+def make_bank(engine, cfg: EngineConfig) -> SessionBank:
+    """The session bank of ``cfg.bank_bytes`` (``auto``: see ``auto_budget_bytes``) for ``engine``."""
+    from turnkv.kv.segments import unique_bytes
+
+    budget = (
+        auto_budget_bytes(engine.shape.device) if cfg.bank_bytes == "auto" else parse_size(cfg.bank_bytes)
+    )
+    return SessionBank(
+        budget_bytes=budget,
+        bytes_per_row=engine.shape.bytes_per_row,
+        measure=lambda held: unique_bytes(*held),
+        copy_on_restore=cfg.kv_layout == "contiguous",
+    )
+
+
+class _Stream:
+    """Worker events for one request, carried into the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+
+    def emit(self, item: object) -> None:  # called on the worker thread
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next(self) -> object:
+        return await self.queue.get()
+
+
+def _failed_error(f: Failed) -> ApiError:
+    if f.status == 507:
+        return ApiError(
+            507,
+            f.message,
+            "server_error",
+            code=f.code,
+            needed_bytes=f.needed_bytes,
+            available_bytes=f.available_bytes,
+        )
+    type_ = "invalid_request_error" if f.status < 500 else "server_error"
+    return ApiError(f.status, f.message, type_, code=f.code)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _sse(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class Server:
+    """The state behind the routes: engine, bank, worker, metrics, keys."""
+
+    def __init__(self, engine, cfg: EngineConfig, bank: SessionBank | None = None) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.bank = bank if bank is not None else make_bank(engine, cfg)
+        self.service = TurnService(engine, self.bank)
+        self.worker = EngineWorker(self.service)
+        self.metrics = Metrics(engine, self.bank)
+        self.keys = {k for k in cfg.api_key if k}
+        self.created = int(time.time())
+        self.model_names = {engine.model_name, cfg.model}
+
+    # -- request helpers ----------------------------------------------------------------------
+    def namespace(self, request: Request, salt: str | None) -> str:
+        """The cache namespace; raises 401 when keys are set and the request has none of them."""
+        ns = "public"
+        if self.keys:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if key not in self.keys:
+                raise ApiError(
+                    401,
+                    "Incorrect API key provided. Pass one of the server's --api-key values as a bearer token.",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
+            ns = "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        if salt:
+            ns += "|salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
+        return ns
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.engine.model_name}`.",
+                "invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+
+    async def start(self, turn: Turn, request: Request) -> tuple[_Stream, Admitted]:
+        """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
+        stream = _Stream(asyncio.get_running_loop())
+        self.worker.submit(turn, stream.emit)
+        first = await self._next(stream, turn, request)
+        if isinstance(first, Failed):
+            raise _failed_error(first)
+        assert isinstance(first, Admitted), first
+        return stream, first
+
+    async def _next(self, stream: _Stream, turn: Turn, request: Request) -> object:
+        """The next worker event; cancels the turn if the client disconnects while we wait."""
+        get = asyncio.ensure_future(stream.next())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            turn.cancel.set()
+            get.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if get in done:
+            return get.result()
+        turn.cancel.set()
+        return await get
+
+    def finished(self, route: str, stats) -> None:
+        self.metrics.request(route, 200)
+        if stats is not None:
+            self.metrics.turn(stats)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the ASGI server sends ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _render_chat(
+    tokenizer, messages: list[dict]
+) -> tuple[Callable[[], list[int]], Callable[[str], list[int]]]:
+    def prompt() -> list[int]:
+        return tokenizer.apply_chat_template(messages)
+
+    def history(answer: str) -> list[int]:
+        return tokenizer.apply_chat_template(
+            [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
+        )
+
+    return prompt, history
+
+
+def _render_completion(tokenizer, prompt: str | list[int]):
+    if isinstance(prompt, str):
+        text = prompt
+        return (lambda: tokenizer.prompt_text(text)), (lambda answer: tokenizer.prompt_text(text + answer))
+    ids = list(prompt)
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return (lambda: ids), None
+
+
+def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; ``bank`` defaults to one of ``cfg.bank_bytes``."""
+    srv = Server(engine, cfg, bank)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        srv.worker.stop()
+
+    app = FastAPI(title="turnkv", lifespan=lifespan)
+    app.state.server = srv
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        srv.metrics.request(request.url.path, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request"}
+        return await _api_error(request, bad_request(str(first.get("msg"))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), type_))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return await _api_error(
+            request, ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+        )
+
+    @app.get("/health")
+    async def _health() -> dict:
+        return health(
+            engine, srv.bank, cfg.kv_layout, {"busy": srv.worker.busy, "waiting": srv.worker.waiting}
+        )
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def _models(request: Request) -> dict:
+        srv.namespace(request, None)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.model_name,
+                    "object": "model",
+                    "created": srv.created,
+                    "owned_by": "turnkv",
+                    "max_model_len": engine.max_context,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        ns = srv.namespace(request, None)
+        req = parse_body(ChatCompletionRequest, await request.body())
+        srv.check_model(req.model)
+        ns = srv.namespace(request, req.cache_salt)
+        prompt, history = _render_chat(engine.tokenizer, req.template_messages())
+        turn = Turn(
+            prompt,
+            req.sampling(1),
+            max_tokens=req.requested_max_tokens(),
+            namespace=ns,
+            session=request.headers.get(SESSION_HEADER),
+            render_history=history,
+        )
+        return await _respond(srv, request, turn, req, chat=True)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        srv.namespace(request, None)
+        req = parse_body(CompletionRequest, await request.body())
+        srv.check_model(req.model)
+        ns = srv.namespace(request, req.cache_salt)
+        prompt, history = _render_completion(engine.tokenizer, req.single_prompt())
+        turn = Turn(
+            prompt,
+            req.sampling(1),
+            max_tokens=req.requested_max_tokens(),
+            namespace=ns,
+            session=request.headers.get(SESSION_HEADER),
+            render_history=history,
+        )
+        return await _respond(srv, request, turn, req, chat=False)
+
+    return app
+
+
+async def _respond(srv: Server, request: Request, turn: Turn, req, chat: bool) -> Response:
+    stream, admitted = await srv.start(turn, request)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    base = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": srv.engine.model_name,
+        "system_fingerprint": srv.engine.fingerprint,
+    }
+    route = request.url.path
+    if req.stream:
+        return StreamingResponse(
+            _sse_events(srv, stream, turn, request, base, admitted, chat, req.include_usage(), route),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    pieces: list[str] = []
+    while True:
+        ev = await srv._next(stream, turn, request)
+        if isinstance(ev, Failed):
+            raise _failed_error(ev)
+        if isinstance(ev, GenEvent):
+            pieces.append(ev.text)
+            if ev.finish_reason is not None:
+                final = ev
+                break
+    text = "".join(pieces)
+    stats = final.stats
+    srv.finished(route, stats)
+    usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": final.finish_reason,
+        }
+        body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+        body = {**base, "choices": [choice], "usage": usage}
+    return JSONResponse(body)
+
+
+async def _sse_events(
+    srv: Server,
+    stream: _Stream,
+    turn: Turn,
+    request: Request,
+    base: dict,
+    admitted: Admitted,
+    chat: bool,
+    include_usage: bool,
+    route: str,
+) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(content: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if content is not None:
+                delta["content"] = content
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+        return {**base, "choices": [choice], **extra}
+
+    try:
+        if chat:
+            yield _sse(chunk("", None, role=True))
+        while True:
+            ev = await srv._next(stream, turn, request)
+            if isinstance(ev, Failed):
+                err = _failed_error(ev)
+                srv.metrics.request(route, err.status)
+                yield _sse(err.body())
+                break
+            if not isinstance(ev, GenEvent):
+                continue
+            if ev.finish_reason is None:
+                if ev.text:
+                    yield _sse(chunk(ev.text, None))
+                continue
+            if ev.text:
+                yield _sse(chunk(ev.text, None))
+            yield _sse(chunk(None if chat else "", ev.finish_reason))
+            stats = ev.stats
+            srv.finished(route, stats)
+            if include_usage:
+                usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+                yield _sse({**base, "choices": [], "usage": usage})
+            break
+        yield _sse("[DONE]")
+    finally:
+        # the client went away (the response task was cancelled) or we are done: either way the
+        # worker must stop generating for nobody; it still banks what it computed
+        turn.cancel.set()
+
+
+def serve(cfg: EngineConfig) -> None:
+    """Load the model of ``cfg`` and serve it on ``cfg.host:cfg.port`` until interrupted."""
+    import uvicorn
+
+    from turnkv.engine.engine import Engine
+
+    engine = Engine.from_config(cfg)
+    app = create_app(engine, cfg)
+    srv: Server = app.state.server
+    log.warning(
+        "turnkv serving %s on http://%s:%d (kv %s, bank budget %d bytes, attention %s)",
+        engine.model_name,
+        cfg.host,
+        cfg.port,
+        cfg.kv_layout,
+        srv.bank.budget_bytes,
+        engine.router.verdict.route,
+    )
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+
+
+__all__ = ["Banked", "Server", "create_app", "make_bank", "serve"]

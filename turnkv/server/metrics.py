@@ -1,0 +1,109 @@
+"""``GET /metrics``: Prometheus text from one ``CollectorRegistry`` per app (tests start many apps).
+
+Event metrics (requests, latencies, prefix-cache tokens) are recorded as turns finish; state
+metrics (bank and live bytes, evictions, refusals, route counts) are read from the bank and the
+engine at scrape time, so they can never drift from ``/health``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from turnkv.bank.session_bank import SessionBank
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class _StateCollector(Collector):
+    def __init__(self, engine, bank: SessionBank) -> None:
+        self.engine = engine
+        self.bank = bank
+
+    def collect(self):
+        bank = self.bank
+        banked = bank.unique_bytes(live=False)
+        total = bank.unique_bytes(live=True)
+        g = GaugeMetricFamily("turnkv_kv_banked_bytes", "Unique KV bytes held by the session bank")
+        g.add_metric([], banked)
+        yield g
+        g = GaugeMetricFamily(
+            "turnkv_kv_live_bytes", "Unique KV bytes held by live requests beyond what the bank holds"
+        )
+        g.add_metric([], max(total - banked, 0))
+        yield g
+        g = GaugeMetricFamily("turnkv_kv_budget_bytes", "Byte budget of the session bank")
+        g.add_metric([], bank.budget_bytes)
+        yield g
+        g = GaugeMetricFamily("turnkv_bank_entries", "Snapshots in the session bank")
+        g.add_metric([], len(bank))
+        yield g
+        s = bank.stats
+        for name, value, doc in (
+            ("turnkv_bank_evictions", s.evictions, "Bank entries evicted to make room"),
+            ("turnkv_kv_refusals", s.refusals, "Turns refused with HTTP 507"),
+            ("turnkv_bank_hits", s.hits, "Admitted turns that restored a banked prefix"),
+            ("turnkv_bank_misses", s.misses, "Admitted turns that found no banked prefix"),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        c = CounterMetricFamily(
+            "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
+        )
+        for label, n in sorted(self.engine.counters().get("route_counts", {}).items()):
+            c.add_metric([label], n)
+        yield c
+
+
+class Metrics:
+    """The registry of one app and the event metrics the routes record."""
+
+    def __init__(self, engine, bank: SessionBank) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "turnkv_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "turnkv_prefix_cache_hit_tokens", "Prompt tokens served from the bank", registry=r
+        )
+        self.prefix_query_tokens = Counter(
+            "turnkv_prefix_cache_query_tokens", "Prompt tokens of admitted turns", registry=r
+        )
+        self.prefilled_tokens = Counter("turnkv_prefilled_tokens", "Prompt rows computed", registry=r)
+        self.generated_tokens = Counter("turnkv_generated_tokens", "Completion tokens", registry=r)
+        self.ttft = Histogram(
+            "turnkv_time_to_first_token_seconds",
+            "Time from the start of the turn to the first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "turnkv_time_per_output_token_seconds",
+            "Decode time per output token after the first",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        r.register(_StateCollector(engine, bank))
+
+    def turn(self, stats) -> None:
+        """Record one finished turn's ``TurnStats``."""
+        self.prefix_hit_tokens.inc(stats.cached_tokens)
+        self.prefix_query_tokens.inc(stats.prompt_tokens)
+        self.prefilled_tokens.inc(stats.prefilled_tokens)
+        self.generated_tokens.inc(stats.completion_tokens)
+        if stats.completion_tokens:
+            self.ttft.observe(stats.ttft_s)
+        if stats.completion_tokens > 1 and stats.decode_s > 0:
+            self.tpot.observe(stats.decode_s / (stats.completion_tokens - 1))
+
+    def request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
