@@ -317,3 +317,36 @@ def test_models_health_and_metrics(live):
         "turnkv_attention_calls_total",
     ):
         assert name in m, name
+
+
+def test_turnkv_serve_process():
+    """``python -m turnkv serve`` as a user starts it: flags, env twins, a request, a clean stop."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "TURNKV_BANK_BYTES": "64M"}
+    cmd = [sys.executable, "-m", "turnkv", "serve", "--port", str(port), "--device", "cpu", "--api-key", "k"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "turnkv serve did not come up"
+            time.sleep(0.5)
+        assert httpx.get(url + "/health").json()["bank"]["budget_bytes"] == 64 << 20
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        r = chat(c, [{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert r.choices[0].message.content and r.usage.completion_tokens == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

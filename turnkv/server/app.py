@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -421,14 +422,12 @@ def serve(cfg: EngineConfig) -> None:
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg)
     srv: Server = app.state.server
-    log.warning(
-        "turnkv serving %s on http://%s:%d (kv %s, bank budget %d bytes, attention %s)",
-        engine.model_name,
-        cfg.host,
-        cfg.port,
-        cfg.kv_layout,
-        srv.bank.budget_bytes,
-        engine.router.verdict.route,
+    print(
+        f"turnkv: serving {engine.model_name} on http://{cfg.host}:{cfg.port}/v1 "
+        f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, "
+        f"attention {engine.router.verdict.route}: {engine.router.verdict.verdict})",
+        file=sys.stderr,
+        flush=True,
     )
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 
