@@ -12,7 +12,7 @@ How one launch covers it:
   and one row per view ``(k_ptr, v_ptr, k_head_stride, k_row_stride, v_head_stride, v_row_stride,
   length, start)``; pointers are raw device addresses, so nothing is gathered or concatenated and
   building it costs one small host-to-device copy.
-- Grid ``(G * splits, B * Hkv, row_blocks)``. A program owns one KV head, ``BLOCK_M`` rows of the
+- Grid ``(row_blocks, G * splits, B * Hkv)``. A program owns one KV head, ``BLOCK_M`` rows of the
   ``GQA * M`` query rows of that head's group (so every loaded K/V tile serves all its query heads)
   and one contiguous key range of its group (flash-decoding split). It walks the views that overlap
   its range; tiles never cross a view, and the causal mask is only evaluated on tiles that need it.
@@ -231,9 +231,11 @@ def _segment_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEG: tl.constexpr,
     DIRECT: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    pid_p = tl.program_id(0)  # group * NSPLIT + split
-    pid_bh = tl.program_id(1)  # b * HKV + kv head
-    pid_m = tl.program_id(2)  # row block of the GQA * M rows of this kv head
+    # row blocks vary fastest, so the blocks that share a key range run side by side and all but
+    # the first find its K/V tiles in L2
+    pid_m = tl.program_id(0)  # row block of the GQA * M rows of this kv head
+    pid_p = tl.program_id(1)  # group * NSPLIT + split
+    pid_bh = tl.program_id(2)  # b * HKV + kv head
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     grp = pid_p // NSPLIT
@@ -280,8 +282,11 @@ def _segment_attn_kernel(
         z = tl.minimum(see_hi, seg_start + seg_len)
         if a < z:
             kvh64 = kvh.to(tl.int64)
-            k_base = tl.multiple_of(tl.load(e), 16).to(tl.pointer_type(elt)) + kvh64 * tl.load(e + 2)
-            v_base = tl.multiple_of(tl.load(e + 1), 16).to(tl.pointer_type(elt)) + kvh64 * tl.load(e + 4)
+            ksh = tl.multiple_of(tl.load(e + 2), 8)  # element strides, 16-byte multiples (checked
+            vsh = tl.multiple_of(tl.load(e + 4), 8)  # by build_table): lets K/V loads go 128-bit
+            # the hint must sit on the pointer: it does not survive the int-to-pointer cast
+            k_base = tl.multiple_of(tl.load(e).to(tl.pointer_type(elt)), 16) + kvh64 * ksh
+            v_base = tl.multiple_of(tl.load(e + 1).to(tl.pointer_type(elt)), 16) + kvh64 * vsh
             ksr = tl.multiple_of(tl.load(e + 3), 8)
             vsr = tl.multiple_of(tl.load(e + 5), 8)
             # whole tiles every row sees without a mask, then the rest (view end, causal edge)
@@ -401,7 +406,7 @@ def segment_attention(
     else:
         part_o = torch.empty(bsz * hq * m * npart * d, device=q.device, dtype=torch.float32)
         part_l = torch.empty(bsz * hq * m * npart, device=q.device, dtype=torch.float32)
-    grid = (npart, bsz * hkv, triton.cdiv(gqa * m, cfg.block_m))
+    grid = (triton.cdiv(gqa * m, cfg.block_m), npart, bsz * hkv)
     _segment_attn_kernel[grid](
         q, out, part_o, part_l, table.packed,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
