@@ -28,10 +28,9 @@ from turnkv.kv.cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in fp32, result in x's dtype (as transformers does)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dim: statistics in fp32, normalized value rounded to x's dtype, then
+    times the weight (transformers' order). ``F.rms_norm`` does the first part in one kernel."""
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -79,7 +78,10 @@ class Rope(nn.Module):
         self._sin = self._sin[:0]
 
     def tables(self, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[m, D]`` for positions ``[start, start+m)`` in the model dtype."""
+        """cos, signed sin ``[m, D]`` for positions ``[start, start+m)`` in the model dtype.
+
+        The sin table's first half is negated so ``apply_rope`` needs a roll, not a cat and a neg.
+        """
         end = start + m
         if end > self._cos.shape[0]:
             size = max(end, 2 * self._cos.shape[0], 256)
@@ -87,15 +89,25 @@ class Rope(nn.Module):
             freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
             emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
             self._cos = emb.cos().to(self.dtype)
-            self._sin = emb.sin().to(self.dtype)
+            self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
         return self._cos[start:end], self._sin[start:end]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[H, M, D]``, cos/sin ``[M, D]``: rotate-half RoPE (the Hugging Face weight layout)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x ``[H, M, D]``: rotate-half RoPE (the Hugging Face weight layout) with ``Rope.tables``.
+
+    ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``, so this is three kernels.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def _residual_linear(
+    x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    """``x + h @ w.T (+ b)``; without a bias the add rides in the matmul (one kernel, not two)."""
+    if b is None:
+        return torch.addmm(x, h, w.t())
+    return x + F.linear(h, w, b)
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
@@ -259,23 +271,25 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [M, (Hq+2Hkv)*D]
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = q.view(m, hq, d).transpose(0, 1)  # [Hq, M, D]
-            k = k.view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
-            v = v.view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
+            qk = qkv[:, : (hq + hkv) * d].view(m, hq + hkv, d).transpose(0, 1)  # [Hq+Hkv, M, D]
+            v = qkv[:, (hq + hkv) * d :].view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+                qk = torch.cat(
+                    [
+                        rms_norm(qk[:hq], layer.q_norm, cfg.rms_norm_eps),
+                        rms_norm(qk[hq:], layer.k_norm, cfg.rms_norm_eps),
+                    ]
+                )
+            qk = apply_rope(qk, cos, sin)  # q and k heads in one pass; contiguous
+            q, k = qk[:hq], qk[hq:]  # [Hq, M, D], [Hkv, M, D]
             cache.write(i, k.to(kv_dtype), v.to(kv_dtype))
             # q goes in the cache dtype so the router never has to gather mixed-dtype views.
             o = router.attend(q.to(kv_dtype), cache.views(i), self.scale)  # [Hq, M, D]
             o = o.transpose(0, 1).reshape(m, hq * d).to(x.dtype)  # [M, Hq*D]
-            x = x + F.linear(o, layer.o, layer.o_bias)
+            x = _residual_linear(x, o, layer.o, layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [M, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            x = _residual_linear(x, F.silu(gate) * up, layer.down, None)
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
