@@ -31,9 +31,10 @@ from turnkv.tokenizer import byte_level
 VOCAB = 320
 
 
-def tiny_llama(path: Path, **save_kwargs) -> transformers.LlamaForCausalLM:
+def tiny_llama(path: Path, rope_scaling: dict | None = None, **save_kwargs) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
+        rope_scaling=rope_scaling,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -243,15 +244,47 @@ def test_unpermute_inverts_llama_cpp():
     assert torch.equal(torch.from_numpy(llama_cpp_permute(w.numpy(), 3))[perm], w)
 
 
-def test_gguf_tiny_llama_matches_dequantized_reference(tmp_path, monkeypatch):
+LLAMA3_SCALING = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+
+
+def llama_cpp_rope_factors(head_dim: int, theta: float, s: dict) -> np.ndarray:
+    """What llama.cpp's converter stores as ``rope_freqs.weight`` for llama3 rope scaling: the
+    divisor of each frequency (1 for short wavelengths, ``factor`` for long ones, blended between)."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * np.pi * theta ** (i / head_dim)
+        old = s["original_max_position_embeddings"]
+        if wavelen < old / s["high_freq_factor"]:
+            out.append(1.0)
+        elif wavelen > old / s["low_freq_factor"]:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("llama3", [False, True], ids=["plain-rope", "llama3-rope-freqs"])
+def test_gguf_tiny_llama_matches_dequantized_reference(tmp_path, monkeypatch, llama3):
     """A GGUF written the way llama.cpp converts (names, permuted Q/K, Q8_0/Q4_0/F16/F32 tensors,
-    byte-level vocabulary) loads into the same logits as the HF model with those dequantized weights."""
+    byte-level vocabulary, llama3 scaling as a ``rope_freqs`` tensor) loads into the same logits
+    as the HF model with those dequantized weights."""
     monkeypatch.setenv("TURNKV_CACHE_DIR", str(tmp_path / "cache"))
-    hf = tiny_llama(tmp_path / "hf")
+    hf = tiny_llama(tmp_path / "hf", rope_scaling=LLAMA3_SCALING if llama3 else None)
     c = hf.config
     hd = c.hidden_size // c.num_attention_heads
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
+    if llama3:
+        w.add_tensor(
+            "rope_freqs.weight", llama_cpp_rope_factors(hd, c.rope_parameters["rope_theta"], LLAMA3_SCALING)
+        )
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
