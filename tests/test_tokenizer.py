@@ -120,15 +120,15 @@ def test_hf_folder_bos_and_template_sources(tmp_path):
     cfg = {
         "bos_token": "<|endoftext|>",
         "eos_token": "<|im_end|>",
-        "chat_template": "T:{{ messages[0]['content'] }}",
+        "chat_template": "T:{{ messages[0]['content'] }}{{ eos_token }}",
     }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 258]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [256]}))
     tok = Tokenizer.from_hf_folder(tmp_path)
     assert tok.add_bos and tok.prompt_text("ab") == [256, 97, 98]
     assert tok.encode("ab") == [97, 98]
-    assert tok.eos_token_ids == {256, 258}
-    assert tok.render_chat([{"role": "user", "content": "q"}]) == "T:q"
+    assert tok.eos_token_ids == {256, 258} and tok.eos_token_id == 258
+    assert tok.render_chat([{"role": "user", "content": "q"}]) == "T:q<|im_end|>"  # not min(eos ids)
     (tmp_path / "chat_template.jinja").write_text("J:{{ messages[0]['content'] }}")
     assert Tokenizer.from_hf_folder(tmp_path).render_chat([{"role": "user", "content": "q"}]) == "J:q"
 

@@ -86,11 +86,18 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_ids: Iterable[int],
         add_bos: bool,
+        eos_token_id: int | None = None,
     ):
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
         self.eos_token_ids: set[int] = {int(i) for i in eos_token_ids}
+        # The one a template calls ``eos_token`` (Llama 3 instruct: <|eot_id|>, not <|end_of_text|>).
+        self.eos_token_id = (
+            eos_token_id if eos_token_id is not None else min(self.eos_token_ids, default=None)
+        )
+        if self.eos_token_id is not None:
+            self.eos_token_ids.add(self.eos_token_id)
         self.add_bos = add_bos and bos_token_id is not None
         self._template = _compile(chat_template) if chat_template else None
 
@@ -132,7 +139,7 @@ class Tokenizer:
                 messages=msgs,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.token_str(self.bos_token_id),
-                eos_token=self.token_str(min(self.eos_token_ids)) if self.eos_token_ids else "",
+                eos_token=self.token_str(self.eos_token_id),
                 **extra,
             )
         except ChatTemplateError:
@@ -156,6 +163,7 @@ class Tokenizer:
             "chat_template": self.chat_template,
             "bos_token_id": self.bos_token_id,
             "eos_token_ids": sorted(self.eos_token_ids),
+            "eos_token_id": self.eos_token_id,
             "add_bos": self.add_bos,
         }
         (folder / _META).write_text(json.dumps(meta))
@@ -171,6 +179,7 @@ class Tokenizer:
             chat_template=meta["chat_template"],
             bos_token_id=meta["bos_token_id"],
             eos_token_ids=meta["eos_token_ids"],
+            eos_token_id=meta.get("eos_token_id"),
             add_bos=meta["add_bos"],
         )
 
@@ -209,6 +218,7 @@ class Tokenizer:
             chat_template=template,
             bos_token_id=bos,
             eos_token_ids=eos,
+            eos_token_id=token_id("eos_token"),
             add_bos=adds or bool(cfg.get("add_bos_token", False)),
         )
 

@@ -28,7 +28,7 @@ from turnkv.tokenizer import Tokenizer, gguf_backend
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when what is cached changes meaning
+CACHE_FORMAT = 2  # bump when what is cached changes meaning
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 # ggml type names this loader dequantizes (F32/F16/BF16/Q8_0/Q4_0/Q4_1 in torch, the rest through
 # gguf.quants); tests check each against transformers' dequantizer or the block layout itself.
@@ -161,6 +161,7 @@ def read_header(path: Path) -> tuple[GGUFHeader, Tokenizer]:
         bos_token_id=bos,
         eos_token_ids=eos,
         add_bos=bool(_scalar(reader, "tokenizer.ggml.add_bos_token", False)),
+        eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
     )
     return GGUFHeader(config, entries, permuted_qk=arch == "llama"), tokenizer
 
