@@ -6,9 +6,10 @@ The model runs one sequence at a time over a *window* of ``M`` new rows whose po
 Qwen3), ``tie_embeddings`` (the LM head is the embedding matrix), ``rope_scaling`` (``llama3``,
 ``linear``).
 
-Weights are kept fused (q|k|v in one matrix, gate|up in another) so a layer costs three matmuls
-plus the output projection. ``load_hf_tensor`` takes tensors named as in a Hugging Face
-checkpoint and writes them into the right slice; every loader speaks that one naming.
+Weights are kept fused (q|k|v in one matrix, gate|up in another) so a layer costs four matmuls
+(qkv, o, gate|up, down; the residual adds ride in the last two). ``load_hf_tensor`` takes
+tensors named as in a Hugging Face checkpoint and writes them into the right slice; every
+loader speaks that one naming.
 
 Numerics follow transformers' Llama so logits match it: RMSNorm in fp32 then cast back, RoPE
 tables computed in fp32, residual stream in the model dtype, logits returned in fp32.
