@@ -185,6 +185,7 @@ class Engine:
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         t_first = None
         finish = "length"
+        stopped_by_string = False
         n = 0
         while n < budget:
             if should_stop is not None and should_stop():
@@ -197,12 +198,13 @@ class Engine:
                 stats.ttft_s = t_first - t0
             if tok in eos:
                 finish = "stop"
-                yield GenEvent(tok, stops.flush())
+                yield GenEvent(tok, "")
                 break
             text, hit = stops.push(decoder.push(tok))
             yield GenEvent(tok, text)
             if hit:
                 finish = "stop"
+                stopped_by_string = True
                 break
             if n >= budget:
                 break
@@ -219,7 +221,11 @@ class Engine:
             for k, v in self.router.route_counts.items()
             if v != routes_before.get(k, 0)
         }
-        tail = stops.flush() if finish != "stop" else ""
+        tail = ""
+        if not stopped_by_string:  # text held back for a stop string or a half character is final now
+            tail, hit = stops.push(decoder.flush())
+            tail += "" if hit else stops.flush()
+            finish = "stop" if hit else finish
         yield GenEvent(None, tail, finish_reason=finish, stats=stats)
 
 
