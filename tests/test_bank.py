@@ -191,6 +191,26 @@ def test_lru_eviction_spares_entries_in_use():
     bank.finish(old)
 
 
+def test_a_shared_prefix_is_held_but_does_not_pin_the_rest_of_the_entry():
+    layout = SegmentedLayout(SHAPE)
+    bank = _bank(budget_rows=50)
+    system = list(range(30))
+    base = _conversation(layout, system)
+    branch = base.fork()
+    _append(branch, list(range(100, 110)), seed=1)  # 30 shared rows + 10 of its own (no merge)
+    bank.insert("ns", branch.snapshot())
+    # a new conversation sharing only the 30 system rows: 15 more rows need 5 freed
+    lease = bank.admit("ns", [*system, *range(500, 505)], reserve_rows=10)
+    assert lease.cached == 30 and not lease.pinned
+    assert bank.stats.evictions == 1 and len(bank) == 0  # the branch went ...
+    assert bank.unique_bytes(live=True) == 30 * ROW  # ... but the restored prefix is still held
+    live = layout.restore(lease.snapshot)
+    lease.attach(live)
+    _append(live, [*range(500, 505)], seed=2)
+    bank.finish(lease, live.snapshot())
+    assert bank.lookup("ns", [*system, 500])[0] == 31
+
+
 def test_refusal_evicts_nothing_and_a_small_turn_then_fits():
     layout = SegmentedLayout(SHAPE)
     bank = _bank(budget_rows=30)

@@ -206,3 +206,35 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(live):
         httpx.post(live.url + "/v1/chat/completions", content=json.dumps(body), timeout=1.5)
     lens = _banked_after(live, prompt)
     assert max(lens) < len(prompt) + 150
+
+
+def test_session_header_protects_that_sessions_newest_entry(loaded):
+    srv = Live(loaded)
+    try:
+        c, bank = srv.client(), srv.server.bank
+        a_msgs = [{"role": "user", "content": "Session A says hi."}]
+        b_msgs = [{"role": "user", "content": "Session B says hello."}]
+        a = chat(c, a_msgs, max_tokens=3, extra_headers={"X-Session-Id": "session-a"})
+        b = chat(c, b_msgs, max_tokens=3)  # more recent than A, but no session
+        srv.idle()
+        big = [{"role": "user", "content": "Summarise: " + "copper meadow signal " * 40}]
+        bank.budget_bytes = 1  # learn what the big turn is priced at: a 507 names it
+        needed = _error(srv.post("/v1/chat/completions", _chat_body(messages=big, max_tokens=3)), 507)[
+            "needed_bytes"
+        ]
+        # room for the big turn beside one of the two entries, not beside both
+        bank.budget_bytes = bank.unique_bytes() + needed - 1
+        chat(c, big, max_tokens=3)
+        assert bank.stats.evictions == 1
+        assert (
+            chat(c, a_msgs, max_tokens=1).usage.prompt_tokens_details.cached_tokens
+            == a.usage.prompt_tokens - 1
+        )
+        # B's own rows went; what it shares with A (the default system prompt) still hits
+        tok = srv.engine.tokenizer
+        pa, pb = tok.apply_chat_template(a_msgs), tok.apply_chat_template(b_msgs)
+        shared = next(i for i, (x, y) in enumerate(zip(pa, pb, strict=False)) if x != y)
+        assert chat(c, b_msgs, max_tokens=1).usage.prompt_tokens_details.cached_tokens == shared
+        assert shared < b.usage.prompt_tokens - 1
+    finally:
+        srv.close()

@@ -15,7 +15,10 @@ entries least recently used to make room, and refuses (:class:`Refused`, HTTP 50
 would not be enough -- in which case nothing is evicted.
 
 Invariants:
-- An entry in use (pinned by a live :class:`Lease`) is never evicted.
+- Rows a live request restored are never freed: its :class:`Lease` holds (and the accounting
+  counts) the prefix it restored. An entry in use -- one whose every row a live request
+  continues from -- is pinned and never evicted; an entry that shares only a prefix with the
+  request (a fork, a regeneration, a shared system prompt) may lose the rest of its rows.
 - With a session id, a session's newest entry is never evicted (its older ones may be).
 - A refusal evicts nothing.
 - Entries are keyed by tokens only; the session id never decides what matches.
@@ -39,6 +42,7 @@ Measure = Callable[[Iterable[object]], int]
 
 AUTO_SHARE_CUDA = 0.80  # of the device memory free after the weights are loaded
 AUTO_SHARE_CPU = 0.50  # of the RAM the OS reports available at start
+LOOKUP_CANDIDATES = 16  # entries weighed when several share the longest prefix
 
 
 class Refused(Exception):
@@ -70,7 +74,8 @@ class Lease:
     """An admitted turn: what it restores from, what it was priced, and its live cache.
 
     ``snapshot`` is ``None`` on a miss; otherwise it holds the first ``cached`` tokens of the prompt.
-    The entry it came from stays pinned until :meth:`SessionBank.finish`.
+    ``snapshot`` stays counted until :meth:`SessionBank.finish`; the entry it came from is pinned
+    until then when the request uses all of its rows (``pinned``).
     """
 
     namespace: str
@@ -79,6 +84,7 @@ class Lease:
     cached: int
     snapshot: Snapshot | None
     needed_bytes: int
+    pinned: bool = False
     live: KVCache | None = None
     done: bool = False
 
@@ -233,11 +239,17 @@ class SessionBank:
         with self._lock:
             held: list[object] = [e.snapshot for e in self._entries.values()]
             if live:
-                held += [ls.live for ls in self._leases if ls.live is not None]
+                held += self._lease_held()
             return self.measure(held)
 
     def lookup(self, namespace: str, tokens: Sequence[int]) -> tuple[int, BankEntry | None]:
-        """Longest banked prefix of ``tokens`` in ``namespace``: (n, the most recent entry sharing it)."""
+        """Longest banked prefix of ``tokens`` in ``namespace``: (n, the entry to restore it from).
+
+        Several entries may share those ``n`` tokens (a system prompt, forks). The one chosen makes
+        ``prefix(n)`` keep the least memory alive beyond what is kept anyway (protected entries,
+        live turns) -- a prefix inside a large merged segment holds the whole segment -- and among
+        equals the most recent; only the ``LOOKUP_CANDIDATES`` most recent are weighed.
+        """
         with self._lock:
             index = self._index.get(namespace)
             if index is None or not tokens:
@@ -245,7 +257,15 @@ class SessionBank:
             n, ids = index.longest(tokens)
             if n == 0 or not ids:
                 return 0, None
-            return n, max((self._entries[i] for i in ids), key=lambda e: e.last_used)
+            recent = sorted((self._entries[i] for i in ids), key=lambda e: -e.last_used)
+            if len(recent) == 1:
+                return n, recent[0]
+            cut = min(n, max(len(tokens) - 1, 0))  # what admission restores
+            kept = [self._entries[i].snapshot for i in self._protected() if i in self._entries]
+            kept += self._lease_held()
+            return n, min(
+                recent[:LOOKUP_CANDIDATES], key=lambda e: self.measure([*kept, e.snapshot.prefix(cut)])
+            )
 
     # -- admission ----------------------------------------------------------------------------
     def admit(
@@ -256,7 +276,7 @@ class SessionBank:
         activation_bytes: Callable[[int, int], int] | None = None,
         session: str | None = None,
     ) -> Lease:
-        """Price the turn, evict idle entries to make room, pin the hit; raise :class:`Refused`.
+        """Price the turn, evict idle entries to make room, hold the hit; raise :class:`Refused`.
 
         The prompt's last row is always recomputed (its logits start the answer), so at most
         ``len(tokens) - 1`` rows are restored. ``activation_bytes(new_rows, history_rows)`` is the
@@ -274,10 +294,11 @@ class SessionBank:
                 needed += activation_bytes(new_rows, cached)
             if self.copy_on_restore:
                 needed += cached * self.bytes_per_row
-            pinned = {entry.id} if entry is not None else set()
-            self._make_room(needed, pinned)  # raises Refused, evicting nothing
+            prefix = entry.snapshot.prefix(cached) if entry is not None else None
+            pin = entry is not None and cached == len(entry.tokens)
+            self._make_room(needed, {entry.id} if pin else set(), prefix)  # or Refused, evicting nothing
             if entry is not None:
-                entry.in_use += 1
+                entry.in_use += pin
                 self._touch(entry)
                 self.stats.hits += 1
                 self.stats.hit_tokens += cached
@@ -288,8 +309,9 @@ class SessionBank:
                 session=session,
                 entry_id=entry.id if entry is not None else None,
                 cached=cached,
-                snapshot=entry.snapshot.prefix(cached) if entry is not None else None,
+                snapshot=prefix,
                 needed_bytes=needed,
+                pinned=pin,
             )
             self._leases.append(lease)
             return lease
@@ -304,14 +326,14 @@ class SessionBank:
                 return None
             lease.done = True
             held: list[object] = [e.snapshot for e in self._entries.values()]
-            held += [ls.live for ls in self._leases if ls.live is not None]
+            held += self._lease_held()
             if snapshot is not None:
                 held.append(snapshot)
             self.stats.peak_bytes = max(self.stats.peak_bytes, self.measure(held))
             eid = None
             if snapshot is not None and snapshot.num_tokens > 0:
                 eid = self._insert(lease.namespace, snapshot, lease.session)
-            if lease.entry_id is not None and lease.entry_id in self._entries:
+            if lease.pinned and lease.entry_id in self._entries:
                 self._entries[lease.entry_id].in_use -= 1
             self._leases.remove(lease)
             lease.live = None
@@ -369,27 +391,34 @@ class SessionBank:
         pinned = {e.id for e in self._entries.values() if e.in_use > 0}
         return pinned | set(self._newest.values())
 
-    def _used(self, keep: Iterable[BankEntry]) -> int:
-        held: list[object] = [e.snapshot for e in keep]
-        held += [ls.live for ls in self._leases if ls.live is not None]
+    def _lease_held(self) -> list[object]:
+        """What live turns keep alive: their restored prefixes and their caches."""
+        held: list[object] = [ls.snapshot for ls in self._leases if ls.snapshot is not None]
+        return held + [ls.live for ls in self._leases if ls.live is not None]
+
+    def _used(self, keep: Iterable[BankEntry], extra: object | None = None) -> int:
+        held: list[object] = [e.snapshot for e in keep] + self._lease_held()
+        if extra is not None:
+            held.append(extra)
         # other admitted turns have not grown into their reservation yet: count it as used
         reserved = sum(ls.needed_bytes for ls in self._leases)
         return self.measure(held) + reserved
 
-    def _make_room(self, needed: int, pinned: set[int]) -> None:
+    def _make_room(self, needed: int, pinned: set[int], prefix: Snapshot | None = None) -> None:
+        """Evict idle entries until ``needed`` fits beside everything kept (``prefix`` included)."""
         protected = self._protected() | pinned
-        floor = self._used(e for e in self._entries.values() if e.id in protected)
+        floor = self._used((e for e in self._entries.values() if e.id in protected), prefix)
         if floor + needed > self.budget_bytes:
             self.stats.refusals += 1
             raise Refused(needed, max(self.budget_bytes - floor, 0))
-        self._evict_until(needed, protected)
+        self._evict_until(needed, protected, prefix)
 
     def _fit_budget(self) -> None:
         self._evict_until(0, self._protected())
 
-    def _evict_until(self, needed: int, protected: set[int]) -> None:
+    def _evict_until(self, needed: int, protected: set[int], prefix: Snapshot | None = None) -> None:
         idle = sorted((e for e in self._entries.values() if e.id not in protected), key=lambda e: e.last_used)
-        while idle and self._used(self._entries.values()) + needed > self.budget_bytes:
+        while idle and self._used(self._entries.values(), prefix) + needed > self.budget_bytes:
             self._remove(idle.pop(0))
             self.stats.evictions += 1
 
