@@ -181,6 +181,15 @@ class Server:
             self.metrics.turn(stats)
 
 
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def _route_label(request: Request) -> str:
+    """The metrics label of a request: one of our routes, or ``other`` (bounded cardinality)."""
+    path = request.url.path
+    return path if path in _ROUTES else "other"
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone away (the ASGI server sends ``http.disconnect``)."""
     while True:
@@ -228,7 +237,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        srv.metrics.request(request.url.path, exc.status)
+        srv.metrics.request(_route_label(request), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
@@ -321,7 +330,7 @@ async def _respond(srv: Server, request: Request, turn: Turn, req, chat: bool) -
         "model": srv.engine.model_name,
         "system_fingerprint": srv.engine.fingerprint,
     }
-    route = request.url.path
+    route = _route_label(request)
     if req.stream:
         return StreamingResponse(
             _sse_events(srv, stream, turn, request, base, admitted, chat, req.include_usage(), route),
