@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turnkv.bank.token_index import TokenIndex
 from turnkv.kv.cache import KVCache, Snapshot
 
 # Measures the unique bytes of KV rows held by snapshots and live caches (each segment once).
@@ -103,103 +104,6 @@ class BankStats:
     hit_tokens: int = 0  # prompt tokens served from the bank
     query_tokens: int = 0  # prompt tokens of every admitted or refused turn
     peak_bytes: int = 0  # most unique bytes seen at the end of a turn (bank + live + new snapshot)
-
-
-class _Node:
-    """A radix-tree node; ``edge`` is the token run leading into it from its parent."""
-
-    __slots__ = ("children", "edge", "ends", "through")
-
-    def __init__(self, edge: tuple[int, ...]) -> None:
-        self.edge = edge
-        self.children: dict[int, _Node] = {}
-        self.through: set[int] = set()  # entries whose tokens reach this node (pass or end)
-        self.ends: set[int] = set()  # entries whose tokens end exactly here
-
-
-def _lcp(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b[start_b:]``."""
-    n = min(len(a), len(b) - start_b)
-    i = 0
-    while i < n and a[i] == b[start_b + i]:
-        i += 1
-    return i
-
-
-class TokenIndex:
-    """Radix tree over token ids of one namespace: longest-prefix lookup at token granularity."""
-
-    def __init__(self) -> None:
-        self.root = _Node(())
-
-    def insert(self, tokens: Sequence[int], eid: int) -> None:
-        node, i = self.root, 0
-        node.through.add(eid)
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                leaf = _Node(tuple(tokens[i:]))
-                leaf.through.add(eid)
-                leaf.ends.add(eid)
-                node.children[tokens[i]] = leaf
-                return
-            k = _lcp(child.edge, tokens, i)
-            if k < len(child.edge):  # split the edge so the entry can branch or end at k
-                mid = _Node(child.edge[:k])
-                mid.through = set(child.through)
-                child.edge = child.edge[k:]
-                mid.children[child.edge[0]] = child
-                node.children[tokens[i]] = mid
-                child = mid
-            child.through.add(eid)
-            node, i = child, i + k
-        node.ends.add(eid)
-
-    def longest(self, tokens: Sequence[int]) -> tuple[int, set[int]]:
-        """(n, entries): ``tokens[:n]`` is the longest prefix any entry shares; those entries share it."""
-        node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            k = _lcp(child.edge, tokens, i)
-            i += k
-            if k < len(child.edge):
-                return i, child.through
-            node = child
-        return i, (node.through if i else set())
-
-    def prefixes_of(self, tokens: Sequence[int]) -> set[int]:
-        """Entries whose whole token sequence is a prefix of ``tokens`` (including equal)."""
-        out: set[int] = set()
-        node, i = self.root, 0
-        while True:
-            out |= node.ends
-            if i >= len(tokens):
-                return out
-            child = node.children.get(tokens[i])
-            if child is None or _lcp(child.edge, tokens, i) < len(child.edge):
-                return out
-            node, i = child, i + len(child.edge)
-
-    def remove(self, tokens: Sequence[int], eid: int) -> None:
-        path = [self.root]
-        node, i = self.root, 0
-        while i < len(tokens):
-            node = node.children[tokens[i]]
-            path.append(node)
-            i += len(node.edge)
-        for n in path:
-            n.through.discard(eid)
-        path[-1].ends.discard(eid)
-        for parent, child in zip(reversed(path[:-1]), reversed(path[1:]), strict=True):
-            if child.through:
-                break
-            del parent.children[child.edge[0]]
-
-    @property
-    def empty(self) -> bool:
-        return not self.root.through
 
 
 @dataclass

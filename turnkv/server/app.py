@@ -16,23 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
 from turnkv.config import EngineConfig, parse_size
-from turnkv.engine.engine import GenEvent
 from turnkv.server.health import health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
+from turnkv.server.responses import failed_error, respond, route_label
 from turnkv.server.schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -40,7 +38,7 @@ from turnkv.server.schemas import (
     bad_request,
     parse_body,
 )
-from turnkv.server.worker import Admitted, Banked, EngineWorker, Failed, Turn, TurnService
+from turnkv.server.worker import Admitted, EngineWorker, Failed, Turn, TurnService
 
 log = logging.getLogger(__name__)
 
@@ -75,34 +73,6 @@ class _Stream:
 
     async def next(self) -> object:
         return await self.queue.get()
-
-
-def _failed_error(f: Failed) -> ApiError:
-    if f.status == 507:
-        return ApiError(
-            507,
-            f.message,
-            "server_error",
-            code=f.code,
-            needed_bytes=f.needed_bytes,
-            available_bytes=f.available_bytes,
-        )
-    type_ = "invalid_request_error" if f.status < 500 else "server_error"
-    return ApiError(f.status, f.message, type_, code=f.code)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def _sse(obj: dict | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {data}\n\n"
 
 
 class Server:
@@ -154,7 +124,7 @@ class Server:
         self.worker.submit(turn, stream.emit)
         first = await self._next(stream, turn, request)
         if isinstance(first, Failed):
-            raise _failed_error(first)
+            raise failed_error(first)
         assert isinstance(first, Admitted), first
         return stream, first
 
@@ -179,15 +149,6 @@ class Server:
         self.metrics.request(route, 200)
         if stats is not None:
             self.metrics.turn(stats)
-
-
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-
-
-def _route_label(request: Request) -> str:
-    """The metrics label of a request: one of our routes, or ``other`` (bounded cardinality)."""
-    path = request.url.path
-    return path if path in _ROUTES else "other"
 
 
 async def _disconnected(request: Request) -> None:
@@ -237,7 +198,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        srv.metrics.request(_route_label(request), exc.status)
+        srv.metrics.request(route_label(request), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
@@ -298,7 +259,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
         )
-        return await _respond(srv, request, turn, req, chat=True)
+        return await respond(srv, request, turn, req, chat=True)
 
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
@@ -315,111 +276,9 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
         )
-        return await _respond(srv, request, turn, req, chat=False)
+        return await respond(srv, request, turn, req, chat=False)
 
     return app
-
-
-async def _respond(srv: Server, request: Request, turn: Turn, req, chat: bool) -> Response:
-    stream, admitted = await srv.start(turn, request)
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    base = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": srv.engine.model_name,
-        "system_fingerprint": srv.engine.fingerprint,
-    }
-    route = _route_label(request)
-    if req.stream:
-        return StreamingResponse(
-            _sse_events(srv, stream, turn, request, base, admitted, chat, req.include_usage(), route),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    pieces: list[str] = []
-    while True:
-        ev = await srv._next(stream, turn, request)
-        if isinstance(ev, Failed):
-            raise _failed_error(ev)
-        if isinstance(ev, GenEvent):
-            pieces.append(ev.text)
-            if ev.finish_reason is not None:
-                final = ev
-                break
-    text = "".join(pieces)
-    stats = final.stats
-    srv.finished(route, stats)
-    usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": final.finish_reason,
-        }
-        body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
-        body = {**base, "choices": [choice], "usage": usage}
-    return JSONResponse(body)
-
-
-async def _sse_events(
-    srv: Server,
-    stream: _Stream,
-    turn: Turn,
-    request: Request,
-    base: dict,
-    admitted: Admitted,
-    chat: bool,
-    include_usage: bool,
-    route: str,
-) -> AsyncIterator[str]:
-    extra = {"usage": None} if include_usage else {}
-
-    def chunk(content: str | None, finish: str | None, role: bool = False) -> dict:
-        if chat:
-            delta: dict = {}
-            if role:
-                delta["role"] = "assistant"
-            if content is not None:
-                delta["content"] = content
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
-        return {**base, "choices": [choice], **extra}
-
-    try:
-        if chat:
-            yield _sse(chunk("", None, role=True))
-        while True:
-            ev = await srv._next(stream, turn, request)
-            if isinstance(ev, Failed):
-                err = _failed_error(ev)
-                srv.metrics.request(route, err.status)
-                yield _sse(err.body())
-                break
-            if not isinstance(ev, GenEvent):
-                continue
-            if ev.finish_reason is None:
-                if ev.text:
-                    yield _sse(chunk(ev.text, None))
-                continue
-            if ev.text:
-                yield _sse(chunk(ev.text, None))
-            yield _sse(chunk(None if chat else "", ev.finish_reason))
-            stats = ev.stats
-            srv.finished(route, stats)
-            if include_usage:
-                usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-                yield _sse({**base, "choices": [], "usage": usage})
-            break
-        yield _sse("[DONE]")
-    finally:
-        # the client went away (the response task was cancelled) or we are done: either way the
-        # worker must stop generating for nobody; it still banks what it computed
-        turn.cancel.set()
 
 
 def serve(cfg: EngineConfig) -> None:
@@ -441,4 +300,4 @@ def serve(cfg: EngineConfig) -> None:
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 
 
-__all__ = ["Banked", "Server", "create_app", "make_bank", "serve"]
+__all__ = ["Server", "create_app", "make_bank", "serve"]
