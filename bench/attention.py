@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from turnkv.attention import triton_segments as ts
 from turnkv.attention.lse import lse_attention
+from turnkv.attention.reference import visible_mask
 from turnkv.attention.route import single_attention
 
 SHAPES = [(32, 8, 128), (64, 8, 128), (16, 8, 256), (9, 3, 64)]
@@ -42,7 +43,7 @@ ROWS = [1, 4, 9, 16, 32]
 SEGMENTS = [1, 4, 12]
 PREFILL = (32, 8, 128, 32768, 2048)  # heads, kv heads, head_dim, history, chunk rows
 HOST = (32, 8, 128, 32768)
-SWEEP = {(32, 8, 128): [1, 4, 16, 32], (16, 8, 256): [1, 16]}  # shape -> rows, at 32K keys, 12 views
+SWEEP = {(32, 8, 128): [1, 16, 32], (9, 3, 64): [1, 32]}  # shape -> rows, at 32K keys, 12 views
 SWEEP_KEYS = 32768
 L2_BYTES = 60 << 20
 DT = torch.bfloat16
@@ -140,6 +141,13 @@ def floor_s(ceil: dict, hkv: int, gqa: int, d: int, t: int, rows: int) -> float:
     return max(kv_bytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_flop_per_s"])
 
 
+def sdpa_dense(q, k, v, scale, mask):
+    """torch SDPA on 4-D tensors with the window-causal mask as a dense bool tensor (none for 1 row)."""
+    return F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+    )[0]
+
+
 def sdpa_lower_right(q, k, v, scale):
     """SDPA with the bottom-right causal bias object: the window mask without a dense tensor."""
     from torch.nn.attention.bias import causal_lower_right
@@ -190,7 +198,10 @@ def decode_point(ceil, hq, hkv, d, t, rows, layouts, flat) -> list[dict]:
             }
         )
 
-    record("sdpa", graph_time(calls(single_attention, qs, ks, vs, scale=scale)))
+    mask = None if rows == 1 else visible_mask(rows, t, t - rows, torch.device(DEV))
+    record("sdpa", graph_time(calls(sdpa_dense, qs, ks, vs, scale=scale, mask=mask)))
+    if (hq, hkv, d) == SHAPES[0]:  # the router's single path as written (3-D inputs): once, for the record
+        record("sdpa_router_single", graph_time(calls(single_attention, qs, ks, vs, scale=scale)))
     if rows > 1:
         record("sdpa_lower_right", graph_time(calls(sdpa_lower_right, qs, ks, vs, scale=scale)))
     for nseg, sets_views in layouts.items():
@@ -199,6 +210,10 @@ def decode_point(ceil, hq, hkv, d, t, rows, layouts, flat) -> list[dict]:
         diff = max_diff_vs_sdpa(qs[0], sets_views[0], fused_call(qs[0], tabs[0], scale)[0], scale)
         secs = graph_time(calls(fused_call, qs, tabs, scale=scale))
         record("fused", secs, segments=nseg, config=cfg._asdict(), max_diff_vs_sdpa=diff)
+        if nseg == 12 and cfg.splits > 1:  # the other place to merge partials, for the record
+            alt = cfg._replace(fuse_combine=not cfg.fuse_combine, max_regs=None)
+            secs = graph_time(calls(fused_call, qs, tabs, scale=scale, config=alt))
+            record("fused_alt_combine", secs, segments=nseg, config=alt._asdict())
     return out
 
 
@@ -236,7 +251,8 @@ def prefill_section(ceil: dict, res: dict) -> None:
         "rows": m,
         "floor_us": flops / ceil["bf16_flop_per_s"] * 1e6,
     }
-    out["sdpa_us"] = graph_time([lambda: single_attention(q, *flat, scale)], 4) * 1e6
+    mask = visible_mask(m, t, t - m, q.device)
+    out["sdpa_us"] = graph_time([functools.partial(sdpa_dense, q, *flat, scale, mask)], 4) * 1e6
     try:
         out["sdpa_lower_right_us"] = graph_time([lambda: sdpa_lower_right(q, *flat, scale)], 4) * 1e6
     except Exception as exc:
@@ -266,6 +282,9 @@ def host_section(res: dict) -> None:
         "build_table": lambda: ts.build_table([views], 1),
         "fused_attention": lambda: ts.fused_attention(q, views, scale),
         "lse_attention": lambda: lse_attention(q, views, scale),
+        "segment_attention_prebuilt_table": functools.partial(
+            fused_call, q, ts.build_table([views], 1), scale
+        ),
     }.items():
         fn()
         sync()
@@ -316,6 +335,21 @@ def graph_section(res: dict) -> None:
     except Exception as exc:
         out["cuda_graph_error"] = traceback.format_exc()[-800:]
         res["errors"].append(f"graph: {exc}"[:300])
+    # a race in the merge would show as results that move between identical runs
+    repeat = {}
+    for rows in (1, 4, 16, 32):
+        q = torch.randn(hq, rows, d, device=DEV, dtype=DT)
+        tab = ts.build_table([views], rows)
+        base = ts.pick_config(1, hkv, hq // hkv, rows, d, t, 1, q.device)
+        for fuse in (True, False):
+            cfg_r = base._replace(fuse_combine=fuse, max_regs=base.max_regs if fuse else None)
+            first = fused_call(q, tab, scale, cfg_r)
+            same = all(
+                torch.equal(fused_call(q, tab, scale, cfg_r), first)
+                for _ in range(100 if DEV == "cuda" else 2)
+            )
+            repeat[f"rows{rows}_fuse{int(fuse)}"] = same
+    out["repeat_bit_identical"] = repeat
     ks, vs = [k for k, _ in views], [v for _, v in views]
     q = torch.randn(hq, 1, d, device=DEV, dtype=DT)
 
@@ -346,13 +380,11 @@ def sweep_section(ceil: dict, res: dict, deadline: float) -> None:
             tabs = [ts.build_table([v], rows) for v in layouts]
             base = ts.pick_config(1, hkv, gqa, rows, d, t, 1, torch.device(DEV))
             fl = floor_s(ceil, hkv, gqa, d, t, rows)
-            variants = [
-                base._replace(block_n=bn, num_warps=w, num_stages=s)
-                for bn in bns
-                for w in (4, 8)
-                for s in (2, 3, 4)
-            ]
-            variants += [base._replace(splits=max(1, int(base.splits * f))) for f in (0.5, 2, 4)]
+            variants = [base._replace(block_n=bn) for bn in bns if bn != base.block_n]
+            variants += [base._replace(splits=max(1, int(base.splits * f))) for f in (0.5, 1, 2)]
+            variants += [base._replace(fuse_combine=not base.fuse_combine, max_regs=None)]
+            if base.max_regs:
+                variants += [base._replace(max_regs=None)]
             for cfg in variants:
                 if time.time() > deadline:
                     return
@@ -552,18 +584,26 @@ def summary(res: dict) -> None:
     for key in ("prefill", "host", "graph"):
         if key in res:
             print(key, json.dumps(res[key])[:900])
-    print("shape keys rows | floor | sdpa% | fused1% fused4% fused12%")
+    print("shape keys rows | floor | sdpa% sdpa_lr% | fused1% fused4% fused12% alt_combine12%")
+    keys = [
+        ("sdpa", None),
+        ("sdpa_lower_right", None),
+        ("fused", 1),
+        ("fused", 4),
+        ("fused", 12),
+        ("fused_alt_combine", 12),
+    ]
     for r in res["decode"]:
-        if r["impl"] == "fused" and r["segments"] == 12 and r["hq"] == 32 and r["keys"] >= 32768:
-            others = {(x["impl"], x.get("segments")): x for x in res["decode"]
-                      if (x["hq"], x["d"], x["keys"], x["rows"]) == (r["hq"], r["d"], r["keys"], r["rows"])}  # fmt: skip
-            pct = [
-                others.get(k, {}).get("pct_floor", float("nan"))
-                for k in [("sdpa", None), ("fused", 1), ("fused", 4), ("fused", 12)]
-            ]
+        if r["impl"] == "fused" and r["segments"] == 12 and r["keys"] >= 32768:
+            at = (r["hq"], r["d"], r["keys"], r["rows"])
+            others = {
+                (x["impl"], x.get("segments")): x
+                for x in res["decode"]
+                if (x["hq"], x["d"], x["keys"], x["rows"]) == at
+            }
+            pct = " ".join(f"{others.get(k, {}).get('pct_floor', float('nan')):.0f}" for k in keys)
             print(
-                f"32/8d128 {r['keys'] // 1024}K {r['rows']:>2} | {r['floor_us']:.0f}us | "
-                + " ".join(f"{p:.0f}" for p in pct)
+                f"{r['hq']}/{r['hkv']}d{r['d']} {r['keys'] // 1024}K {r['rows']:>2} | {r['floor_us']:.0f}us | {pct}"
             )
 
 

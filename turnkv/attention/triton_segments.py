@@ -58,6 +58,17 @@ MAX_GQA = 8
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does
 
+
+def _has_maxnreg() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_HAS_MAXNREG = _has_maxnreg()
+
 Views = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -95,50 +106,67 @@ class SegmentTable:
 
         The new views must need no more groups than the buffer has.
         """
-        rows, groups, max_keys, q_len = _pack(seqs, q_lens, window_starts, self.groups)
+        words, groups, max_keys, q_len, _ = _pack(seqs, q_lens, window_starts, self.groups)
         if groups > self.groups:
             raise ValueError(f"{groups} groups do not fit a table built for {self.groups}")
-        self.packed.copy_(torch.tensor(rows, dtype=torch.int64).view_as(self.packed), non_blocking=False)
+        self.packed.copy_(_host_words(words, self.packed.device).view_as(self.packed), non_blocking=True)
         self.max_keys, self.q_len = max_keys, q_len
         return self
 
 
-def _check_view(t: torch.Tensor, dtype: torch.dtype, device: torch.device, head_dim: int) -> None:
-    if t.dtype != dtype or t.device != device:
-        raise UnsupportedViews(f"view {t.dtype} on {t.device}, expected {dtype} on {device}")
-    if t.dim() != 3 or t.shape[2] != head_dim:
-        raise UnsupportedViews(f"view shape {tuple(t.shape)}, expected [Hkv, T, {head_dim}]")
-    # 16-byte aligned rows: the kernel promises the compiler so, to get 128-bit loads
-    vec = 16 // t.element_size()
-    if t.shape[1] and (t.stride(2) != 1 or t.data_ptr() % 16 or t.stride(0) % vec or t.stride(1) % vec):
-        raise UnsupportedViews(f"view strides {t.stride()} / address not 16-byte aligned rows")
+def _host_words(words: list[int], device: torch.device) -> torch.Tensor:
+    # pinned (from torch's caching host allocator, which keeps a block until its copy is done), so
+    # the upload is one asynchronous copy that does not wait for the GPU
+    return torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
 
 
 def _pack(
     seqs: list[Views], q_lens: list[int] | int, window_starts, min_groups: int = 1
-) -> tuple[list[int], int, int, tuple[int, ...]]:
-    """The flat int64 words of a table for ``seqs``, its group count, max keys and q lengths."""
+) -> tuple[list[int], int, int, tuple[int, ...], tuple]:
+    """The flat int64 words of a table for ``seqs``, its group count, max keys, q lengths and the
+    layout every view shares ``(dtype, device index, Hkv, D)``.
+
+    Checks each view in the same pass (this runs once per layer per decode step, so it is kept to
+    plain integer tests); raises ``UnsupportedViews`` for a view the kernel cannot read in place.
+    """
     b = len(seqs)
     q_len = tuple([q_lens] * b if isinstance(q_lens, int) else q_lens)
     groups = max(min_groups, max(1, *(math.ceil(len(v) / MAX_SEGMENTS) for v in seqs)))
+    k0 = seqs[0][0][0]
+    dtype, dev, hkv, d = k0.dtype, k0.get_device(), k0.shape[0], k0.shape[-1]
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedViews(f"dtype {dtype} (the kernel takes bf16/fp16)")
+    vec = 16 // k0.element_size()  # elements per 16 bytes
     words: list[int] = []
     max_keys = 0
     for s, views in enumerate(seqs):
-        total = sum(k.shape[1] for k, _ in views)
-        max_keys = max(max_keys, total)
-        ws = total - q_len[s] if window_starts is None else window_starts[s]
+        rows = []
         start = 0
+        for k, v in views:
+            if k.dtype != dtype or v.dtype != dtype or k.get_device() != dev or v.get_device() != dev:
+                raise UnsupportedViews(
+                    f"view {k.dtype}/{v.dtype} on {k.device}, expected {dtype} like the first"
+                )
+            if k.dim() != 3 or k.shape != v.shape or k.shape[0] != hkv or k.shape[2] != d:
+                raise UnsupportedViews(f"views {tuple(k.shape)}/{tuple(v.shape)}, expected [{hkv}, T, {d}]")
+            n = k.shape[1]
+            ks, vs = k.stride(), v.stride()
+            kp, vp = k.data_ptr(), v.data_ptr()
+            # 16-byte aligned rows: the kernel promises the compiler so, to get 128-bit loads
+            if n and (ks[2] != 1 or vs[2] != 1 or (kp | vp) & 15 or (ks[0] | ks[1] | vs[0] | vs[1]) % vec):
+                raise UnsupportedViews(f"view strides {ks}/{vs} or address not 16-byte aligned rows")
+            rows.append((kp, vp, ks[0], ks[1], vs[0], vs[1], n, start))
+            start += n
+        max_keys = max(max_keys, start)
+        ws = start - q_len[s] if window_starts is None else window_starts[s]
         for g in range(groups):
-            chunk = views[g * MAX_SEGMENTS : (g + 1) * MAX_SEGMENTS]
-            group_len = sum(k.shape[1] for k, _ in chunk)
-            words += [len(chunk), start, group_len, ws, q_len[s], 0, 0, 0]
-            for k, v in chunk:
-                n = k.shape[1]
-                words += [k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1)]
-                words += [n, start]
-                start += n
+            chunk = rows[g * MAX_SEGMENTS : (g + 1) * MAX_SEGMENTS]
+            g_start = chunk[0][7] if chunk else start
+            words += (len(chunk), g_start, sum(r[6] for r in chunk), ws, q_len[s], 0, 0, 0)
+            for r in chunk:
+                words += r
             words += [0] * FIELDS * (MAX_SEGMENTS - len(chunk))
-    return words, groups, max_keys, q_len
+    return words, groups, max_keys, q_len, (dtype, dev, hkv, d)
 
 
 def build_table(
@@ -149,19 +177,10 @@ def build_table(
     ``q_lens``: window rows per sequence (an int for all); ``window_starts`` defaults to
     ``T_b - q_len_b``. Raises ``UnsupportedViews`` for views the kernel cannot read in place.
     """
-    first = seqs[0][0][0]
-    dtype, device, hkv, d = first.dtype, first.device, first.shape[0], first.shape[-1]
-    if dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedViews(f"dtype {dtype} (the kernel takes bf16/fp16)")
-    for views in seqs:
-        for k, v in views:
-            _check_view(k, dtype, device, d)
-            _check_view(v, dtype, device, d)
-            if k.shape[0] != hkv or k.shape[:2] != v.shape[:2]:
-                raise UnsupportedViews(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    words, groups, max_keys, q_len = _pack(seqs, q_lens, window_starts)
-    packed = torch.tensor(words, dtype=torch.int64).view(len(seqs), groups, 1 + MAX_SEGMENTS, FIELDS)
-    return SegmentTable(packed.to(device), groups, max_keys, q_len, hkv)
+    words, groups, max_keys, q_len, (_, _, hkv, _) = _pack(seqs, q_lens, window_starts)
+    device = seqs[0][0][0].device
+    packed = _host_words(words, device).view(len(seqs), groups, 1 + MAX_SEGMENTS, FIELDS)
+    return SegmentTable(packed.to(device, non_blocking=True), groups, max_keys, q_len, hkv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,12 +243,12 @@ def _tiles(
 
 @triton.jit
 def _segment_attn_kernel(
-    Q, Out, PartO, PartL, Table,
+    Q, Out, PartO, PartL, Table, Counters,
     sqb, sqh, sqm, sob, soh, som,
     HKV, GQA, M, NSPLIT, NGROUPS, NPART,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEG: tl.constexpr,
-    DIRECT: tl.constexpr, INTERP: tl.constexpr,
+    SEG_P2: tl.constexpr, DIRECT: tl.constexpr, FUSE_COMBINE: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     # row blocks vary fastest, so the blocks that share a key range run side by side and all but
     # the first find its K/V tiles in L2
@@ -247,7 +266,6 @@ def _segment_attn_kernel(
     g_len = tl.load(hdr + 2)
     ws = tl.load(hdr + 3)
     q_len = tl.load(hdr + 4)
-
     # this program's key range (global positions), whole tiles except at the group's end
     chunk = tl.cdiv(tl.cdiv(g_len, NSPLIT), BLOCK_N) * BLOCK_N
     lo = g_start + split * chunk
@@ -274,45 +292,106 @@ def _segment_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     elt = Q.dtype.element_ty
-    for s in range(0, nseg):
-        e = hdr + (s + 1) * 8
-        seg_len = tl.load(e + 6)
+    kvh64 = kvh.to(tl.int64)
+    # The views overlapping [lo, see_hi) are a run of consecutive indices. Their bounds come in one
+    # vector load (a loop of scalar loads would be a chain of dependent round trips); the vectors
+    # die before the tile loop, so they cost no registers there.
+    sidx = tl.arange(0, SEG_P2)
+    srow = hdr + (sidx + 1).to(tl.int64) * 8
+    smask = sidx < nseg
+    s_start = tl.load(srow + 7, mask=smask, other=0)
+    s_end = s_start + tl.load(srow + 6, mask=smask, other=0)
+    live = smask & (tl.maximum(lo, s_start) < tl.minimum(see_hi, s_end))
+    first = tl.min(tl.where(live, sidx, SEG_P2), 0)
+    last = tl.max(tl.where(live, sidx, -1), 0)
+    for s in range(first, last + 1):
+        e = hdr + (s + 1) * 8  # this view's row: 8 independent loads, one round trip
         seg_start = tl.load(e + 7)
         a = tl.maximum(lo, seg_start)
-        z = tl.minimum(see_hi, seg_start + seg_len)
-        if a < z:
-            kvh64 = kvh.to(tl.int64)
-            ksh = tl.multiple_of(tl.load(e + 2), 8)  # element strides, 16-byte multiples (checked
-            vsh = tl.multiple_of(tl.load(e + 4), 8)  # by build_table): lets K/V loads go 128-bit
-            # the hint must sit on the pointer: it does not survive the int-to-pointer cast
-            k_base = tl.multiple_of(tl.load(e).to(tl.pointer_type(elt)), 16) + kvh64 * ksh
-            v_base = tl.multiple_of(tl.load(e + 1).to(tl.pointer_type(elt)), 16) + kvh64 * vsh
-            ksr = tl.multiple_of(tl.load(e + 3), 8)
-            vsr = tl.multiple_of(tl.load(e + 5), 8)
-            # whole tiles every row sees without a mask, then the rest (view end, causal edge)
-            full_end = a + tl.maximum(tl.minimum(z, full_hi) - a, 0) // BLOCK_N * BLOCK_N
-            acc, m_i, l_i = _tiles(
-                acc, m_i, l_i, q, k_base, v_base, ksr, vsr, a, full_end, seg_start, ws, row_i,
-                offs_d, qk_scale, BLOCK_N, False, INTERP,
-            )  # fmt: skip
-            acc, m_i, l_i = _tiles(
-                acc, m_i, l_i, q, k_base, v_base, ksr, vsr, full_end, z, seg_start, ws, row_i,
-                offs_d, qk_scale, BLOCK_N, True, INTERP,
-            )  # fmt: skip
+        z = tl.minimum(see_hi, seg_start + tl.load(e + 6))
+        # element strides are 16-byte multiples and pointers 16-byte aligned (build_table checks),
+        # which lets K/V loads go 128-bit; the pointer hint must follow the int-to-pointer cast
+        k_base = tl.multiple_of(tl.load(e).to(tl.pointer_type(elt)), 16)
+        v_base = tl.multiple_of(tl.load(e + 1).to(tl.pointer_type(elt)), 16)
+        k_base += kvh64 * tl.multiple_of(tl.load(e + 2), 8)
+        v_base += kvh64 * tl.multiple_of(tl.load(e + 4), 8)
+        ksr = tl.multiple_of(tl.load(e + 3), 8)
+        vsr = tl.multiple_of(tl.load(e + 5), 8)
+        # whole tiles every row sees without a mask, then the rest (view end, causal edge)
+        full_end = a + tl.maximum(tl.minimum(z, full_hi) - a, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _tiles(
+            acc, m_i, l_i, q, k_base, v_base, ksr, vsr, a, full_end, seg_start, ws, row_i,
+            offs_d, qk_scale, BLOCK_N, False, INTERP,
+        )  # fmt: skip
+        acc, m_i, l_i = _tiles(
+            acc, m_i, l_i, q, k_base, v_base, ksr, vsr, full_end, z, seg_start, ws, row_i,
+            offs_d, qk_scale, BLOCK_N, True, INTERP,
+        )  # fmt: skip
 
     l_i = tl.where(row_i < q_len, l_i, 0.0)  # batch padding rows: as if they saw nothing
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     o = tl.where((l_i > 0)[:, None], o, 0.0)
     head = kvh * GQA + g
+    o_rows = Out + b * sob + head * soh + row_i * som  # [BM] row pointers; [BM, D] only at a store
     if DIRECT:
-        o_ptrs = Out + b * sob + head[:, None] * soh + row_i[:, None] * som + offs_d[None, :]
-        tl.store(o_ptrs, _downcast(o, Out.dtype.element_ty, INTERP), mask=row_ok[:, None])
+        tl.store(
+            o_rows[:, None] + offs_d[None, :],
+            _downcast(o, Out.dtype.element_ty, INTERP),
+            mask=row_ok[:, None],
+        )
     else:
-        prow = ((b * (HKV * GQA) + head) * M + row_i).to(tl.int64) * NPART + pid_p  # [BM]
+        prow = ((b * (HKV * GQA) + head) * M + row_i).to(tl.int64) * NPART  # [BM] first partial
         lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(PartL + prow, lse, mask=row_ok)
-        tl.store(PartO + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        tl.store(PartL + prow + pid_p, lse, mask=row_ok)
+        tl.store(PartO + (prow + pid_p)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        if FUSE_COMBINE:
+            # the last of the NPART programs of this row block merges: no second launch. The
+            # barrier orders every thread's partial stores before the release of the counter.
+            tl.debug_barrier()
+            cnt = Counters + pid_bh * tl.num_programs(0) + pid_m
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if done == NPART - 1:
+                _merge_partials(
+                    PartO, PartL, Out, b, kvh, r0, sob, soh, som, HKV, GQA, M, NPART, q_len,
+                    HEAD_DIM, BLOCK_M, INTERP,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _merge_partials(
+    PartO, PartL, Out, b, kvh, r0, sob, soh, som, HKV, GQA, M, NPART, q_len,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Exact log-sum-exp merge of the NPART partials of one row block, rounded once into Out.
+
+    Indices are rebuilt here from scratch, so nothing of the tile loop's register layout is live.
+    """
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < GQA * M
+    head = kvh * GQA + rows // M
+    row_i = rows % M
+    prow = ((b * (HKV * GQA) + head) * M + row_i).to(tl.int64) * NPART
+    offs_d = tl.arange(0, HEAD_DIM)
+    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    num = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for p in range(0, NPART):
+        # .cg: read in L2, where the other programs' stores are, never a stale L1 line
+        lse = tl.load(PartL + prow + p, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(PartO + (prow + p)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        new = tl.maximum(mx, lse)
+        new_use = tl.where(new == float("-inf"), 0.0, new)
+        alpha = tl.math.exp2(mx - new_use)
+        w = tl.math.exp2(lse - new_use)  # 0 for a partial that saw nothing
+        num = num * alpha[:, None] + w[:, None] * o
+        den = den * alpha + w
+        mx = new
+    res = tl.where((den > 0)[:, None], num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    o_ptrs = Out + b * sob + head[:, None] * soh + row_i[:, None] * som + offs_d[None, :]
+    tl.store(o_ptrs, _downcast(res, Out.dtype.element_ty, INTERP), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -346,13 +425,15 @@ def _combine_kernel(
 
 
 class LaunchConfig(NamedTuple):
-    """Tile sizes and split count of one launch; ``splits`` is per group."""
+    """Tile sizes, split count (per group) and where the partials are merged."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     splits: int
+    fuse_combine: bool = True  # the last program of a row block merges (no second launch)
+    max_regs: int | None = None  # register cap per thread (ptxas), to keep 3 programs per SM
 
 
 @functools.lru_cache(maxsize=16)
@@ -365,17 +446,53 @@ def _num_sms(device: torch.device) -> int:
 def pick_config(
     batch: int, hkv: int, gqa: int, m: int, head_dim: int, max_keys: int, groups: int, device: torch.device
 ) -> LaunchConfig:
-    """Default tiles and splits: enough programs for ~2 waves, chunks of >= 4 tiles, few partials."""
+    """Default tiles and splits, from the H200 sweep in docs/BENCHMARKS.md (32K keys, 12 views).
+
+    Small row blocks are bandwidth-bound: 4 warps, 2 stages, ~2 programs per SM. Row blocks of 64+
+    rows carry real tensor-core work: 3 stages, one wave (fewer partials to merge). A split keeps at
+    least 4 key tiles.
+    """
     rows = gqa * m
     cap = 64 if head_dim > 128 else 128
     block_m = min(cap, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if head_dim > 128 else 64
+    if head_dim > 128:
+        block_n = 64 if block_m <= 32 else 32
+    elif head_dim <= 64:
+        block_n = 128 if block_m <= 64 else 64  # the same bytes per tile as d128 x 64 keys
+    else:
+        block_n = 64
     num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    small = block_m <= 32
+    num_stages = 2 if small else 3
+    waves = 2 if small else 1
     base = batch * hkv * triton.cdiv(rows, block_m) * groups
-    want = triton.cdiv(2 * _num_sms(device), base)
+    want = triton.cdiv(waves * _num_sms(device), base)
     by_len = max(1, max_keys // (groups * 4 * block_n))
     splits = max(1, min(want, by_len, 128))
-    return LaunchConfig(block_m, block_n, num_warps, 3, splits)
+    # Merging in the last program saves a launch, but its code raises ptxas's register choice
+    # (168 -> 254 at 16 rows x d128): small blocks cap it back at 168 (no spills, 3 programs per
+    # SM); large blocks would spill, so they keep the separate combine pass.
+    cap_regs = 168 if small and head_dim <= 128 and _HAS_MAXNREG else None
+    return LaunchConfig(block_m, block_n, num_warps, num_stages, splits, small, cap_regs)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still point at one
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device arrival counters for the fused combine; every launch leaves them at zero.
+
+    Launches on one stream are ordered, so they can share the buffer. Warm up once before a CUDA
+    graph capture, so the buffer is not allocated inside the capture.
+    """
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def segment_attention(
@@ -401,22 +518,25 @@ def segment_attention(
         out = torch.empty(bsz, hq, m, d, device=q.device, dtype=q.dtype)
     npart = table.groups * cfg.splits
     direct = npart == 1
+    row_blocks = triton.cdiv(gqa * m, cfg.block_m)
     if direct:
-        part_o = part_l = out  # unused
+        part_o = part_l = counters = out  # unused
     else:
         part_o = torch.empty(bsz * hq * m * npart * d, device=q.device, dtype=torch.float32)
         part_l = torch.empty(bsz * hq * m * npart, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(gqa * m, cfg.block_m), npart, bsz * hkv)
+        counters = _counters(q.device, bsz * hkv * row_blocks) if cfg.fuse_combine else part_l
+    grid = (row_blocks, npart, bsz * hkv)
     _segment_attn_kernel[grid](
-        q, out, part_o, part_l, table.packed,
+        q, out, part_o, part_l, table.packed, counters,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hkv, gqa, m, cfg.splits, table.groups, npart,
         scale * LOG2E,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MAX_SEG=MAX_SEGMENTS, DIRECT=direct,
-        INTERP=_INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MAX_SEG=MAX_SEGMENTS,
+        SEG_P2=triton.next_power_of_2(MAX_SEGMENTS), DIRECT=direct, FUSE_COMBINE=cfg.fuse_combine,
+        INTERP=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}),
     )  # fmt: skip
-    if not direct:
+    if not direct and not cfg.fuse_combine:
         _combine_kernel[(bsz * hq * m,)](
             part_o, part_l, out, hq, m, npart, out.stride(0), out.stride(1), out.stride(2),
             HEAD_DIM=d, NP2=max(2, triton.next_power_of_2(npart)), INTERP=_INTERPRET,
@@ -430,11 +550,7 @@ def segment_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("turnkv::segment_attention", mutates_args=())
-def _segment_attention_op(
-    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
-) -> torch.Tensor:
-    views = list(zip(ks, vs, strict=True))
+def _attend_views(q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
     if not views:
         return torch.zeros_like(q)
     try:
@@ -443,6 +559,13 @@ def _segment_attention_op(
         _warn_once(str(exc))
         return lse_attention(q, views, scale)
     return segment_attention(q.unsqueeze(0), table, scale)[0]
+
+
+@torch.library.custom_op("turnkv::segment_attention", mutates_args=())
+def _segment_attention_op(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    return _attend_views(q, list(zip(ks, vs, strict=True)), scale)
 
 
 @_segment_attention_op.register_fake
@@ -459,7 +582,11 @@ def _warn_once(why: str) -> None:
 def fused_attention(q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
     """The router's ``FusedFn``: q ``[Hq, M, D]`` over one sequence's views -> ``[Hq, M, D]``.
 
-    Window-causal as in ``reference.py``; one table upload, one launch (plus the combine pass when
-    the keys are split). Views the kernel cannot read in place go to the lse route (logged once).
+    Window-causal as in ``reference.py``; one table upload, one launch (plus a combine pass for
+    large row blocks). Views the kernel cannot read in place go to the lse route (logged once).
+    Under ``torch.compile`` it is the opaque custom op ``turnkv::segment_attention``; eagerly it
+    skips the op dispatcher (tens of microseconds per call, once per layer per token).
     """
-    return torch.ops.turnkv.segment_attention(q, [k for k, _ in views], [v for _, v in views], scale)
+    if torch.compiler.is_compiling():
+        return torch.ops.turnkv.segment_attention(q, [k for k, _ in views], [v for _, v in views], scale)
+    return _attend_views(q, views, scale)
