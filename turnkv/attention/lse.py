@@ -16,12 +16,45 @@ import torch
 
 from turnkv.attention.reference import visible_mask
 
+CPU_FLASH_MIN_ROWS = 33  # prefill windows; decode windows are cheaper as two matmuls
+
+
+def _cpu_flash_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_start: int, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's tiled CPU flash kernel, which returns the log-sum-exp too (fp32 in, fp32 out).
+
+    Measured on 2 cores (9/3 heads, d64, 460 rows over 1840): 15 ms for three segments against 75 ms
+    for the materialised scores. The query heads of one KV head are stacked as rows so K/V are
+    never repeated; the window-causal mask repeats per stacked head.
+    """
+    hq, m, d = q.shape
+    hkv, t, _ = k.shape
+    group = hq // hkv
+    mask = None
+    if offset + t - 1 > window_start:
+        seen = visible_mask(m, t, window_start, q.device, offset)  # [M, T]
+        mask = torch.zeros(m, t).masked_fill_(~seen, float("-inf")).repeat(group, 1)[None, None]
+    qg = q.reshape(1, hkv, group * m, d)  # [1, Hkv, G*M, D]
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, k[None], v[None], 0.0, False, attn_mask=mask, scale=scale
+    )
+    o, lse = o[0].reshape(hq, m, -1), lse[0].reshape(hq, m)
+    # the kernel reports lse 0 (not -inf) for a row that sees none of this segment's keys
+    blind = torch.arange(m, device=q.device) + window_start < offset  # [M]
+    if bool(blind.any()):
+        lse = lse.masked_fill(blind, float("-inf"))
+        o = o.masked_fill(blind[:, None], 0.0)
+    return o, lse
+
 
 def segment_partial(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_start: int, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One segment's fp32 partial. q ``[Hq, M, D]``, k/v ``[Hkv, T, D]`` -> (``[Hq, M, D]``, ``[Hq, M]``)."""
     hq, m, d = q.shape
+    if q.device.type == "cpu" and q.dtype == k.dtype == torch.float32 and m >= CPU_FLASH_MIN_ROWS:
+        return _cpu_flash_partial(q, k, v, scale, window_start, offset)
     hkv, t, _ = k.shape
     group = hq // hkv
     qg = q.float().reshape(hkv, group * m, d)  # [Hkv, G*M, D]; row r is window row r % M
