@@ -74,14 +74,19 @@ def single_attention(
     if ws + m - 1 < 0:
         return torch.zeros_like(q)
     if ws >= t - 1:  # every row sees every key
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     if ws == 0 and t == m:  # a first chunk: plain causal, which SDPA runs without a mask tensor
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=gqa)
+        return _sdpa(q, k, v, scale=scale, is_causal=True, enable_gqa=gqa)
     mask = visible_mask(m, t, ws, q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = _sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if ws < 0:  # rows before any key: SDPA gives NaN there
         out = torch.nan_to_num(out, nan=0.0)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """SDPA on ``[H, M, D]`` inputs, called with a batch axis: 3-D inputs miss the fused CUDA kernels."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
 
 
 @dataclass
