@@ -61,18 +61,15 @@ def assert_within(out: torch.Tensor, q, views, scale, window_start=None) -> floa
     return ratio
 
 
-def run(q, views, splits=None, window_start=None, fuse=None):
-    """The kernel over one sequence; ``splits`` forces the split count and ``fuse`` where the
-    partials are merged (in the last program, or by the separate combine pass)."""
+def run(q, views, splits=None, window_start=None):
+    """The kernel over one sequence; ``splits`` forces the split count (exercises the combine pass)."""
     hq, m, d = q.shape
     table = ts.build_table([views], m, None if window_start is None else [window_start])
     cfg = None
-    if splits is not None or fuse is not None:
+    if splits is not None:
         hkv = views[0][0].shape[0]
         cfg = ts.pick_config(1, hkv, hq // hkv, m, d, table.max_keys, table.groups, q.device)
-        cfg = cfg._replace(
-            splits=splits or cfg.splits, fuse_combine=cfg.fuse_combine if fuse is None else fuse
-        )
+        cfg = cfg._replace(splits=splits)
     return ts.segment_attention(q.unsqueeze(0), table, d**-0.5, cfg)[0]
 
 
@@ -97,8 +94,7 @@ def test_matches_reference(lengths, m, gqa, d, dtype):
     views = make_views(hkv, lengths, d, dtype)
     q = make_q(hkv * gqa, m, d, dtype)
     assert_within(run(q, views), q, views, d**-0.5)
-    assert_within(run(q, views, splits=3, fuse=True), q, views, d**-0.5)
-    assert_within(run(q, views, splits=3, fuse=False), q, views, d**-0.5)
+    assert_within(run(q, views, splits=3), q, views, d**-0.5)
 
 
 def test_one_view_is_bit_identical_to_one_contiguous_buffer():
@@ -107,8 +103,8 @@ def test_one_view_is_bit_identical_to_one_contiguous_buffer():
     contiguous = [(k.contiguous(), v.contiguous()) for k, v in views]
     assert views[0][0].stride() != contiguous[0][0].stride()  # a genuinely strided view
     q = make_q(4 * hkv, m, d)
-    for splits, fuse in [(None, None), (1, None), (3, True), (3, False)]:
-        assert torch.equal(run(q, views, splits, fuse=fuse), run(q, contiguous, splits, fuse=fuse))
+    for splits in (None, 1, 3):
+        assert torch.equal(run(q, views, splits), run(q, contiguous, splits))
 
 
 def test_thirteen_views_form_two_groups_merged_by_the_combine():
@@ -139,19 +135,19 @@ def test_batch_of_three_with_different_views_and_window_rows():
         assert (out[b, :, n:] == 0).all()
 
 
-@pytest.mark.parametrize(("splits", "fuse"), [(None, None), (4, True), (4, False)])
-def test_rows_that_see_no_key_are_zero_not_nan(splits, fuse):
+@pytest.mark.parametrize("splits", [None, 4])
+def test_rows_that_see_no_key_are_zero_not_nan(splits):
     hkv, d, m = HEADS, 64, 9
     views = make_views(hkv, [0, _len(3), 1], d)  # 3*LEN + ... keys in all
     ws = -4  # rows 0..3 see nothing; row 4 sees key 0 only
     q = make_q(2 * hkv, m, d)
-    out = run(q, views, splits, window_start=ws, fuse=fuse)
+    out = run(q, views, splits, window_start=ws)
     assert torch.isfinite(out).all()
     assert (out[:, :4] == 0).all()
     assert_within(out, q, views, d**-0.5, window_start=ws)
     # a window with no keys at all
     empty = make_views(hkv, [0, 0], d)
-    assert (run(q, empty, splits, window_start=-m, fuse=fuse) == 0).all()
+    assert (run(q, empty, splits, window_start=-m) == 0).all()
 
 
 def test_prefill_window_is_tiled_over_rows():
@@ -227,16 +223,6 @@ def test_causal_edge_on_tile_boundaries():
                 assert_within(run(q, views), q, views, d**-0.5)
 
 
-def test_merge_counters_are_left_at_zero():
-    # the last program of each row block resets its arrival counter, so launches can share them
-    hkv, d, m = 2 * HEADS, 64, 4
-    views = make_views(hkv, [_len(9), _len(5) + m], d)
-    q = make_q(4 * hkv, m, d)
-    for splits in (2, 5):
-        run(q, views, splits, fuse=True)
-        assert (ts._counters(DEVICE, 1) == 0).all()
-
-
 def test_custom_op_matches_the_eager_path():
     hkv, d, m = HEADS, 64, 3
     views = make_views(hkv, [_len(7), 0, _len(2) + m], d)
@@ -245,3 +231,34 @@ def test_custom_op_matches_the_eager_path():
     assert torch.equal(
         torch.ops.turnkv.segment_attention(q, ks, vs, d**-0.5), ts.fused_attention(q, views, d**-0.5)
     )
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_cuda_graph_replays_a_decode_step_after_the_table_is_rewritten():
+    hkv, gqa, d = 8, 4, 128
+    views = make_views(hkv, [_len(50), _len(9)], d) + make_views(hkv, [_len(20)], d, seed=5)  # last: the tail
+    tail_k, tail_v = views[-1][0]._base[1], views[-1][1]._base[1]  # [Hkv, cap, D]: room to grow
+    q = make_q(hkv * gqa, 1, d).unsqueeze(0)
+    table = ts.build_table([views], 1)
+    cfg = ts.pick_config(1, hkv, gqa, 1, d, 4 * table.max_keys, table.groups, q.device)  # fixed grid
+    out = ts.segment_attention(q, table, d**-0.5, cfg)  # warm up (compile) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ts.segment_attention(q, table, d**-0.5, cfg, out=out)
+    for grow in (1, 2, 7):  # decode steps: the tail grows, the table is rewritten in place
+        n = views[-1][0].shape[1] + grow
+        grown = [*views[:-1], (tail_k[:, :n], tail_v[:, :n])]
+        table.update_([grown], 1)
+        q.normal_()
+        graph.replay()
+        assert torch.equal(out, ts.segment_attention(q, ts.build_table([grown], 1), d**-0.5, cfg))
+        assert_within(out[0], q[0], grown, d**-0.5)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_the_router_callable_refuses_a_graph_capture():
+    views = make_views(2, [_len(9), _len(3)], 64)
+    q = make_q(4, 1, 64)
+    ts.fused_attention(q, views, 0.125)
+    with pytest.raises(RuntimeError, match="capture"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        ts.fused_attention(q, views, 0.125)

@@ -23,12 +23,14 @@ How one launch covers it:
 Precision: q·k in the tensor cores with fp32 accumulation; probabilities are rounded to the input
 dtype before P·V (as every flash kernel does); partials and the merge are fp32; one final rounding.
 
-CUDA graphs: ``segment_attention`` with a table built beforehand and a fixed ``splits`` is
-capturable; the table is read from device memory at run time, so a captured decode step can be
-replayed after ``SegmentTable.update_`` rewrote the lengths and pointers in place (the grid depends
-only on ``splits`` and the row blocks, never on the lengths). ``fused_attention`` (the router's
-callable) builds a table per call, a host-to-device copy that cannot be captured; it is registered
-as the custom op ``turnkv::segment_attention`` so ``torch.compile`` treats it as one opaque call.
+CUDA graphs: ``segment_attention`` with a table built beforehand and a fixed ``config`` is
+capturable. The table is read from device memory at run time, so a captured decode step can be
+replayed after ``SegmentTable.update_`` rewrote pointers and lengths in place (the grid depends on
+``splits`` and the row blocks, never on the lengths; pick ``splits`` for the longest context the
+graph will see). ``fused_attention`` (the router's callable) builds a table per call and refuses to
+run inside a capture (a captured upload would replay stale host memory). Under ``torch.compile`` it
+is the opaque custom op ``turnkv::segment_attention``, tagged ``cudagraph_unsafe`` so that
+``mode="reduce-overhead"`` leaves it outside its graphs.
 
 Triton is imported at module import; import this module only where triton is known to exist.
 """
@@ -57,17 +59,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GQA = 8
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does
-
-
-def _has_maxnreg() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-_HAS_MAXNREG = _has_maxnreg()
 
 Views = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -243,12 +234,12 @@ def _tiles(
 
 @triton.jit
 def _segment_attn_kernel(
-    Q, Out, PartO, PartL, Table, Counters,
+    Q, Out, PartO, PartL, Table,
     sqb, sqh, sqm, sob, soh, som,
     HKV, GQA, M, NSPLIT, NGROUPS, NPART,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEG: tl.constexpr,
-    SEG_P2: tl.constexpr, DIRECT: tl.constexpr, FUSE_COMBINE: tl.constexpr, INTERP: tl.constexpr,
+    SEG_P2: tl.constexpr, DIRECT: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     # row blocks vary fastest, so the blocks that share a key range run side by side and all but
     # the first find its K/V tiles in L2
@@ -345,53 +336,6 @@ def _segment_attn_kernel(
         lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(PartL + prow + pid_p, lse, mask=row_ok)
         tl.store(PartO + (prow + pid_p)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-        if FUSE_COMBINE:
-            # the last of the NPART programs of this row block merges: no second launch. The
-            # barrier orders every thread's partial stores before the release of the counter.
-            tl.debug_barrier()
-            cnt = Counters + pid_bh * tl.num_programs(0) + pid_m
-            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if done == NPART - 1:
-                _merge_partials(
-                    PartO, PartL, Out, b, kvh, r0, sob, soh, som, HKV, GQA, M, NPART, q_len,
-                    HEAD_DIM, BLOCK_M, INTERP,
-                )  # fmt: skip
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-@triton.jit
-def _merge_partials(
-    PartO, PartL, Out, b, kvh, r0, sob, soh, som, HKV, GQA, M, NPART, q_len,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    """Exact log-sum-exp merge of the NPART partials of one row block, rounded once into Out.
-
-    Indices are rebuilt here from scratch, so nothing of the tile loop's register layout is live.
-    """
-    rows = r0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < GQA * M
-    head = kvh * GQA + rows // M
-    row_i = rows % M
-    prow = ((b * (HKV * GQA) + head) * M + row_i).to(tl.int64) * NPART
-    offs_d = tl.arange(0, HEAD_DIM)
-    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    num = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for p in range(0, NPART):
-        # .cg: read in L2, where the other programs' stores are, never a stale L1 line
-        lse = tl.load(PartL + prow + p, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(PartO + (prow + p)[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        new = tl.maximum(mx, lse)
-        new_use = tl.where(new == float("-inf"), 0.0, new)
-        alpha = tl.math.exp2(mx - new_use)
-        w = tl.math.exp2(lse - new_use)  # 0 for a partial that saw nothing
-        num = num * alpha[:, None] + w[:, None] * o
-        den = den * alpha + w
-        mx = new
-    res = tl.where((den > 0)[:, None], num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
-    o_ptrs = Out + b * sob + head[:, None] * soh + row_i[:, None] * som + offs_d[None, :]
-    tl.store(o_ptrs, _downcast(res, Out.dtype.element_ty, INTERP), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -425,15 +369,13 @@ def _combine_kernel(
 
 
 class LaunchConfig(NamedTuple):
-    """Tile sizes, split count (per group) and where the partials are merged."""
+    """Tile sizes and split count (per group) of one launch."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     splits: int
-    fuse_combine: bool = True  # the last program of a row block merges (no second launch)
-    max_regs: int | None = None  # register cap per thread (ptxas), to keep 3 programs per SM
 
 
 @functools.lru_cache(maxsize=16)
@@ -443,56 +385,31 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the CPU interpreter: small, so the split path is exercised
 
 
+# (block_m, head_dim) -> (block_n, num_warps, num_stages, waves of programs). The best variants of
+# the H200 sweeps in docs/BENCHMARKS.md (32K keys, 12 views). Row blocks of <= 32 rows are
+# bandwidth-bound: 4 warps, 2 stages, ~2 programs per SM; 128-row blocks at d128 do real
+# tensor-core work and prefer wide key tiles and fewer partials.
+_TUNED = {
+    (16, 64): (128, 4, 2, 2), (16, 128): (64, 4, 2, 2), (16, 256): (64, 4, 2, 2),
+    (32, 64): (128, 4, 2, 2), (32, 128): (64, 4, 2, 2), (32, 256): (64, 4, 2, 2),
+    (64, 64): (128, 4, 3, 1), (64, 128): (64, 4, 3, 2), (64, 256): (32, 8, 3, 1),
+    (128, 64): (64, 4, 3, 2), (128, 128): (128, 8, 3, 1),
+}  # fmt: skip
+
+
 def pick_config(
     batch: int, hkv: int, gqa: int, m: int, head_dim: int, max_keys: int, groups: int, device: torch.device
 ) -> LaunchConfig:
-    """Default tiles and splits, from the H200 sweep in docs/BENCHMARKS.md (32K keys, 12 views).
-
-    Small row blocks are bandwidth-bound: 4 warps, 2 stages, ~2 programs per SM. Row blocks of 64+
-    rows carry real tensor-core work: 3 stages, one wave (fewer partials to merge). A split keeps at
-    least 4 key tiles.
-    """
+    """Default tiles and splits for a launch: ``_TUNED`` for the tiles, enough programs for the
+    tuned number of waves, and at least 4 key tiles per split."""
     rows = gqa * m
     cap = 64 if head_dim > 128 else 128
     block_m = min(cap, max(16, triton.next_power_of_2(rows)))
-    if head_dim > 128:
-        block_n = 64 if block_m <= 32 else 32
-    elif head_dim <= 64:
-        block_n = 128 if block_m <= 64 else 64  # the same bytes per tile as d128 x 64 keys
-    else:
-        block_n = 64
-    num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-    small = block_m <= 32
-    num_stages = 2 if small else 3
-    waves = 2 if small else 1
+    block_n, num_warps, num_stages, waves = _TUNED[(block_m, head_dim)]
     base = batch * hkv * triton.cdiv(rows, block_m) * groups
     want = triton.cdiv(waves * _num_sms(device), base)
     by_len = max(1, max_keys // (groups * 4 * block_n))
-    splits = max(1, min(want, by_len, 128))
-    # Merging in the last program saves a launch, but its code raises ptxas's register choice
-    # (168 -> 254 at 16 rows x d128): small blocks cap it back at 168 (no spills, 3 programs per
-    # SM); large blocks would spill, so they keep the separate combine pass.
-    cap_regs = 168 if small and head_dim <= 128 and _HAS_MAXNREG else None
-    return LaunchConfig(block_m, block_n, num_warps, num_stages, splits, small, cap_regs)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # never freed: a captured CUDA graph may still point at one
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device arrival counters for the fused combine; every launch leaves them at zero.
-
-    Launches on one stream are ordered, so they can share the buffer. Warm up once before a CUDA
-    graph capture, so the buffer is not allocated inside the capture.
-    """
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    return LaunchConfig(block_m, block_n, num_warps, num_stages, max(1, min(want, by_len, 128)))
 
 
 def segment_attention(
@@ -518,25 +435,22 @@ def segment_attention(
         out = torch.empty(bsz, hq, m, d, device=q.device, dtype=q.dtype)
     npart = table.groups * cfg.splits
     direct = npart == 1
-    row_blocks = triton.cdiv(gqa * m, cfg.block_m)
     if direct:
-        part_o = part_l = counters = out  # unused
+        part_o = part_l = out  # unused
     else:
         part_o = torch.empty(bsz * hq * m * npart * d, device=q.device, dtype=torch.float32)
         part_l = torch.empty(bsz * hq * m * npart, device=q.device, dtype=torch.float32)
-        counters = _counters(q.device, bsz * hkv * row_blocks) if cfg.fuse_combine else part_l
-    grid = (row_blocks, npart, bsz * hkv)
+    grid = (triton.cdiv(gqa * m, cfg.block_m), npart, bsz * hkv)
     _segment_attn_kernel[grid](
-        q, out, part_o, part_l, table.packed, counters,
+        q, out, part_o, part_l, table.packed,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hkv, gqa, m, cfg.splits, table.groups, npart,
         scale * LOG2E,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MAX_SEG=MAX_SEGMENTS,
-        SEG_P2=triton.next_power_of_2(MAX_SEGMENTS), DIRECT=direct, FUSE_COMBINE=cfg.fuse_combine,
-        INTERP=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _INTERPRET else {}),
+        SEG_P2=triton.next_power_of_2(MAX_SEGMENTS), DIRECT=direct, INTERP=_INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if not direct and not cfg.fuse_combine:
+    if not direct:
         _combine_kernel[(bsz * hq * m,)](
             part_o, part_l, out, hq, m, npart, out.stride(0), out.stride(1), out.stride(2),
             HEAD_DIM=d, NP2=max(2, triton.next_power_of_2(npart)), INTERP=_INTERPRET,
@@ -551,6 +465,14 @@ def segment_attention(
 
 
 def _attend_views(q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A captured upload would replay from a pinned host block that the allocator hands to the
+        # next table once the capture is over: another layer's pointers, silently. Graphs take a
+        # SegmentTable built outside the capture and rewritten with update_ before each replay.
+        raise RuntimeError(
+            "fused_attention builds its segment table on the host and cannot run inside a CUDA graph "
+            "capture; capture segment_attention over a SegmentTable (see turnkv.attention.triton_segments)"
+        )
     if not views:
         return torch.zeros_like(q)
     try:
@@ -561,7 +483,12 @@ def _attend_views(q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
     return segment_attention(q.unsqueeze(0), table, scale)[0]
 
 
-@torch.library.custom_op("turnkv::segment_attention", mutates_args=())
+# cudagraph_unsafe: torch.compile's CUDA graphs (mode="reduce-overhead") leave this op outside
+# the graph instead of capturing its host-built table (see _attend_views)
+_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("turnkv::segment_attention", mutates_args=(), tags=_UNSAFE)
 def _segment_attention_op(
     q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
 ) -> torch.Tensor:
