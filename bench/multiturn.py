@@ -19,21 +19,17 @@ Prints a table, writes ``bench/out/multiturn.json`` and ``bench/out/multiturn.pn
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from report import save
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.kv.segments import unique_bytes
-
-OUT = Path(__file__).resolve().parent / "out"
 
 
 def _mem_now(device: torch.device) -> int:
@@ -103,13 +99,6 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
     return rows
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -164,28 +153,11 @@ def main() -> None:
                 f"{c['ttft_s']:>7.3f} {c['decode_tok_s']:>6.1f} {c['peak_above_start_bytes'] / 2**20:>9.1f} | "
                 f"{ratio:>9.2f}x"
             )
-    results.update(
-        date=time.strftime("%Y-%m-%d"),
-        machine=platform.node(),
-        commit=_commit(),
-        torch=torch.__version__,
-        counters=seg.counters(),
-    )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.tag}.json").write_text(json.dumps(results, indent=1))
-    _plot(results, OUT / f"{args.tag}.png")
-    print(f"wrote {OUT / f'{args.tag}.json'} and .png")
+    results["counters"] = seg.counters()
+    save(results, args.tag, _plot)
 
 
-def _plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
+def _plot(results: dict, plt, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for run in results["runs"]:
         ctx = [r["context"] for r in run["turns"][1:]]

@@ -31,17 +31,15 @@ Prints a table, writes ``bench/out/<tag>.json`` and ``bench/out/<tag>.png``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
-import subprocess
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from report import save
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
@@ -50,7 +48,6 @@ from turnkv.engine.sampling import SamplingParams
 from turnkv.kv.segments import unique_bytes
 from turnkv.server.worker import Admitted, Failed, Turn, TurnService
 
-OUT = Path(__file__).resolve().parent / "out"
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor violet engine whisper canyon ledger "
     "marble tide falcon cedar prism quartz ember glacier thicket beacon saddle anchor velvet "
@@ -254,13 +251,6 @@ def _pct(xs: list[float], p: int) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -326,24 +316,10 @@ def main() -> None:
             f"{v['prefilled_mean']:>14.0f} | {v['ttft_p50_s']:>7.2f}s | {v['ttft_p99_s']:>7.2f}s | "
             f"{v['peak_kv_bytes'] / 2**20:>11.1f} | {v['bank']['evictions']:>9}"
         )
-    results.update(
-        date=time.strftime("%Y-%m-%d"), machine=platform.node(), commit=_commit(), torch=torch.__version__
-    )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.tag}.json").write_text(json.dumps(results, indent=1))
-    _plot(results, OUT / f"{args.tag}.png")
-    print(f"wrote {OUT / f'{args.tag}.json'} and .png")
+    save(results, args.tag, _plot)
 
 
-def _plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
+def _plot(results: dict, plt, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for v in results["variants"]:
         ok = [r for r in v["turns"] if r["status"] == 200]

@@ -97,3 +97,12 @@ class Layout(Protocol):
     def restore(self, snapshot: Snapshot) -> KVCache:
         """A live cache continuing from ``snapshot`` (a copy for the contiguous layout)."""
         ...
+
+
+def check_window_rows(shape: KVShape, m: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise unless a window is open (``m > 0``) and ``k``, ``v`` are its rows: ``[Hkv, m, D]``."""
+    if m == 0:
+        raise RuntimeError("write() without an open window (call reserve first)")
+    want = (shape.num_kv_heads, m, shape.head_dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise ValueError(f"write expects k, v of {list(want)}; got {list(k.shape)}, {list(v.shape)}")

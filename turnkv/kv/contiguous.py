@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from turnkv.kv.cache import KVShape
+from turnkv.kv.cache import KVShape, check_window_rows
 from turnkv.kv.segments import (
     Segment,
     SegmentedSnapshot,
@@ -88,11 +88,7 @@ class ContiguousKV:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows of the open window for one layer; ``k``, ``v``: ``[Hkv, m, D]``."""
-        want = (self.shape.num_kv_heads, self._m, self.shape.head_dim)
-        if self._m == 0:
-            raise RuntimeError("write() without an open window (call reserve first)")
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"write expects k, v of {list(want)}; got {list(k.shape)}, {list(v.shape)}")
+        check_window_rows(self.shape, self._m, k, v)
         assert self._k is not None and self._v is not None
         self._k[layer, :, self._n : self._n + self._m].copy_(k)
         self._v[layer, :, self._n : self._n + self._m].copy_(v)

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from turnkv.kv.cache import KVShape
+from turnkv.kv.cache import KVShape, check_window_rows
 from turnkv.kv.merge import (  # noqa: F401  (re-exported: the layout's public names)
     ANCHOR_ROWS,
     DEFAULT_POLICY,
@@ -331,11 +331,7 @@ class ConversationKV:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows of the open window for one layer; ``k``, ``v``: ``[Hkv, m, D]``."""
-        want = (self.shape.num_kv_heads, self._m, self.shape.head_dim)
-        if self._m == 0:
-            raise RuntimeError("write() without an open window (call reserve first)")
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"write expects k, v of {list(want)}; got {list(k.shape)}, {list(v.shape)}")
+        check_window_rows(self.shape, self._m, k, v)
         assert self._tk is not None and self._tv is not None
         lo, hi = self._n_tail, self._n_tail + self._m
         self._tk[layer, :, lo:hi].copy_(k)

@@ -244,13 +244,12 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             ],
         }
 
-    @app.post("/v1/chat/completions")
-    async def _chat(request: Request) -> Response:
-        ns = srv.namespace(request, None)
-        req = parse_body(ChatCompletionRequest, await request.body())
+    async def _serve(request: Request, schema, render, chat: bool) -> Response:
+        srv.namespace(request, None)  # the API key is checked before the body is read
+        req = parse_body(schema, await request.body())
         srv.check_model(req.model)
         ns = srv.namespace(request, req.cache_salt)
-        prompt, history = _render_chat(engine.tokenizer, req.template_messages())
+        prompt, history = render(req)
         turn = Turn(
             prompt,
             req.sampling(1),
@@ -259,24 +258,25 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
         )
-        return await respond(srv, request, turn, req, chat=True)
+        return await respond(srv, request, turn, req, chat=chat)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await _serve(
+            request,
+            ChatCompletionRequest,
+            lambda r: _render_chat(engine.tokenizer, r.template_messages()),
+            chat=True,
+        )
 
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
-        srv.namespace(request, None)
-        req = parse_body(CompletionRequest, await request.body())
-        srv.check_model(req.model)
-        ns = srv.namespace(request, req.cache_salt)
-        prompt, history = _render_completion(engine.tokenizer, req.single_prompt())
-        turn = Turn(
-            prompt,
-            req.sampling(1),
-            max_tokens=req.requested_max_tokens(),
-            namespace=ns,
-            session=request.headers.get(SESSION_HEADER),
-            render_history=history,
+        return await _serve(
+            request,
+            CompletionRequest,
+            lambda r: _render_completion(engine.tokenizer, r.single_prompt()),
+            chat=False,
         )
-        return await respond(srv, request, turn, req, chat=False)
 
     return app
 
