@@ -84,10 +84,6 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)
-    speculate: str = "off"  # auto | off (speculation comes with its own issue)
-    disk_dir: str = ""
-    no_disk: bool = True
-    disk_bytes: str = "8G"
 
     @classmethod
     def env_defaults(cls) -> dict[str, object]:
