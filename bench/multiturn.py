@@ -93,7 +93,7 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
                 "peak_above_start_bytes": peak,
                 "kv_banked_bytes": unique_bytes(banked),
                 "turn_s": wall,
-                "segments": len(snap.segments()) if hasattr(snap, "segments") else 1,
+                "segments": len(snap.segments()),
             }
         )
     return rows

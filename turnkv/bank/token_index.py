@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from turnkv.kv.cache import common_prefix_len
+
 
 class _Node:
     """A radix-tree node; ``edge`` is the token run leading into it from its parent."""
@@ -21,15 +23,6 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.through: set[int] = set()  # entries whose tokens reach this node (pass or end)
         self.ends: set[int] = set()  # entries whose tokens end exactly here
-
-
-def _lcp(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b[start_b:]``."""
-    n = min(len(a), len(b) - start_b)
-    i = 0
-    while i < n and a[i] == b[start_b + i]:
-        i += 1
-    return i
 
 
 class TokenIndex:
@@ -49,7 +42,7 @@ class TokenIndex:
                 leaf.ends.add(eid)
                 node.children[tokens[i]] = leaf
                 return
-            k = _lcp(child.edge, tokens, i)
+            k = common_prefix_len(child.edge, tokens, i)
             if k < len(child.edge):  # split the edge so the entry can branch or end at k
                 mid = _Node(child.edge[:k])
                 mid.through = set(child.through)
@@ -68,7 +61,7 @@ class TokenIndex:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            k = _lcp(child.edge, tokens, i)
+            k = common_prefix_len(child.edge, tokens, i)
             i += k
             if k < len(child.edge):
                 return i, child.through
@@ -84,7 +77,7 @@ class TokenIndex:
             if i >= len(tokens):
                 return out
             child = node.children.get(tokens[i])
-            if child is None or _lcp(child.edge, tokens, i) < len(child.edge):
+            if child is None or common_prefix_len(child.edge, tokens, i) < len(child.edge):
                 return out
             node, i = child, i + len(child.edge)
 

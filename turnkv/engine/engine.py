@@ -21,7 +21,7 @@ import torch
 from turnkv.config import EngineConfig
 from turnkv.engine.sampling import Sampler, SamplingParams
 from turnkv.kv import make_layout
-from turnkv.kv.cache import KVCache, KVShape, Snapshot
+from turnkv.kv.cache import KVCache, KVShape, Snapshot, common_prefix_len
 from turnkv.models.load import LoadedModel
 from turnkv.tokenizer import StreamDecoder
 
@@ -117,7 +117,7 @@ class Engine:
         return hidden + scores + logits
 
     def counters(self) -> dict:
-        out = dict(self.layout.counters()) if hasattr(self.layout, "counters") else {}
+        out = dict(self.layout.counters())
         out["route_counts"] = dict(self.router.route_counts)
         return out
 
@@ -162,7 +162,7 @@ class Engine:
         stats = TurnStats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
 
-        keep = _common_prefix(cache.tokens, prompt_ids)
+        keep = common_prefix_len(cache.tokens, prompt_ids)
         keep = min(keep, len(prompt_ids) - 1)  # the last prompt row is recomputed for its logits
         if keep < cache.num_tokens:
             cache.trim(keep)
@@ -258,11 +258,3 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

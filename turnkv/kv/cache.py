@@ -98,6 +98,19 @@ class Layout(Protocol):
         """A live cache continuing from ``snapshot`` (a copy for the contiguous layout)."""
         ...
 
+    def counters(self) -> dict[str, int]:
+        """``seals``, ``merges``, ``max_segments`` of this layout's caches, for ``/health``."""
+        ...
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b[start_b:]``."""
+    n = min(len(a), len(b) - start_b)
+    i = 0
+    while i < n and a[i] == b[start_b + i]:
+        i += 1
+    return i
+
 
 def check_window_rows(shape: KVShape, m: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise unless a window is open (``m > 0``) and ``k``, ``v`` are its rows: ``[Hkv, m, D]``."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from turnkv.bank.session_bank import Refused, SessionBank
 from turnkv.engine.sampling import SamplingParams
+from turnkv.kv.cache import common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class TurnService:
         ``rebase_max_rows`` missing rows of ``rendered`` are prefilled. Returns the rows prefilled.
         """
         have = cache.tokens
-        d = _lcp(have, rendered)
+        d = common_prefix_len(have, rendered)
         if d < len(have):
             cache.trim(d)
         todo = list(rendered[d:])
@@ -187,14 +188,6 @@ class TurnService:
             return 0
         self.engine.prefill(cache, todo)
         return len(todo)
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
