@@ -31,7 +31,9 @@ def test_missing_model_path_is_one_line_exit_2(tmp_path):
 
 
 def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     proc = turnkv("generate", "--model", str(tmp_path), "--prompt", "hi")
     assert_one_line_error(proc, "GPT2LMHeadModel", "LlamaForCausalLM")
 
