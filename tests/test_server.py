@@ -63,7 +63,7 @@ class Live:
     def idle(self) -> None:
         """Wait until the worker has finished (and banked) everything queued."""
         deadline = time.monotonic() + 60
-        while self.server.worker.busy or self.server.worker.waiting:
+        while self.server.worker.running or self.server.worker.waiting:
             assert time.monotonic() < deadline, "worker stuck"
             time.sleep(0.02)
 

@@ -1,67 +1,109 @@
-"""``turnkv chat``: one conversation across turns, kept in one live KV cache.
+"""``turnkv chat``: one conversation across turns, through the same turn path as the server.
 
-Each finished turn is sealed, so ``/undo`` is a trim back to the row count before the last turn:
-the earlier turns' segments are still there and nothing is recomputed. When stdin is not a
-terminal, every input line is one user message, so the chat can be scripted.
+Every turn goes through ``engine.turn`` with a private session bank: the turn is admitted,
+restored from the bank by its tokens (references, no copy), computed, rebased, sealed and banked.
+``/undo`` drops the last exchange from the messages; the next prompt then matches a shorter
+prefix of what is banked, so nothing is recomputed. Ctrl-C during an answer stops the answer
+(what was computed is kept) and returns to the prompt. When stdin is not a terminal, every input
+line is one user message, so the chat can be scripted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from turnkv.engine.engine import Engine, TurnStats
+from turnkv.bank.session_bank import SessionBank
+from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.scheduler import run_turn
+from turnkv.engine.turn import Failed, GenEvent, TurnRequest, TurnStats
 
 HELP = "commands: /undo (back one turn), /reset, /stats, /quit"
 
 
 class ChatSession:
-    """Messages plus the live cache; ``turns`` remembers (message count, cached rows) before each turn."""
+    """Messages plus a session bank; forks share the bank (and so every banked row)."""
 
-    def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        params: SamplingParams,
+        max_tokens: int = 256,
+        system: str | None = None,
+        bank: SessionBank | None = None,
+        namespace: str = "chat",
+    ) -> None:
         self.engine = engine
         self.params = params
+        self.max_tokens = max_tokens
+        self.bank = bank if bank is not None else engine.new_bank()
+        self.namespace = namespace
         self.system = [{"role": "system", "content": system}] if system else []
         self.reset()
 
     def reset(self) -> None:
         self.messages: list[dict] = list(self.system)
-        self.cache = self.engine.new_cache()
-        self.turns: list[tuple[int, int]] = []
+        self.turns: list[int] = []  # message count before each turn
         self.last: TurnStats | None = None
+        self.finish: str | None = None  # the last answer's finish_reason
+
+    def fork(self) -> ChatSession:
+        """A second conversation from here (same bank: the shared history is restored, not copied)."""
+        other = ChatSession(
+            self.engine, self.params, self.max_tokens, bank=self.bank, namespace=self.namespace
+        )
+        other.messages = list(self.messages)
+        other.turns = list(self.turns)
+        return other
 
     def ask(self, text: str) -> Iterator[str]:
-        """Streams the answer's text; the turn is sealed when the stream ends."""
-        self.turns.append((len(self.messages), self.cache.num_tokens))
+        """Streams the answer's text; the turn is banked when the stream ends."""
+        tok = self.engine.tokenizer
+        self.turns.append(len(self.messages))
         self.messages.append({"role": "user", "content": text})
-        ids = self.engine.tokenizer.apply_chat_template(self.messages)
+        history = list(self.messages)
+        request = TurnRequest(
+            tok.apply_chat_template(history),
+            self.params,
+            max_tokens=self.max_tokens,
+            namespace=self.namespace,
+            render_history=lambda answer: tok.apply_chat_template(
+                [*history, {"role": "assistant", "content": answer}], add_generation_prompt=False
+            ),
+        )
         pieces = []
-        for ev in self.engine.generate(self.cache, ids, self.params):
-            if ev.text:
-                pieces.append(ev.text)
-                yield ev.text
-            if ev.stats is not None:
-                self.last = ev.stats
+        for ev in run_turn(self.engine, self.bank, request, interruptible=True):
+            if isinstance(ev, Failed):
+                self.turns.pop()
+                self.messages.pop()
+                raise ValueError(ev.message)
+            if isinstance(ev, GenEvent):
+                if ev.text:
+                    pieces.append(ev.text)
+                    yield ev.text
+                if ev.finish_reason is not None:
+                    self.last, self.finish = ev.stats, ev.finish_reason
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
-        self.cache.seal()
 
     def undo(self) -> bool:
-        """Back one turn: drop its messages and trim the cache to its start (no copy, no recompute)."""
+        """Back one turn: drop its messages (the bank keeps the rows; nothing is recomputed)."""
         if not self.turns:
             return False
-        n_messages, rows = self.turns.pop()
-        del self.messages[n_messages:]
-        self.cache.trim(rows)
+        del self.messages[self.turns.pop() :]
         return True
 
     def stats(self) -> dict:
+        s = self.bank.stats
         out = {
             "turns": len(self.turns),
-            "cached_rows": self.cache.num_tokens,
-            "segments": len(self.cache.views(0)),
+            "bank_entries": len(self.bank),
+            "bank_unique_bytes": self.bank.unique_bytes(live=False),
+            "hits": s.hits,
+            "misses": s.misses,
         }
         out.update(self.engine.counters())
         if self.last is not None:
@@ -70,15 +112,15 @@ class ChatSession:
 
 
 def run_chat(engine: Engine, args: argparse.Namespace) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    session = ChatSession(engine, params, args.system)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    session = ChatSession(engine, params, args.max_tokens, args.system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"turnkv chat with {engine.model_name}. {HELP}", file=sys.stderr)
+        print(f"turnkv chat with {engine.info.model_name}. {HELP}", file=sys.stderr)
     while True:
         try:
             line = input("> ") if interactive else sys.stdin.readline()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             break
         if not interactive and not line:
             break
@@ -93,13 +135,11 @@ def run_chat(engine: Engine, args: argparse.Namespace) -> int:
             session.reset()
             print("(reset)", flush=True)
         elif line == "/stats":
-            import json
-
             print(json.dumps(session.stats()), flush=True)
         elif line.startswith("/"):
             print(f"(unknown command; {HELP})", flush=True)
         else:
             for piece in session.ask(line):
                 print(piece, end="", flush=True)
-            print(flush=True)
+            print(" (stopped)" if session.finish == "cancelled" else "", flush=True)
     return 0

@@ -26,6 +26,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", "fused", "lse"])
     p.add_argument("--max-context", dest="max_context", type=int, help="tokens; 0 = the model's own")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, help="rows per prefill window")
+    p.add_argument(
+        "--cuda-graphs", dest="cuda_graphs", choices=["auto", "off"], help="captured decode steps on CUDA"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--bank-bytes", dest="bank_bytes", help="KV budget of the session bank: N, 512M, 8G or auto"
     )
     s.add_argument("--api-key", dest="api_key", action="append", help="required bearer key (repeatable)")
+    s.add_argument("--max-running", dest="max_running", type=int, help="turns decoding together per step")
+    s.add_argument(
+        "--max-batch-tokens",
+        dest="max_batch_tokens",
+        type=int,
+        help="prefill rows per step (0: --prefill-chunk)",
+    )
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)
@@ -90,10 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # expected failures become one line and exit code 2
-        from turnkv.engine.engine import ContextTooLong
         from turnkv.models.load import ModelLoadError
 
-        if isinstance(e, (ModelLoadError, ContextTooLong, ValueError)):
+        if isinstance(e, (ModelLoadError, ValueError)):
             print(f"turnkv: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         raise
@@ -122,24 +131,29 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _generate(engine, args: argparse.Namespace) -> int:
     from turnkv.engine.sampling import SamplingParams
+    from turnkv.engine.scheduler import run_turn
+    from turnkv.engine.turn import Failed, GenEvent, TurnRequest
 
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
-    ids = engine.tokenizer.apply_chat_template(messages)
     params = SamplingParams(
-        max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
     )
+    ids = engine.tokenizer.apply_chat_template(messages)
+    request = TurnRequest(ids, params, max_tokens=args.max_tokens)
     pieces, stats = [], None
-    for ev in engine.generate(engine.new_cache(), ids, params):
-        pieces.append(ev.text)
-        if not args.json and ev.text:
-            print(ev.text, end="", flush=True)
-        stats = ev.stats or stats
+    for ev in run_turn(engine, engine.new_bank(), request):
+        if isinstance(ev, Failed):
+            raise ValueError(ev.message)
+        if isinstance(ev, GenEvent):
+            pieces.append(ev.text)
+            if not args.json and ev.text:
+                print(ev.text, end="", flush=True)
+            stats = ev.stats or stats
     text = "".join(pieces)
     if args.json:
         out = {

@@ -64,10 +64,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def gqa_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 @dataclass
 class EngineConfig:
@@ -81,6 +77,9 @@ class EngineConfig:
     bank_bytes: str = "auto"  # N | auto
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
+    cuda_graphs: str = "auto"  # auto | off: captured decode steps on CUDA
+    max_running: int = 64  # turns in the running set (one window each per step)
+    max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)

@@ -14,13 +14,13 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of the sampler and of the decode loop.
+    """What a request asks of the sampler and of the stop checks (the answer's length is the turn's
+    ``max_tokens``, one fact in one place).
 
     Invariants (checked by the HTTP schema, asserted here): ``temperature >= 0``,
-    ``0 < top_p <= 1``, ``top_k >= 0`` (0 = off), ``max_tokens >= 1``.
+    ``0 < top_p <= 1``, ``top_k >= 0`` (0 = off).
     """
 
-    max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -29,7 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not (0 < self.top_p <= 1) or self.top_k < 0 or self.max_tokens < 1:
+        if self.temperature < 0 or not (0 < self.top_p <= 1) or self.top_k < 0:
             raise ValueError(f"invalid sampling parameters: {self}")
 
     @property

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server: routes, SSE streaming, API keys, errors.
 
 ``create_app(engine, cfg)`` builds the FastAPI app around one engine; ``serve(cfg)`` loads the
-model and runs it under uvicorn. Every turn goes through one :class:`EngineWorker` (one thread,
-one turn at a time); a handler submits its turn and awaits the worker's events. The first event
-decides the status (200, or 400/507 before any work); a client that goes away sets the turn's
-cancel flag, and the worker still seals and banks what it computed.
+model and runs it under uvicorn. Every turn goes through one :class:`EngineWorker` (one thread
+running the scheduler: many turns per step); a handler submits its turn and awaits its events.
+The first event decides the status (200, or 400/507 before any work); a client that goes away
+sets the turn's cancel flag, and the worker still seals and banks what it computed.
 
 Namespaces: without ``--api-key`` everyone shares one cache namespace; with keys each key has its
 own, and a request's ``cache_salt`` adds to it, so a prefix banked under one namespace never
@@ -26,8 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
-from turnkv.config import EngineConfig, parse_size
+from turnkv.bank.session_bank import SessionBank
+from turnkv.config import EngineConfig
+from turnkv.engine.turn import Admitted, Failed, TurnRequest
 from turnkv.server.health import health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.responses import failed_error, respond, route_label
@@ -38,26 +39,11 @@ from turnkv.server.schemas import (
     bad_request,
     parse_body,
 )
-from turnkv.server.worker import Admitted, EngineWorker, Failed, Turn, TurnService
+from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-
-
-def make_bank(engine, cfg: EngineConfig) -> SessionBank:
-    """The session bank of ``cfg.bank_bytes`` (``auto``: see ``auto_budget_bytes``) for ``engine``."""
-    from turnkv.kv.segments import unique_bytes
-
-    budget = (
-        auto_budget_bytes(engine.shape.device) if cfg.bank_bytes == "auto" else parse_size(cfg.bank_bytes)
-    )
-    return SessionBank(
-        budget_bytes=budget,
-        bytes_per_row=engine.shape.bytes_per_row,
-        measure=lambda held: unique_bytes(*held),
-        copy_on_restore=cfg.kv_layout == "contiguous",
-    )
 
 
 class _Stream:
@@ -81,13 +67,12 @@ class Server:
     def __init__(self, engine, cfg: EngineConfig, bank: SessionBank | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.bank = bank if bank is not None else make_bank(engine, cfg)
-        self.service = TurnService(engine, self.bank)
-        self.worker = EngineWorker(self.service)
-        self.metrics = Metrics(engine, self.bank)
+        self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes)
+        self.worker = EngineWorker(engine, self.bank, cfg.max_running, cfg.max_batch_tokens)
+        self.metrics = Metrics(engine, self.bank, lambda: self.worker.scheduler.snapshot)
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
-        self.model_names = {engine.model_name, cfg.model}
+        self.model_names = {engine.info.model_name, cfg.model}
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
@@ -112,23 +97,23 @@ class Server:
         if model is not None and model not in self.model_names:
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist. This server serves `{self.engine.model_name}`.",
+                f"The model `{model}` does not exist. This server serves `{self.engine.info.model_name}`.",
                 "invalid_request_error",
                 code="model_not_found",
                 param="model",
             )
 
-    async def start(self, turn: Turn, request: Request) -> tuple[_Stream, Admitted]:
+    async def start(self, turn: TurnRequest, request: Request, render=None) -> tuple[_Stream, Admitted]:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
         stream = _Stream(asyncio.get_running_loop())
-        self.worker.submit(turn, stream.emit)
+        self.worker.submit(turn, stream.emit, render)
         first = await self._next(stream, turn, request)
         if isinstance(first, Failed):
             raise failed_error(first)
         assert isinstance(first, Admitted), first
         return stream, first
 
-    async def _next(self, stream: _Stream, turn: Turn, request: Request) -> object:
+    async def _next(self, stream: _Stream, turn: TurnRequest, request: Request) -> object:
         """The next worker event; cancels the turn if the client disconnects while we wait."""
         get = asyncio.ensure_future(stream.next())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -220,9 +205,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     @app.get("/health")
     async def _health() -> dict:
-        return health(
-            engine, srv.bank, cfg.kv_layout, {"busy": srv.worker.busy, "waiting": srv.worker.waiting}
-        )
+        return health(engine, srv.bank, srv.worker.scheduler.snapshot)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
@@ -235,7 +218,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             "object": "list",
             "data": [
                 {
-                    "id": engine.model_name,
+                    "id": engine.info.model_name,
                     "object": "model",
                     "created": srv.created,
                     "owned_by": "turnkv",
@@ -250,15 +233,15 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
         srv.check_model(req.model)
         ns = srv.namespace(request, req.cache_salt)
         prompt, history = render(req)
-        turn = Turn(
-            prompt,
-            req.sampling(1),
+        turn = TurnRequest(
+            [],
+            req.sampling(),
             max_tokens=req.requested_max_tokens(),
             namespace=ns,
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
         )
-        return await respond(srv, request, turn, req, chat=chat)
+        return await respond(srv, request, turn, req, chat=chat, render=prompt)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
@@ -290,14 +273,15 @@ def serve(cfg: EngineConfig) -> None:
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg)
     srv: Server = app.state.server
+    info = engine.info
     print(
-        f"turnkv: serving {engine.model_name} on http://{cfg.host}:{cfg.port}/v1 "
+        f"turnkv: serving {info.model_name} on http://{cfg.host}:{cfg.port}/v1 "
         f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, "
-        f"attention {engine.router.verdict.route}: {engine.router.verdict.verdict})",
+        f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs})",
         file=sys.stderr,
         flush=True,
     )
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 
 
-__all__ = ["Server", "create_app", "make_bank", "serve"]
+__all__ = ["Server", "create_app", "serve"]

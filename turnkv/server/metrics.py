@@ -7,6 +7,8 @@ engine at scrape time, so they can never drift from ``/health``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -20,9 +22,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class _StateCollector(Collector):
-    def __init__(self, engine, bank: SessionBank) -> None:
-        self.engine = engine
+    def __init__(self, bank: SessionBank, scheduler: Callable[[], dict]) -> None:
         self.bank = bank
+        self.scheduler = scheduler
 
     def collect(self):
         bank = self.bank
@@ -55,7 +57,7 @@ class _StateCollector(Collector):
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
         )
-        for label, n in sorted(self.engine.counters().get("route_counts", {}).items()):
+        for label, n in sorted(self.scheduler().get("route_counts", {}).items()):
             c.add_metric([label], n)
         yield c
 
@@ -63,7 +65,7 @@ class _StateCollector(Collector):
 class Metrics:
     """The registry of one app and the event metrics the routes record."""
 
-    def __init__(self, engine, bank: SessionBank) -> None:
+    def __init__(self, engine, bank: SessionBank, scheduler: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -89,7 +91,7 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        r.register(_StateCollector(engine, bank))
+        r.register(_StateCollector(bank, scheduler))
 
     def turn(self, stats) -> None:
         """Record one finished turn's ``TurnStats``."""

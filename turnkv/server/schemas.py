@@ -120,9 +120,8 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),
