@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
 from turnkv.config import EngineConfig, parse_size
-from turnkv.server.health import health
+from turnkv.server.dashboard import register_dashboard
+from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.responses import failed_error, respond, route_label
 from turnkv.server.schemas import (
@@ -220,9 +221,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     @app.get("/health")
     async def _health() -> dict:
-        return health(
-            engine, srv.bank, cfg.kv_layout, {"busy": srv.worker.busy, "waiting": srv.worker.waiting}
-        )
+        return server_health(srv)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
@@ -278,6 +277,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             chat=False,
         )
 
+    register_dashboard(app, srv)
     return app
 
 

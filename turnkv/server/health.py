@@ -57,3 +57,10 @@ def health(engine, bank: SessionBank, kv_layout: str, queue: dict | None = None)
     if queue is not None:
         doc["queue"] = queue
     return doc
+
+
+def server_health(srv) -> dict:
+    """The ``/health`` document of a running ``Server``: the one builder that the route and the
+    dashboard share, so their counts always match."""
+    queue = {"busy": srv.worker.busy, "waiting": srv.worker.waiting}
+    return health(srv.engine, srv.bank, srv.cfg.kv_layout, queue)
