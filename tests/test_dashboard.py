@@ -60,6 +60,7 @@ REQUEST_KEYS = {
     "running",
     "waiting",
     "live",
+    "live_rows_per_s",
     "generated_tokens",
     "prefilled_tokens",
     "answers",

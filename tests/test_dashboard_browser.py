@@ -1,7 +1,8 @@
 """The dashboard in a real browser: Debian's headless Chromium driven by Playwright.
 
-It opens ``/dashboard`` on a live server, runs two conversations through the API while the page is
-open, and waits until the panels show them (the page polls; nothing reloads). It checks the page
+It opens ``/dashboard`` on a live server, runs two conversations and a fork through the API while the
+page is open, and waits until the panels show them (the page polls; nothing reloads), then a long
+turn that the page shows running and then banked. It checks the page
 loads nothing from elsewhere, logs no error, fits a 375 px wide screen, reads in the dark colour
 scheme, asks for the key when ``--api-key`` is set, and saves ``docs/dashboard.png`` for the README.
 
@@ -44,6 +45,7 @@ ARGS = [
 ]
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
 WAIT_MS = 30_000
+LONG_TOKENS = 160  # a turn long enough (seconds on a CPU) for the page to see it running
 CONVS = "#convs [data-conv]"  # one element per banked conversation
 
 
@@ -127,8 +129,27 @@ def test_page_follows_two_conversations_live(loaded, browser):
         assert shown == banked
         kpis = page.inner_text("#kpis")
         assert "Conversations" in kpis and str(entries) in kpis
+
+        # a long follow-up of the second conversation: the page shows it live, then banked
+        long_done = threading.Event()
+        follow = [*histories[1], {"role": "user", "content": "Read me the whole ledger, slowly."}]
+
+        def long_turn() -> None:
+            try:
+                chat(srv.client(), follow, max_tokens=LONG_TOKENS, extra_body={"ignore_eos": True})
+            finally:
+                long_done.set()
+
+        threading.Thread(target=long_turn, daemon=True).start()
+        page.wait_for_selector("#live tbody tr", timeout=WAIT_MS)
+        page.wait_for_selector("#convs .chip.pin", timeout=WAIT_MS)  # the conversation it continues
+        page.wait_for_timeout(1500)  # the live band in the memory chart
         SCREENSHOT.parent.mkdir(exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)
+        assert long_done.wait(timeout=240)
+        srv.idle()
+        page.wait_for_selector("#live .none", timeout=WAIT_MS)  # "No turn running."
+        expect(page.locator(CONVS)).to_have_count(entries, timeout=WAIT_MS)  # the longer one replaced it
         watch.check()
 
         # narrow (a phone) and dark: everything fits the width, the colours follow the scheme

@@ -85,10 +85,12 @@ def test_a_live_turn_shares_what_it_restored_and_shows_its_progress(banked):
     assert conv_c["segments"][0]["id"] == s4.id
     assert conv_c["segments"][0]["shared"] and conv_c["own_bytes"] == 0
     assert conv_c["in_use"] and conv_c["protected"]
-    assert v["live"] == [
-        {"ns_hash": ns_hash("key:abc"), "rows": 7, "restored_rows": 7, "priced_bytes": 5 * ROW, "age_s": 0.0}
-    ]
-    assert bank_view(bank, clock, now=12.5)["live"][0]["age_s"] == 2.5
+    turn = {"ns_hash": ns_hash("key:abc"), "restored_rows": 7, "priced_bytes": 5 * ROW}
+    assert v["live"] == [{**turn, "rows": 7, "age_s": 0.0, "rows_per_s": 0.0}]
+    lease.attach(SimpleNamespace(num_tokens=12))  # the worker's cache, 5 rows further on
+    v = bank_view(bank, clock, now=12.5)
+    assert v["live"] == [{**turn, "rows": 12, "age_s": 2.5, "rows_per_s": 2.0}]
+    lease.live = None  # the stand-in holds no KV for finish() to measure
     bank.finish(lease, None)
     v = bank_view(bank, clock, now=13.0)
     assert v["live"] == [] and clock.first_seen == {}
@@ -158,6 +160,7 @@ def test_state_takes_running_and_waiting_from_the_scheduler_when_health_has_one(
     dash = state.Dashboard(srv)
     s = dash.state()
     assert (s["requests"]["running"], s["requests"]["waiting"]) == (1, 3)  # the worker's queue
+    assert s["requests"]["live"] == [] and s["requests"]["live_rows_per_s"] == 0
     assert "scheduler" not in s["health"]
     sched = {"running": 5, "waiting": 2, "step_ms": 12.5, "rows_per_step": 40, "graphs": [1, 2, 4]}
     real = state.server_health

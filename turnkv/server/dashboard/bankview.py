@@ -35,14 +35,21 @@ def _refs(snapshot) -> tuple:
 
 @dataclass
 class LiveClock:
-    """When each live turn was first seen (the bank records no admission time); forgets finished ones."""
+    """When each live turn was first seen and its rows then (the bank records no admission time),
+    so a turn's age and its rows per second since then; forgets finished turns."""
 
-    first_seen: dict[int, float] = field(default_factory=dict)
+    first_seen: dict[int, tuple[float, int]] = field(default_factory=dict)
 
-    def ages(self, leases: list[Lease], now: float) -> list[float]:
-        keys = [id(ls) for ls in leases]
-        self.first_seen = {k: self.first_seen.get(k, now) for k in keys}
-        return [now - self.first_seen[k] for k in keys]
+    def observe(self, leases: list[Lease], rows: list[int], now: float) -> list[tuple[float, float]]:
+        """``(age_s, rows_per_s)`` of each lease, given its ``rows`` now."""
+        seen = {id(ls): self.first_seen.get(id(ls), (now, n)) for ls, n in zip(leases, rows, strict=True)}
+        self.first_seen = seen
+        out = []
+        for ls, n in zip(leases, rows, strict=True):
+            t0, n0 = seen[id(ls)]
+            age = now - t0
+            out.append((age, (n - n0) / age if age > 0 else 0.0))
+        return out
 
 
 def bank_view(bank: SessionBank, clock: LiveClock, now: float | None = None) -> dict:
@@ -65,8 +72,11 @@ def bank_view(bank: SessionBank, clock: LiveClock, now: float | None = None) -> 
         "shared_segments": len(shared),
         "shared_bytes": sum(segments[s].nbytes for s in shared),
     }
+    leases = [ls for ls in leases if not ls.done]
+    rows_now = [ls.live.num_tokens if ls.live is not None else ls.cached for ls in leases]  # int reads
     live = [
-        _live_turn(ls, age) for ls, age in zip(leases, clock.ages(leases, now), strict=True) if not ls.done
+        _live_turn(ls, n, age, rate)
+        for ls, n, (age, rate) in zip(leases, rows_now, clock.observe(leases, rows_now, now), strict=True)
     ]
     return {
         "memory": memory,
@@ -99,13 +109,12 @@ def _conversation(e: BankEntry, holders: Counter[int], protected: set[int]) -> d
     }
 
 
-def _live_turn(ls: Lease, age_s: float) -> dict:
-    cache = ls.live
-    rows = cache.num_tokens if cache is not None else ls.cached  # an int read; the worker owns the cache
+def _live_turn(ls: Lease, rows: int, age_s: float, rows_per_s: float) -> dict:
     return {
         "ns_hash": ns_hash(ls.namespace),
         "rows": rows,
         "restored_rows": ls.cached,
         "priced_bytes": ls.needed_bytes,
         "age_s": round(age_s, 1),
+        "rows_per_s": round(rows_per_s, 1),  # rows added since the dashboard first saw the turn
     }

@@ -14,7 +14,7 @@ Keys (all always present):
   ``id``, ``rows``, ``segment_rows``, ``bytes``, ``shared``);
 - ``requests``: ``running`` and ``waiting`` (``/health.scheduler``'s when present, else the engine
   worker's queue), ``live`` turns (``ns_hash``, ``rows``, ``restored_rows``, ``priced_bytes``,
-  ``age_s``), ``generated_tokens`` / ``prefilled_tokens`` / ``answers`` (finished turns, as ``/metrics``
+  ``age_s``, ``rows_per_s``) and ``live_rows_per_s`` (their sum), ``generated_tokens`` / ``prefilled_tokens`` / ``answers`` (finished turns, as ``/metrics``
   counts them), ``tokens_per_s``, ``prefill_tokens_per_s``, ``ttft_s`` (last minute), ``ttft_mean_s``;
 - ``history``: the last five minutes, one column per series (see ``History.series``).
 
@@ -71,6 +71,7 @@ class Dashboard:
                 "running": running,
                 "waiting": waiting,
                 "live": view["live"],
+                "live_rows_per_s": round(sum(t["rows_per_s"] for t in view["live"]), 1),
                 "generated_tokens": sample.generated_tokens,
                 "prefilled_tokens": sample.prefilled_tokens,
                 "answers": sample.ttft_count,

@@ -176,8 +176,9 @@
       kpi("Hit rate", pct(b.hits, b.hits + b.misses), plural(b.hits, "hit") + " · " + num(b.misses) + (b.misses === 1 ? " miss" : " misses")),
       kpi("Evictions", num(b.evictions), "dropped for room", { title: "idle entries evicted to make room" }),
       kpi("507 refusals", num(b.refusals), "turns that did not fit", { bad: b.refusals > 0 }),
-      kpi("Tokens/s", num(r.tokens_per_s, 1), "+ " + num(r.prefill_tokens_per_s, 0) + " prefill · 5 s",
-        { title: "tokens generated per second over the last 5 s (counted as turns finish)" }),
+      kpi("Tokens/s", num(r.tokens_per_s, 1),
+        r.live.length ? "live turns: " + num(r.live_rows_per_s, 1) + " rows/s" : "+ " + num(r.prefill_tokens_per_s, 0) + " prefill · 5 s",
+        { title: "tokens generated per second over the last 5 s, counted as turns finish; rows/s of the turns running now" }),
       kpi("First token", secs(r.ttft_s !== null ? r.ttft_s : r.ttft_mean_s), "mean " + secs(r.ttft_mean_s) + " · " + num(r.answers) + " answers",
         { title: "time to first token: mean over the last minute (big) and since the start" }),
       kpi("Queue", num(r.running) + " · " + num(r.waiting), "running · waiting"),
@@ -269,6 +270,7 @@
       rows.push(["scheduler", el("span", { class: "muted", text: q ? "one engine worker: turns run one at a time" : "not reported" })]);
     }
     rows.push(["tokens/s (5 s)", num(r.tokens_per_s, 1) + " generated · " + num(r.prefill_tokens_per_s, 0) + " prefilled"]);
+    rows.push(["live rows/s", num(r.live_rows_per_s, 1), "rows the running turns added per second since this page's server first saw them"]);
     rows.push(["TTFT", "last minute " + secs(r.ttft_s) + " · mean " + secs(r.ttft_mean_s)]);
     rows.push(["finished", num(r.answers) + " answers · " + num(r.generated_tokens) + " generated · " + num(r.prefilled_tokens) + " prefilled tokens"]);
     facts($("queue"), rows);
@@ -277,10 +279,10 @@
       box.replaceChildren(el("div", { class: "none", text: "No turn running." }));
       return;
     }
-    const head = el("tr", {}, ...["ns", "rows", "restored", "priced", "age"].map((h) => el("th", { text: h })));
+    const head = el("tr", {}, ...["ns", "rows", "restored", "rows/s", "priced", "age"].map((h) => el("th", { text: h })));
     box.replaceChildren(el("table", { class: "live" }, el("thead", {}, head), el("tbody", {}, ...r.live.map((t) =>
       el("tr", {}, el("td", { class: "mono", text: t.ns_hash }), el("td", { text: num(t.rows) }), el("td", { text: num(t.restored_rows) }),
-        el("td", { text: bytes(t.priced_bytes) }), el("td", { text: num(t.age_s, 1) + " s" }))))));
+        el("td", { text: num(t.rows_per_s, 1) }), el("td", { text: bytes(t.priced_bytes) }), el("td", { text: num(t.age_s, 1) + " s" }))))));
   }
 
   function renderAttention(s) {
