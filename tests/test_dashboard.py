@@ -242,7 +242,7 @@ def test_page_and_assets_are_served_with_types_and_no_external_urls(chatted):
         # the SVG namespace name is an identifier the DOM needs, not something fetched
         assert urls <= {"http://www.w3.org/2000/svg"}, (path, urls)
         body[path] = r.text
-    css, js = body["/dashboard/app.css"], body["/dashboard/app.js"]
+    css, js = body["/dashboard/app.css"], body["/dashboard/app.js"] + body["/dashboard/draw.js"]
     assert "url(" not in css and "@import" not in css
     assert set(re.findall(r"fetch\(\s*([^,)]+)", js)) == {'"dashboard/state"'}
     page = httpx.get(srv.url + "/dashboard", timeout=30)
@@ -259,7 +259,7 @@ def test_page_and_assets_are_served_with_types_and_no_external_urls(chatted):
 
     p = Refs()
     p.feed(page.text)
-    assert sorted(p.found) == ["dashboard/app.css", "dashboard/app.js", "data:,"]
+    assert sorted(p.found) == ["dashboard/app.css", "dashboard/app.js", "dashboard/draw.js", "data:,"]
     assert "<script>" not in page.text and "<style" not in page.text  # nothing inline (the CSP)
     # the trailing-slash form redirects to the page, so its relative asset paths resolve
     r = httpx.get(srv.url + "/dashboard/", timeout=30)

@@ -1,6 +1,6 @@
 """The live dashboard: ``GET /dashboard`` (one page) and ``GET /dashboard/state`` (its JSON).
 
-The page, its script and its styles are files of this package (``static/``), served by these
+The page, its scripts and its styles are files of this package (``static/``), served by these
 routes: no external asset, no CDN, no build step; it works with no network. The script polls
 ``/dashboard/state`` about once a second and redraws without reloading.
 
@@ -28,6 +28,7 @@ from turnkv.server.dashboard.state import Dashboard
 
 ASSETS = {  # route -> (file in static/, content type)
     "/dashboard": ("index.html", "text/html; charset=utf-8"),
+    "/dashboard/draw.js": ("draw.js", "text/javascript; charset=utf-8"),
     "/dashboard/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/dashboard/app.css": ("app.css", "text/css; charset=utf-8"),
 }
