@@ -63,7 +63,8 @@ class Live:
     def idle(self) -> None:
         """Wait until the worker has finished (and banked) everything queued."""
         deadline = time.monotonic() + 60
-        while self.server.worker.running or self.server.worker.waiting:
+        worker = self.server.worker
+        while worker.waiting or worker.scheduler.snapshot["running"] or worker.scheduler.snapshot["waiting"]:
             assert time.monotonic() < deadline, "worker stuck"
             time.sleep(0.02)
 

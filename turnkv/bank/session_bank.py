@@ -138,6 +138,11 @@ class SessionBank:
         with self._lock:
             return list(self._entries.values())
 
+    def view(self) -> tuple[list[BankEntry], list[Lease], set[int]]:
+        """One consistent read for status pages: (entries, live leases, protected entry ids)."""
+        with self._lock:
+            return list(self._entries.values()), list(self._leases), self._protected()
+
     def unique_bytes(self, live: bool = True) -> int:
         """Unique KV bytes of every banked snapshot (and, with ``live``, every live cache)."""
         with self._lock:

@@ -83,6 +83,7 @@ class Scheduler:
         if work:
             self._run(work)
         self.running = [e for e in self.running if not e.turn.done]
+        self.snapshot = self._info()
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -128,7 +129,6 @@ class Scheduler:
         a = 0.1 if self.steps > 1 else 1.0
         self.step_ms += a * ((time.perf_counter() - t0) * 1e3 - self.step_ms)
         self.rows_per_step += a * (rows - self.rows_per_step)
-        self.snapshot = self._info()
 
     def _info(self) -> dict:
         graphs = self.engine.graphs

@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.turn import Admitted, Failed, TurnRequest
-from turnkv.server.health import health
+from turnkv.server.dashboard import register_dashboard
+from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.responses import failed_error, respond, route_label
 from turnkv.server.schemas import (
@@ -205,7 +206,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     @app.get("/health")
     async def _health() -> dict:
-        return health(engine, srv.bank, srv.worker.scheduler.snapshot)
+        return server_health(srv)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
@@ -261,6 +262,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             chat=False,
         )
 
+    register_dashboard(app, srv)
     return app
 
 

@@ -62,3 +62,9 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
     }
     return doc
+
+
+def server_health(srv) -> dict:
+    """The ``/health`` document of a running ``Server``: the one builder that the route and the
+    dashboard share, so their counts always match."""
+    return health(srv.engine, srv.bank, srv.worker.scheduler.snapshot)
