@@ -22,7 +22,7 @@ from turnkv.config import EngineConfig
 from turnkv.engine.sampling import Sampler, SamplingParams
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, common_prefix_len
-from turnkv.models.load import LoadedModel
+from turnkv.models.load import LoadedModel, cache_fingerprint
 from turnkv.tokenizer import StreamDecoder
 
 
@@ -73,9 +73,9 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
-        self.fingerprint = loaded.fingerprint
         mc = loaded.config
         self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, loaded.device)
+        self.fingerprint = cache_fingerprint(loaded.fingerprint, self.shape)  # weights + KV dtype, geometry
         self.layout = make_layout(cfg.kv_layout, self.shape)
         self.router = make_router(
             cfg.attention, loaded.device, mc.head_dim, mc.num_heads, mc.num_kv_heads, loaded.dtype
