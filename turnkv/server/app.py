@@ -46,7 +46,9 @@ SESSION_HEADER = "x-session-id"
 
 
 def make_bank(engine, cfg: EngineConfig) -> SessionBank:
-    """The session bank of ``cfg.bank_bytes`` (``auto``: see ``auto_budget_bytes``) for ``engine``."""
+    """The session bank of ``cfg.bank_bytes`` (``auto``: see ``auto_budget_bytes``) for ``engine``,
+    with the disk tier in ``cfg.disk_dir`` unless ``cfg.no_disk`` (or the directory is unusable)."""
+    from turnkv.bank.disk import open_tier
     from turnkv.kv.segments import unique_bytes
 
     budget = (
@@ -57,6 +59,9 @@ def make_bank(engine, cfg: EngineConfig) -> SessionBank:
         bytes_per_row=engine.shape.bytes_per_row,
         measure=lambda held: unique_bytes(*held),
         copy_on_restore=cfg.kv_layout == "contiguous",
+        tier=None
+        if cfg.no_disk
+        else open_tier(cfg.disk_dir, engine.fingerprint, engine.shape, parse_size(cfg.disk_bytes)),
     )
 
 
@@ -192,6 +197,8 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         srv.worker.stop()
+        if srv.bank.tier is not None:
+            srv.bank.tier.close()  # finishes the queued block writes
 
     app = FastAPI(title="turnkv", lifespan=lifespan)
     app.state.server = srv
@@ -290,9 +297,11 @@ def serve(cfg: EngineConfig) -> None:
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg)
     srv: Server = app.state.server
+    tier = srv.bank.tier
+    disk = f"disk {tier.store.root} ({tier.budget_bytes / 2**30:.1f} GiB)" if tier else "no disk tier"
     print(
         f"turnkv: serving {engine.model_name} on http://{cfg.host}:{cfg.port}/v1 "
-        f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, "
+        f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
         f"attention {engine.router.verdict.route}: {engine.router.verdict.verdict})",
         file=sys.stderr,
         flush=True,

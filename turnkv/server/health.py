@@ -3,17 +3,18 @@
 Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``attention``
 (``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,
 ``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
-``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (the disk tier is not built yet:
-``enabled: false`` and zeros), ``speculation`` (zeros until speculation lands).
+``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
+``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (zeros until speculation
+lands).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
 
+from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
 
-DISK_KEYS = ("blocks", "bytes", "writes", "hits", "misses", "corrupt", "evictions")
 SPECULATION_KEYS = ("drafted", "accepted", "windows")
 
 
@@ -51,7 +52,7 @@ def health(engine, bank: SessionBank, kv_layout: str, queue: dict | None = None)
             "evictions": s.evictions,
             "refusals": s.refusals,
         },
-        "disk": {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)},
+        "disk": bank.tier.health() if bank.tier is not None else disabled_health(),
         "speculation": dict.fromkeys(SPECULATION_KEYS, 0),
     }
     if queue is not None:
