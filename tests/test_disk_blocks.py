@@ -188,3 +188,19 @@ def test_truncated_or_extended_files_are_refused(tmp_path, cut, extra):
         except BlockError:
             return
         assert _same(got, _block())
+
+
+def test_decode_into_rows_of_a_longer_segment(tmp_path):
+    """The loader reads a block straight into its rows of the segment it assembles."""
+    block = _block(dataclasses.replace(SHAPE, dtype=torch.bfloat16))
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(encode_block(block))
+    seg_k = torch.zeros(2, 2, 3 * BLOCK_TOKENS, 8, dtype=torch.bfloat16)
+    seg_v = torch.zeros_like(seg_k)
+    rows = slice(BLOCK_TOKENS, 2 * BLOCK_TOKENS)
+    got = decode_block(str(path), block.key, into=(seg_k[:, :, rows], seg_v[:, :, rows]))
+    assert _same(got, block) and got.k.data_ptr() == seg_k[:, :, rows].data_ptr()
+    assert torch.equal(seg_k[:, :, rows], block.k) and not seg_k[:, :, :BLOCK_TOKENS].any()
+    wrong = torch.zeros(2, 2, BLOCK_TOKENS, 8)  # a float32 segment cannot take bf16 rows
+    with pytest.raises(BlockError, match="bfloat16"):
+        decode_block(str(path), block.key, into=(wrong, wrong.clone()))

@@ -42,6 +42,7 @@ from turnkv.bank.disk_blocks import (
     BlockError,
     block_context,
     block_keys,
+    host_copy,
 )
 from turnkv.bank.disk_store import BlockStore, LocalDirStore
 from turnkv.kv.cache import KVShape
@@ -50,7 +51,9 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 log = logging.getLogger(__name__)
 
 QUEUE_BLOCKS = 256  # blocks waiting for the writer at most (each keeps its segments alive)
-LOAD_THREADS = 8  # readers verifying blocks in parallel (hashing runs without the GIL)
+# readers verifying blocks in parallel (hashing and numpy copies run without the GIL); SHA-256 of
+# one block is one core's work (1.3-1.8 GB/s), so a restore scales with the cores up to here
+LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
 DISK_KEYS = (
     "blocks",
     "bytes",
@@ -189,22 +192,29 @@ class DiskTier:
         window = max(2, 2 * self.load_threads)  # blocks read ahead of the copy (bounded memory)
         futures: dict[int, Future] = {}
         good = 0
+
+        def rows(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            lo = i * BLOCK_TOKENS
+            return k[:, :, lo : lo + BLOCK_TOKENS], v[:, :, lo : lo + BLOCK_TOKENS]  # [L, Hkv, 256, D]
+
         for i in range(n):
             for j in range(i, min(n, i + window)):
-                if j not in futures:
-                    futures[j] = pool.submit(self.store.get, keys[j], cuda)
+                if j not in futures:  # on a CPU device straight into the segment, else pinned memory
+                    futures[j] = pool.submit(self.store.get, keys[j], cuda, None if cuda else rows(j))
             try:
                 block = futures.pop(i).result()
                 self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
             except BlockError as exc:
                 self._corrupt(keys[i], exc)
                 break
-            lo = i * BLOCK_TOKENS
-            k[:, :, lo : lo + BLOCK_TOKENS].copy_(block.k, non_blocking=cuda)  # pinned host -> device
-            v[:, :, lo : lo + BLOCK_TOKENS].copy_(block.v, non_blocking=cuda)
+            if cuda:
+                dst_k, dst_v = rows(i)
+                dst_k.copy_(block.k, non_blocking=True)  # pinned host -> device
+                dst_v.copy_(block.v, non_blocking=True)
             good += 1
-        for fut in futures.values():
-            fut.cancel()
+        for fut in futures.values():  # reads still running write rows past the good ones: let them end
+            if not fut.cancel():
+                fut.exception()
         if good == 0:
             return None
         self.store.touch(keys[:good])
@@ -358,7 +368,10 @@ class DiskTier:
         lo = depth * BLOCK_TOKENS
         if stream is None:
             k, v = job.snapshot.read_rows(lo, lo + BLOCK_TOKENS)
-            return k.contiguous(), v.contiguous()
+            hk, hv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+            host_copy(hk, k)  # not torch's copy: its thread pool would compete with decode
+            host_copy(hv, v)
+            return hk, hv
         with torch.cuda.stream(stream):
             stream.wait_event(job.ready)
             k, v = job.snapshot.read_rows(lo, lo + BLOCK_TOKENS)

@@ -98,10 +98,33 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for CPU tensors of one shape and dtype, by numpy: one thread, no GIL.
+
+    Disk threads copy many blocks at once; torch's copy would start its OpenMP pool from each of
+    them, which measured 0.29-0.39 GB/s against 14 GB/s this way on the busy 2-core EPYC."""
+    np.copyto(_bytes(dst), _bytes(src))
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
+
+
+def _feed(h, t: torch.Tensor) -> None:
+    """Feed ``t``'s bytes in C order. ``t`` may be a slice of a longer segment along the row axis
+    (``[L, Hkv, rows, D]`` with every ``[rows, D]`` plane contiguous): the planes go one by one,
+    which is the same byte stream as the contiguous tensor."""
+    if t.is_contiguous():
+        h.update(_raw(t))
+        return
+    for plane in t.flatten(0, -3):  # [L * Hkv, rows, D], a view
+        h.update(_raw(plane))
+
+
 def payload_checksum(facts: dict[str, str], k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor) -> str:
     h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     for t in (k, v, tokens):
-        h.update(_raw(t))
+        _feed(h, t)
     return "sha256:" + h.hexdigest()
 
 
@@ -132,11 +155,15 @@ def encode_block(block: Block) -> bytes:
     return save({"k": block.k, "v": block.v, "tokens": tokens}, metadata=metadata(block, tokens))
 
 
-def decode_block(path: str, key: str, pin: bool = False) -> Block:
+def decode_block(
+    path: str, key: str, pin: bool = False, into: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> Block:
     """Read and verify the block file ``path`` that should hold ``key``; raise :class:`BlockError`.
 
-    The tensors are copied out of the file's mapping into private memory (pinned with ``pin``) and
-    the checksum is taken over that copy, so the bytes verified are the bytes used.
+    ``k`` and ``v`` are copied out of the file's mapping into ``into`` (CPU views ``[L, Hkv, 256,
+    D]``, e.g. this block's rows of a segment being assembled) or else into private memory (pinned
+    with ``pin``), and the checksum is taken over that copy: the bytes verified are the bytes used.
+    After a ``BlockError`` the contents of ``into`` are undefined.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -151,7 +178,16 @@ def decode_block(path: str, key: str, pin: bool = False) -> Block:
             names = set(f.keys())
             if names != {"k", "v", "tokens"}:
                 raise BlockError(f"tensors {sorted(names)}, expected k, v, tokens")
-            k, v, tokens = (_private(f.get_tensor(n), pin) for n in ("k", "v", "tokens"))
+            tokens = _private(f.get_tensor("tokens"), False)
+            k, v = f.get_tensor("k"), f.get_tensor("v")
+            if into is not None and k.shape == into[0].shape and v.shape == into[1].shape:
+                if k.dtype != into[0].dtype or v.dtype != into[1].dtype:
+                    raise BlockError(f"block holds {k.dtype}, expected {into[0].dtype}")
+                host_copy(into[0], k)
+                host_copy(into[1], v)
+                k, v = into
+            else:
+                k, v = _private(k, pin), _private(v, pin)
     except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
         raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.shape[2] != BLOCK_TOKENS:
@@ -172,5 +208,5 @@ def decode_block(path: str, key: str, pin: bool = False) -> Block:
 
 def _private(t: torch.Tensor, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    out.copy_(t)
+    host_copy(out, t)
     return out

@@ -64,7 +64,10 @@ class BlockStore(Protocol):
         there). Raises ``OSError`` when the write fails (nothing is then visible)."""
         ...
 
-    def get(self, key: str, pin: bool = False) -> Block: ...
+    def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
+        """The verified block, its ``k``/``v`` read into ``into`` (CPU views) when given, else into
+        private memory (pinned with ``pin``); raises ``BlockError``."""
+        ...
 
     def has(self, key: str) -> bool: ...
 
@@ -144,14 +147,14 @@ class LocalDirStore:
                 self._count += 1
         return len(data)
 
-    def get(self, key: str, pin: bool = False) -> Block:
+    def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         """The verified block; a key with no row, a missing file or a bad file raise ``BlockError``."""
         if not self.has(key):
             raise BlockError(f"block {key[:12]} is not in the index")
         path = self.path(key)
         if not path.is_file():
             raise BlockError(f"block {key[:12]} is in the index but its file {path} is missing")
-        return decode_block(str(path), key, pin)
+        return decode_block(str(path), key, pin, into)
 
     def has(self, key: str) -> bool:
         with self._mu:
