@@ -122,7 +122,7 @@ def restore_timed(engine: Engine, tier: DiskTier, ids: list[int]) -> dict:
 
 def run_size(engine: Engine, n: int, args, root: Path) -> dict:
     ids = random_ids(engine, n + args.new, seed=n)
-    recompute = [prefill_timed(engine, engine.new_cache(), ids) for _ in range(args.repeat)]
+    recompute = [prefill_timed(engine, engine.new_cache(), ids) for _ in range(args.recompute_repeat)]
     ref, t_re = recompute[-1][0], statistics.median(t for _, t in recompute)
     cache = engine.new_cache()
     engine.prefill(cache, ids[:n])
@@ -198,7 +198,9 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
     ap.add_argument("--tokens", default="4096,8192,32768", help="history sizes (multiples of 256)")
     ap.add_argument("--new", type=int, default=1, help="prompt tokens after the history")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is kept)")
+    ap.add_argument("--repeat", type=int, default=3, help="restores per measurement (the median is kept)")
+    ap.add_argument("--recompute-repeat", type=int, default=1, help="full recomputes per size (median)")
+    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--convs", type=int, default=8)
     ap.add_argument("--shared", type=int, default=4096)
     ap.add_argument("--own", type=int, default=1024)
@@ -207,6 +209,8 @@ def main() -> None:
     ap.add_argument("--tag", default="disk_restore")
     args = ap.parse_args()
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     model = f"random:{args.shape}" if args.shape else args.model
     cfg = EngineConfig(
         model=model,
@@ -227,7 +231,8 @@ def main() -> None:
     print(
         f"# {engine.model_name}{' (random weights)' if args.shape else ''} on {engine.shape.device} "
         f"{engine.shape.dtype}, attention={engine.router.verdict.route}, prefill chunk {engine.prefill_chunk}, "
-        f"blocks in {root} ({filesystem(root)}), {engine.shape.bytes_per_row} bytes per row"
+        f"blocks in {root} ({filesystem(root)}), {engine.shape.bytes_per_row} bytes per row, "
+        f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
     )
     if skipped:
         print(f"# skipped {skipped}: beyond the model's context of {limit} tokens")
@@ -242,6 +247,9 @@ def main() -> None:
         "attention": engine.router.verdict.route,
         "prefill_chunk": engine.prefill_chunk,
         "filesystem": filesystem(root),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
         "bytes_per_row": engine.shape.bytes_per_row,
         "skipped": skipped,
         "sizes": [],

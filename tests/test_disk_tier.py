@@ -254,3 +254,21 @@ def test_the_disk_budget_evicts_least_recently_used_blocks(tmp_path):
     depths = sorted(i.depth for i in tier.store.iterate())
     assert depths == [0, 0, 1]  # the newest conversation whole, the older one's head
     tier.close()
+
+
+def test_the_contiguous_layout_restores_from_disk_too(engine, tmp_path):
+    from dataclasses import replace
+
+    from turnkv.engine.engine import Engine
+
+    contiguous = Engine(engine.loaded, replace(engine.cfg, kv_layout="contiguous"))
+    tokens = prompt(600)
+    a = bank_over(contiguous, tmp_path)
+    turn(contiguous, a, "ns", tokens)
+    a.tier.close()
+    b = bank_over(contiguous, tmp_path)
+    got, cached = first_logits(contiguous, b, "ns", [*tokens, 3])
+    want, _ = first_logits(contiguous, None, "ns", [*tokens, 3])
+    assert cached == 512
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    b.tier.close()

@@ -311,9 +311,14 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         stream = None
-        if torch.device(self.shape.device).type == "cuda":
-            torch.cuda.set_device(self.shape.device)
-            stream = torch.cuda.Stream()  # device -> host copies beside, not behind, decode
+        device = torch.device(self.shape.device)
+        if device.type == "cuda":
+            try:
+                if device.index is not None:
+                    torch.cuda.set_device(device)
+                stream = torch.cuda.Stream()  # device -> host copies beside, not behind, decode
+            except Exception as exc:  # every write will then fail and be counted; none hangs
+                self._warn_once("stream", f"KV disk cache: no CUDA stream for writes: {exc}")
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._jobs or self._closing)
