@@ -223,19 +223,23 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="disk-bench-", dir=args.dir or OUT))
     sizes = [int(t) for t in args.tokens.split(",")]
-    limit = engine.max_context
-    skipped = [n for n in sizes if limit and n + args.new > limit]
-    sizes = [n for n in sizes if n not in skipped]
     if any(n % BLOCK_TOKENS for n in sizes):
         raise SystemExit(f"history sizes must be multiples of {BLOCK_TOKENS}")
+    limit = engine.max_context
+    if limit:  # a history the context cannot hold shrinks to the largest that fits (by whole blocks)
+        fit = (limit - args.new) // BLOCK_TOKENS * BLOCK_TOKENS
+        clipped = {n: fit for n in sizes if n > fit}
+        sizes = sorted({min(n, fit) for n in sizes})
+    else:
+        clipped = {}
     print(
         f"# {engine.model_name}{' (random weights)' if args.shape else ''} on {engine.shape.device} "
         f"{engine.shape.dtype}, attention={engine.router.verdict.route}, prefill chunk {engine.prefill_chunk}, "
         f"blocks in {root} ({filesystem(root)}), {engine.shape.bytes_per_row} bytes per row, "
         f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
     )
-    if skipped:
-        print(f"# skipped {skipped}: beyond the model's context of {limit} tokens")
+    for n, fit in clipped.items():
+        print(f"# {n} tokens run as {fit}: the model's context is {limit} tokens ({args.new} more follow)")
     prefill_timed(
         engine, engine.new_cache(), random_ids(engine, 2 * engine.prefill_chunk + 3, seed=7)
     )  # warm-up
@@ -251,7 +255,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "bytes_per_row": engine.shape.bytes_per_row,
-        "skipped": skipped,
+        "clipped": clipped,
         "sizes": [],
     }
     print(
