@@ -53,7 +53,8 @@ class LowerTier(Protocol):
     ``extend`` returns a snapshot of more leading rows of ``tokens`` than ``prefix`` holds (``prefix``
     possibly cut shorter, plus rows it loaded), or None; it never returns rows it did not verify.
     ``write_behind`` queues a finished turn's rows and returns at once. ``held`` lists the
-    snapshots its queued writes keep alive.
+    snapshots its queued writes keep alive. ``health`` is ``/health.disk``; ``close`` finishes the
+    queued writes.
     """
 
     def extend(self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None) -> Snapshot | None: ...
@@ -61,6 +62,10 @@ class LowerTier(Protocol):
     def write_behind(self, namespace: str, snapshot: Snapshot) -> None: ...
 
     def held(self) -> list[Snapshot]: ...
+
+    def health(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class Refused(Exception):

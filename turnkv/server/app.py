@@ -292,13 +292,15 @@ def serve(cfg: EngineConfig) -> None:
     """Load the model of ``cfg`` and serve it on ``cfg.host:cfg.port`` until interrupted."""
     import uvicorn
 
+    from turnkv.bank.disk import default_disk_dir
     from turnkv.engine.engine import Engine
 
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg)
     srv: Server = app.state.server
     tier = srv.bank.tier
-    disk = f"disk {tier.store.root} ({tier.budget_bytes / 2**30:.1f} GiB)" if tier else "no disk tier"
+    where = cfg.disk_dir or default_disk_dir()
+    disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
     print(
         f"turnkv: serving {engine.model_name} on http://{cfg.host}:{cfg.port}/v1 "
         f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
