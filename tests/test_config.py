@@ -34,3 +34,17 @@ def test_env_twins_apply_and_flags_win(monkeypatch):
 def test_malformed_bank_size_fails_early():
     with pytest.raises(ValueError):
         engine_config(build_parser().parse_args(["serve", "--bank-bytes", "lots"]))
+
+
+def test_disk_flags_and_their_env_twins(monkeypatch):
+    cfg = engine_config(build_parser().parse_args(["serve"]))
+    assert (cfg.disk_dir, cfg.disk_bytes, cfg.no_disk) == ("", "8G", False)  # on by default
+    monkeypatch.setenv("TURNKV_NO_DISK", "1")
+    monkeypatch.setenv("TURNKV_DISK_DIR", "/tmp/kv")
+    monkeypatch.setenv("TURNKV_DISK_BYTES", "2G")
+    cfg = engine_config(build_parser().parse_args(["serve"]))
+    assert (cfg.disk_dir, cfg.disk_bytes, cfg.no_disk) == ("/tmp/kv", "2G", True)
+    cfg = engine_config(build_parser().parse_args(["serve", "--disk-dir", "/x", "--disk-bytes", "1G"]))
+    assert (cfg.disk_dir, cfg.disk_bytes) == ("/x", "1G")
+    with pytest.raises(ValueError):
+        engine_config(build_parser().parse_args(["serve", "--disk-bytes", "lots"]))

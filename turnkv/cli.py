@@ -1,4 +1,4 @@
-"""``turnkv serve | chat | generate | selfcheck``.
+"""``turnkv serve | chat | generate | selfcheck | cache``.
 
 Every flag has a ``TURNKV_*`` environment twin (``--kv-layout`` <-> ``TURNKV_KV_LAYOUT``); a flag on
 the command line wins. Expected failures (a missing model, an unsupported architecture, a prompt
@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="prefill rows per step (0: --prefill-chunk)",
     )
+    _disk_flags(s)
+    s.add_argument("--disk-bytes", dest="disk_bytes", help="byte budget of the KV disk tier: N, 512M, 8G")
+    s.add_argument(
+        "--no-disk", dest="no_disk", action="store_true", default=None, help="serve without the KV disk tier"
+    )
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)
@@ -73,7 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("selfcheck", help="run the fused-attention probe and print the verdict")
     k.add_argument("--device", default="auto")
     k.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("cache", help="the KV disk tier: stats, verify every block, or clear it")
+    d.add_argument("action", choices=["stats", "verify", "clear"])
+    _disk_flags(d)
+    d.add_argument("--json", action="store_true")
     return ap
+
+
+def _disk_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--disk-dir", dest="disk_dir", help="KV disk tier directory (default $XDG_CACHE_HOME/turnkv/kv)"
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -87,6 +103,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     cfg = EngineConfig(**values)
     if cfg.bank_bytes != "auto":
         parse_size(cfg.bank_bytes)  # fail early on a malformed size
+    parse_size(cfg.disk_bytes)
     return cfg
 
 
@@ -114,6 +131,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return cli_main(args.device, args.json)
     cfg = engine_config(args)
+    if args.command == "cache":
+        from turnkv.cache_cli import cache_main
+
+        return cache_main(args.action, cfg.disk_dir, args.json)
     if args.command == "serve":
         from turnkv.server.app import serve
 

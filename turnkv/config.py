@@ -75,6 +75,9 @@ class EngineConfig:
     kv_layout: str = "segmented"  # segmented | contiguous
     attention: str = "auto"  # auto | fused | lse
     bank_bytes: str = "auto"  # N | auto
+    disk_dir: str = ""  # the KV disk tier's directory; "": $XDG_CACHE_HOME/turnkv/kv or ~/.cache/turnkv/kv
+    disk_bytes: str = "8G"  # byte budget of the disk tier (least recently used blocks go first)
+    no_disk: bool = False  # serve without the disk tier
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
     cuda_graphs: str = "auto"  # auto | off: captured decode steps on CUDA

@@ -32,6 +32,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -44,6 +45,27 @@ Measure = Callable[[Iterable[object]], int]
 AUTO_SHARE_CUDA = 0.80  # of the device memory free after the weights are loaded
 AUTO_SHARE_CPU = 0.50  # of the RAM the OS reports available at start
 LOOKUP_CANDIDATES = 16  # entries weighed when several share the longest prefix
+
+
+class LowerTier(Protocol):
+    """A slower store of KV rows behind the bank (``turnkv.bank.disk.DiskTier``).
+
+    ``extend`` returns a snapshot of more leading rows of ``tokens`` than ``prefix`` holds (``prefix``
+    possibly cut shorter, plus rows it loaded), or None; it never returns rows it did not verify.
+    ``write_behind`` queues a finished turn's rows and returns at once. ``held`` lists the
+    snapshots its queued writes keep alive. ``health`` is ``/health.disk``; ``close`` finishes the
+    queued writes.
+    """
+
+    def extend(self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None) -> Snapshot | None: ...
+
+    def write_behind(self, namespace: str, snapshot: Snapshot) -> None: ...
+
+    def held(self) -> list[Snapshot]: ...
+
+    def health(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class Refused(Exception):
@@ -112,7 +134,10 @@ class SessionBank:
 
     ``measure`` returns the unique bytes of a collection of snapshots and live caches (the layout's
     ``unique_bytes``); ``bytes_per_row`` is one token across all layers; ``copy_on_restore`` makes
-    admission price the restored history (the contiguous layout copies it).
+    admission price the restored history (the contiguous layout copies it). ``tier`` (optional):
+    admission asks it to extend the memory hit (rows it loads are held by the lease and priced
+    like the rest of the restored prefix), every finished turn is written behind to it, and the
+    snapshots its queue holds count as used memory.
     """
 
     budget_bytes: int
@@ -120,6 +145,7 @@ class SessionBank:
     measure: Measure
     copy_on_restore: bool = False
     stats: BankStats = field(default_factory=BankStats)
+    tier: LowerTier | None = None
 
     def __post_init__(self) -> None:
         self._entries: dict[int, BankEntry] = {}
@@ -197,13 +223,15 @@ class SessionBank:
             cached = min(n, max(len(tokens) - 1, 0))
             if entry is not None and cached == 0:
                 entry = None
+            prefix = entry.snapshot.prefix(cached) if entry is not None else None
+            if self.tier is not None:
+                prefix, cached = self._extend(namespace, tokens, prefix, cached)
             new_rows = len(tokens) - cached
             needed = (new_rows + reserve_rows) * self.bytes_per_row
             if activation_bytes is not None:
                 needed += activation_bytes(new_rows, cached)
             if self.copy_on_restore:
                 needed += cached * self.bytes_per_row
-            prefix = entry.snapshot.prefix(cached) if entry is not None else None
             pin = entry is not None and cached == len(entry.tokens)
             self._make_room(needed, {entry.id} if pin else set(), prefix)  # or Refused, evicting nothing
             if entry is not None:
@@ -249,6 +277,8 @@ class SessionBank:
             lease.snapshot = None
             if eid is not None:
                 self._drop_superseded(lease.namespace, eid)
+                if self.tier is not None:
+                    self.tier.write_behind(lease.namespace, snapshot)
             self._fit_budget()
             return eid
 
@@ -261,6 +291,16 @@ class SessionBank:
             return eid
 
     # -- internals ----------------------------------------------------------------------------
+    def _extend(
+        self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None, cached: int
+    ) -> tuple[Snapshot | None, int]:
+        """The memory prefix, or the tier's longer one (at most ``len(tokens) - 1`` rows)."""
+        assert self.tier is not None
+        longer = self.tier.extend(namespace, tokens[: max(len(tokens) - 1, 0)], prefix)
+        if longer is None or longer.num_tokens <= cached:
+            return prefix, cached
+        return longer, longer.num_tokens
+
     def _touch(self, entry: BankEntry) -> None:
         self._clock += 1
         entry.last_used = self._clock
@@ -303,6 +343,8 @@ class SessionBank:
     def _lease_held(self) -> list[object]:
         """What live turns keep alive: their restored prefixes and their caches."""
         held: list[object] = [ls.snapshot for ls in self._leases if ls.snapshot is not None]
+        if self.tier is not None:
+            held += self.tier.held()
         return held + [ls.live for ls in self._leases if ls.live is not None]
 
     def _used(self, keep: Iterable[BankEntry], extra: object | None = None) -> int:

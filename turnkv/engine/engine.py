@@ -22,7 +22,7 @@ from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot
 from turnkv.kv.segments import unique_bytes
-from turnkv.models.load import LoadedModel
+from turnkv.models.load import LoadedModel, cache_fingerprint
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class EngineInfo:
     """What the server reports about the engine (``/health``, ``/v1/models``, metrics)."""
 
     model_name: str
-    fingerprint: str
+    fingerprint: str  # what cache keys (the disk tier's blocks) are derived from
     device: str
     dtype: str
     kv_layout: str
@@ -76,7 +76,7 @@ class Engine:
         self.graphs = make_graphs(self, cfg.cuda_graphs)
         self.info = EngineInfo(
             loaded.name,
-            loaded.fingerprint,
+            cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
             str(loaded.device),
             str(loaded.dtype).removeprefix("torch."),
             cfg.kv_layout,
@@ -102,16 +102,25 @@ class Engine:
     def restore(self, snapshot: Snapshot) -> KVCache:
         return self.layout.restore(snapshot)
 
-    def new_bank(self, budget: str | int | None = None) -> SessionBank:
+    def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
         """A session bank of ``budget`` bytes (``auto``: see ``auto_budget_bytes``; default the
-        ``--bank-bytes`` flag) for this engine's caches."""
+        ``--bank-bytes`` flag) for this engine's caches; with ``disk``, over the disk tier in
+        ``--disk-dir`` unless ``--no-disk`` (or the directory is unusable)."""
         budget = self.cfg.bank_bytes if budget is None else budget
         size = auto_budget_bytes(self.shape.device) if budget == "auto" else parse_size(budget)
+        tier = None
+        if disk and not self.cfg.no_disk:
+            from turnkv.bank.disk import open_tier
+
+            tier = open_tier(
+                self.cfg.disk_dir, self.info.fingerprint, self.shape, parse_size(self.cfg.disk_bytes)
+            )
         return SessionBank(
             budget_bytes=size,
             bytes_per_row=self.shape.bytes_per_row,
             measure=lambda held: unique_bytes(*held),
             copy_on_restore=self.layout.copies_on_restore,
+            tier=tier,
         )
 
     def activation_bytes(self, rows: int, history: int = 0) -> int:
@@ -135,6 +144,20 @@ class Engine:
     def counters(self) -> dict[str, int]:
         """``seals``, ``merges``, ``max_segments`` of the layout (``/health.segments``)."""
         return self.layout.counters()
+
+    def prefill(self, cache: KVCache, tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens`` to ``cache`` in steps of ``prefill_chunk`` rows (committed); the last
+        row's fp32 logits ``[V]``. For benches and tests: turns prefill through the scheduler."""
+        logits = None
+        for start in range(0, len(tokens), self.prefill_chunk):
+            chunk = list(tokens[start : start + self.prefill_chunk])
+            last = start + len(chunk) == len(tokens)
+            res = self.run_step([Window(cache, chunk, logits=1 if last else 0)])
+            cache.commit(chunk)
+            logits = res.logits[-1] if last else logits
+        if logits is None:
+            raise ValueError("prefill needs at least one token")
+        return logits
 
     # -- one step -----------------------------------------------------------------------------
     def run_step(self, windows: Sequence[Window]) -> StepResult:

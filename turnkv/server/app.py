@@ -68,7 +68,7 @@ class Server:
     def __init__(self, engine, cfg: EngineConfig, bank: SessionBank | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes)
+        self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes, disk=True)
         self.worker = EngineWorker(engine, self.bank, cfg.max_running, cfg.max_batch_tokens)
         self.metrics = Metrics(engine, self.bank, lambda: self.worker.scheduler.snapshot)
         self.keys = {k for k in cfg.api_key if k}
@@ -178,6 +178,8 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         srv.worker.stop()
+        if srv.bank.tier is not None:
+            srv.bank.tier.close()  # finishes the queued block writes
 
     app = FastAPI(title="turnkv", lifespan=lifespan)
     app.state.server = srv
@@ -270,15 +272,19 @@ def serve(cfg: EngineConfig) -> None:
     """Load the model of ``cfg`` and serve it on ``cfg.host:cfg.port`` until interrupted."""
     import uvicorn
 
+    from turnkv.bank.disk import default_disk_dir
     from turnkv.engine.engine import Engine
 
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg)
     srv: Server = app.state.server
     info = engine.info
+    tier = srv.bank.tier
+    where = cfg.disk_dir or default_disk_dir()
+    disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
     print(
         f"turnkv: serving {info.model_name} on http://{cfg.host}:{cfg.port}/v1 "
-        f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, "
+        f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
         f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs})",
         file=sys.stderr,
         flush=True,

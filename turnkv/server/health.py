@@ -3,9 +3,9 @@
 Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``attention``
 (``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,
 ``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
-``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (the disk tier is not built yet:
-``enabled: false`` and zeros), ``speculation`` (zeros until speculation lands), ``scheduler``
-(``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``).
+``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
+``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (zeros until speculation
+lands), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, is_dataclass
 from typing import TYPE_CHECKING
 
+from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
 
 if TYPE_CHECKING:
     from turnkv.engine.engine import Engine
-
-DISK_KEYS = ("blocks", "bytes", "writes", "hits", "misses", "corrupt", "evictions")
 SPECULATION_KEYS = ("drafted", "accepted", "windows")
 
 
@@ -57,7 +56,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
             "evictions": s.evictions,
             "refusals": s.refusals,
         },
-        "disk": {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)},
+        "disk": bank.tier.health() if bank.tier is not None else disabled_health(),
         "speculation": dict.fromkeys(SPECULATION_KEYS, 0),
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
     }

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,11 +55,38 @@ class _StateCollector(Collector):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        yield from _disk_metrics(bank)
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
         )
         for label, n in sorted(self.scheduler().get("route_counts", {}).items()):
             c.add_metric([label], n)
+        yield c
+
+
+_DISK_GAUGES = {"blocks": "Blocks in the KV disk tier", "bytes": "Bytes of the KV disk tier's files"}
+_DISK_COUNTERS = {
+    "writes": "Blocks written to the KV disk tier",
+    "write_failures": "Block writes that failed (disk full, I/O error)",
+    "dropped_writes": "Blocks not written because the write queue was full",
+    "hits": "Admitted turns extended with rows loaded from disk",
+    "misses": "Admitted turns the disk tier could not extend",
+    "corrupt": "Bad blocks found (checksum, truncated, foreign, missing) and removed",
+    "evictions": "Blocks evicted for the disk budget",
+    "dedupe_hits": "Blocks not written because the disk tier already held them",
+}
+
+
+def _disk_metrics(bank: SessionBank):
+    """``turnkv_disk_*``: the numbers of ``/health.disk`` (zeros without a tier)."""
+    h = bank.tier.health() if bank.tier is not None else disabled_health()
+    for key, doc in _DISK_GAUGES.items():
+        g = GaugeMetricFamily(f"turnkv_disk_{key}", doc)
+        g.add_metric([], h[key])
+        yield g
+    for key, doc in _DISK_COUNTERS.items():
+        c = CounterMetricFamily(f"turnkv_disk_{key}", doc)
+        c.add_metric([], h[key])
         yield c
 
 
