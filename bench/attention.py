@@ -136,10 +136,11 @@ def ceilings() -> dict:
     """Copy (read + written bytes/s, 1 GiB) and bf16 matmul (8192^3) rates; tiny sizes on a CPU."""
     big = DEV.type == "cuda"
     x = torch.empty((1 << 29) if big else (1 << 22), dtype=DT, device=DEV)
-    copy = 4 * x.numel() / timed([functools.partial(torch.empty_like(x).copy_, x)])
+    copy = 4 * x.numel() / timed([functools.partial(torch.empty_like(x).copy_, x)], graph=False)
     e = 8192 if big else 256
     a, b = torch.randn(e, e, device=DEV, dtype=DT), torch.randn(e, e, device=DEV, dtype=DT)
-    return {"copy_bytes_per_s": copy, "matmul_flop_per_s": 2 * e**3 / timed([functools.partial(a.matmul, b)])}
+    mm = 2 * e**3 / timed([functools.partial(a.matmul, b)], graph=False)  # eager: ms-long calls
+    return {"copy_bytes_per_s": copy, "matmul_flop_per_s": mm}
 
 
 def causal_flops(hq: int, d: int, keys: int, rows: int) -> int:
