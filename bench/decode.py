@@ -149,6 +149,16 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict
     host = t_all - (sched.wait_s - waited0)
     if device.type == "cuda" and sched.running:
         gpu_ms = profile_gpu_ms(sched, 4, args.profile_top)
+    if args.host_profile and sched.running:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(min(8, args.gen // 8)):
+            sched.step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.host_profile)
     while sched.busy:
         sched.step()
     return {"steps": steps, "wall_s": t_all, "host_s": host, "gpu_ms": gpu_ms, "cached": cached,
@@ -221,6 +231,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="prefill rows per step (--prefill)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--profile-top", type=int, default=0, help="print the N costliest kernels per run")
+    ap.add_argument("--host-profile", type=int, default=0, help="print the N costliest Python functions")
     ap.add_argument("--tag", default="decode")
     args = ap.parse_args()
 

@@ -262,3 +262,14 @@ def test_silu_mul_kernel_rounds_as_torch_does():
     got = silu_mul(x)
     assert got.shape == (5, 300)
     assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+
+
+def test_rms_norm_kernel_matches_torch_within_one_rounding():
+    from turnkv.models.triton_pointwise import rms_norm
+
+    x = torch.randn(3, 576).to(DEVICE, torch.bfloat16)
+    w = torch.randn(576).to(DEVICE, torch.bfloat16)
+    want = torch.nn.functional.rms_norm(x.float(), (576,), w.float(), 1e-5)
+    got = rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()  # one bf16 rounding

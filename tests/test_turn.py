@@ -28,8 +28,8 @@ def drive(engine: Engine, turn: Turn, cancel_after: int | None = None) -> list:
         out = None
         if w is not None:
             res = engine.run_step([w])
-            routes = res.plan.route_counts(engine.shape.num_layers)[0]
-            out = WindowOutput(res.logits, res.logits.argmax(-1).tolist(), routes)
+            layers = engine.shape.num_layers
+            out = WindowOutput(res.logits, res.logits.argmax(-1).tolist(), res.plan.labels[0], layers)
         events += turn.advance(out)
         if (
             cancel_after is not None

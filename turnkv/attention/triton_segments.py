@@ -285,8 +285,12 @@ def pick_config(meta: TableMeta, gqa: int, device: torch.device, max_keys: int |
 
     Decode launches (one-row windows) size the split count for the padded batch and the key bucket
     a CUDA graph of this step would be captured at (``segment_table.padded_batch``/``key_bucket``),
-    so an eager step and a replay split the keys alike and agree bit for bit. ``max_keys``
-    overrides the table's (a graph passes its bucket)."""
+    so an eager step and a replay split the keys alike and agree bit for bit; they split into a
+    power of two, in the tuned number of waves only while the unsplit programs fill less than one
+    wave. Measured on the H200 (bench/attention.py decode_sweep, llama3-8b heads, 4 views): batch
+    1/8/32 at 8K and 32K keys were fastest at 32/4/1 splits, which this picks (the waves rule
+    alone picked 33/5/2: 3-27 % slower). ``max_keys`` overrides the table's (a graph passes its
+    bucket)."""
     rows = gqa * max(meta.max_q, 1)
     d = meta.head_dim
     cap = 64 if d > 128 else 128
@@ -295,10 +299,15 @@ def pick_config(meta: TableMeta, gqa: int, device: torch.device, max_keys: int |
     decode = meta.max_q == 1
     batch = padded_batch(meta.batch) if decode else meta.batch
     base = batch * meta.kv_heads * triton.cdiv(rows, block_m) * meta.groups
-    want = triton.cdiv(waves * _num_sms(device), base)
+    sms = _num_sms(device)
     keys = meta.max_keys if max_keys is None else max_keys
     keys = key_bucket(keys) if decode else keys
     by_len = max(1, keys // (meta.groups * 4 * block_n))
+    if decode:
+        want = triton.cdiv((waves if base < sms else 1) * sms, base)
+        splits = min(want, by_len, 128)
+        return LaunchConfig(block_m, block_n, num_warps, num_stages, 1 << (max(splits, 1).bit_length() - 1))
+    want = triton.cdiv(waves * sms, base)
     return LaunchConfig(block_m, block_n, num_warps, num_stages, max(1, min(want, by_len, 128)))
 
 

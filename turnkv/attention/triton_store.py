@@ -17,17 +17,18 @@ import triton.language as tl
 from turnkv.attention.segment_table import FIELDS, TableMeta
 from turnkv.attention.triton_segments import INTERPRET, downcast
 
-_BLOCK_ELEMS = 8192  # elements per program: rows x heads x head_dim
+_BLOCK_ELEMS = 4096  # elements per RoPE program: rows x heads x head_dim
 
 
 @triton.jit(do_not_specialize=["LAYER"])
 def _rope_store_kernel(
     QK, V, Cos, Sin, Q, Dest, LAYER,
     sqkm, sqkh, svm, svh, scm, ssm, sqm, sqh, HQ, HKV,
-    H_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
+    H_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """``BLOCK_R`` window rows of sequence ``b``: RoPE on their q and k heads; q -> ``Q``, k and v
-    -> the cache rows named by ``Dest[b]``."""
+    """``BLOCK_R`` window rows x ``H_BLOCK`` heads of sequence ``b``. Heads are numbered q heads,
+    then k heads, then v heads: RoPE on q and k; q -> ``Q``; k and v -> the cache rows of
+    ``Dest[b]``. Blocks of heads in their own programs keep a one-row step from being one program."""
     b = tl.program_id(0)
     d = Dest + b * 8
     q_start = tl.load(d + 6)
@@ -35,31 +36,31 @@ def _rope_store_kernel(
     elt = V.dtype.element_ty
     k_base = tl.load(d).to(tl.pointer_type(elt))
     v_base = tl.load(d + 1).to(tl.pointer_type(elt))
-    idx = tl.arange(0, BLOCK_R * H_P2)  # (window row, head) pairs; heads are q heads, then k heads
-    i = tl.program_id(1) * BLOCK_R + idx // H_P2
-    h = idx % H_P2
-    live = i < q_len
-    ok = (live & (h < HQ + HKV))[:, None]
+    idx = tl.arange(0, BLOCK_R * H_BLOCK)  # (window row, head) pairs
+    i = tl.program_id(1) * BLOCK_R + idx // H_BLOCK
+    h = (tl.program_id(2) * H_BLOCK + idx % H_BLOCK)[:, None]
+    live = (i < q_len)[:, None]
+    roped = live & (h < HQ + HKV)
     r = (q_start + i)[:, None]  # flat rows of the step (int64)
     offs_d = tl.arange(0, HEAD_DIM)[None, :]
     rolled = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # roll(x, D/2)[d] == x[(d + D/2) % D]
-    src = QK + r * sqkm + h[:, None] * sqkh
-    x = tl.load(src + offs_d, mask=ok, other=0.0).to(tl.float32)
-    xr = tl.load(src + rolled, mask=ok, other=0.0).to(tl.float32)
-    cos = tl.load(Cos + r * scm + offs_d, mask=ok, other=0.0).to(tl.float32)
-    sin = tl.load(Sin + r * ssm + offs_d, mask=ok, other=0.0).to(tl.float32)  # signed: first half negated
+    src = QK + r * sqkm + h * sqkh
+    x = tl.load(src + offs_d, mask=roped, other=0.0).to(tl.float32)
+    xr = tl.load(src + rolled, mask=roped, other=0.0).to(tl.float32)
+    cos = tl.load(Cos + r * scm + offs_d, mask=roped, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + r * ssm + offs_d, mask=roped, other=0.0).to(tl.float32)  # signed: first half negated
     # rounded as torch's addcmul(x * cos, roll(x), sin) rounds, so both backends agree bit for bit
     out = downcast(downcast(x * cos, elt, INTERP).to(tl.float32) + xr * sin, elt, INTERP)
-    hh = h[:, None]
-    tl.store(Q + r * sqm + hh * sqh + offs_d, out, mask=ok & (hh < HQ))
+    tl.store(Q + r * sqm + h * sqh + offs_d, out, mask=roped & (h < HQ))
     row = (tl.load(d + 5) + i)[:, None]  # the window's rows in the last view
     layer_off = LAYER * tl.load(d + 2)
     head_stride = tl.load(d + 3)
     row_off = row * tl.load(d + 4)
-    tl.store(k_base + layer_off + (hh - HQ) * head_stride + row_off + offs_d, out, mask=ok & (hh >= HQ))
-    vmask = (live & (h < HKV))[:, None]
-    vals = tl.load(V + r * svm + hh * svh + offs_d, mask=vmask, other=0.0)
-    tl.store(v_base + layer_off + hh * head_stride + row_off + offs_d, vals, mask=vmask)
+    tl.store(k_base + layer_off + (h - HQ) * head_stride + row_off + offs_d, out, mask=roped & (h >= HQ))
+    hv = h - HQ - HKV
+    vmask = live & (hv >= 0) & (hv < HKV)
+    vals = tl.load(V + r * svm + hv * svh + offs_d, mask=vmask, other=0.0)
+    tl.store(v_base + layer_off + hv * head_stride + row_off + offs_d, vals, mask=vmask)
 
 
 @triton.jit(do_not_specialize=["LAYER"])
@@ -123,13 +124,13 @@ def rope_store(
     if meta.max_q == 0:
         return q_out
     dest = packed[meta.table_words : meta.table_words + meta.batch * FIELDS]
-    hp2 = triton.next_power_of_2(heads)
-    block_r = max(1, min(triton.next_power_of_2(meta.max_q), _BLOCK_ELEMS // (hp2 * d)))
-    grid = (meta.batch, triton.cdiv(meta.max_q, block_r))
+    h_block = min(8, triton.next_power_of_2(heads + hkv))
+    block_r = max(1, min(triton.next_power_of_2(meta.max_q), _BLOCK_ELEMS // (h_block * d)))
+    grid = (meta.batch, triton.cdiv(meta.max_q, block_r), triton.cdiv(heads + hkv, h_block))
     _rope_store_kernel[grid](
         qk, v, cos, sin, q_out, dest, layer,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         q_out.stride(0), q_out.stride(1), heads - hkv, hkv,
-        H_P2=hp2, HEAD_DIM=d, BLOCK_R=block_r, INTERP=INTERPRET, num_warps=4 if hp2 * d <= 4096 else 8,
+        H_BLOCK=h_block, HEAD_DIM=d, BLOCK_R=block_r, INTERP=INTERPRET, num_warps=4,
     )  # fmt: skip
     return q_out

@@ -101,7 +101,6 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             result = self.engine.run_step(windows)
-            routes = result.plan.route_counts(self.engine.shape.num_layers)
             # every logit row's argmax in one op and one host transfer (the step's only sync)
             t_sync = time.perf_counter()
             argmax = result.logits.argmax(-1).tolist() if result.logits.shape[0] else []
@@ -114,12 +113,14 @@ class Scheduler:
         rows = sum(len(w.tokens) for w in windows)
         self.steps += 1
         self.rows += rows
-        for c in routes:
-            self.route_counts.update(c)
+        layers = self.engine.shape.num_layers
+        labels = result.plan.labels
+        for label in labels:
+            self.route_counts[label] += layers
         offsets = result.plan.logit_offsets
         for i, (e, w) in enumerate(work):
             lo, hi = offsets[i], offsets[i] + w.logits
-            out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], routes[i])
+            out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], labels[i], layers)
             try:
                 events = e.turn.advance(out)
             except Exception as exc:  # e.g. a sampler or detokenizer error: that turn alone fails

@@ -16,7 +16,6 @@ rows, not ``N``.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,13 +55,17 @@ class StepPlan:
     def rows(self) -> int:
         return self.ids.shape[0]
 
-    def route_counts(self, num_layers: int) -> list[Counter]:
-        """Per window, the attention calls of this step by route label (one per layer)."""
-        return [Counter({label: num_layers}) for label in self.attention.labels]
+    @property
+    def labels(self) -> list[str]:
+        """Per window, the route label of its attention calls (one per layer) this step."""
+        return self.attention.labels
 
 
 def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list[int], int, list[int]]:
     """The step's ``ids + positions + logit_rows`` as one list, ``N`` and the logit offsets."""
+    if all(len(w.tokens) == 1 == w.logits for w in windows):  # a decode step: one row each
+        b = len(windows)
+        return [w.tokens[0] for w in windows] + [k.start for k in kv] + list(range(b)), b, list(range(b))
     ids: list[int] = []
     pos: list[int] = []
     rows: list[int] = []

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -87,11 +86,13 @@ class TurnStats:
 @dataclass
 class WindowOutput:
     """What a step computed for one window: the logits of the rows it asked for and their argmax
-    (taken for the whole step in one batched op and one host transfer), and its attention calls."""
+    (taken for the whole step in one batched op and one host transfer), and the route label of
+    its attention calls (``calls`` of them: one per layer)."""
 
     logits: torch.Tensor  # [k, V] fp32, on the device
     argmax: list[int]  # k token ids
-    routes: Counter = field(default_factory=Counter)
+    route: str = ""
+    calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class Turn:
         self.cache = None
         self.lease = None
         self.stats = TurnStats(prompt_tokens=len(request.prompt))
-        self.routes: Counter = Counter()
+        self.routes: dict[str, int] = {}
         self._text: list[str] = []
         self._pending: list[int] = []  # rows of the current phase not yet computed
         self._next: int | None = None  # the sampled token to feed next (decode)
@@ -222,7 +223,8 @@ class Turn:
         assert out is not None, "a window that ran needs its output"
         self.cache.commit(w.tokens)
         self.stats.forwards += 1
-        self.routes.update(out.routes)
+        if out.calls:
+            self.routes[out.route] = self.routes.get(out.route, 0) + out.calls
         if self.phase == _REBASE:
             del self._pending[: len(w.tokens)]
             return self._finish() if not self._pending else []
