@@ -141,9 +141,22 @@ class Layout(Protocol):
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b[start_b:]``."""
+    """Length of the common prefix of ``a`` and ``b[start_b:]``.
+
+    Compares runs of ``_RUN`` tokens as slices (C speed) and walks only the run that differs: an
+    element-by-element loop took 0.6 ms per 8K-token sequence on the H200 box, at every banked turn.
+    """
     n = min(len(a), len(b) - start_b)
     i = 0
+    same_type = type(a) is type(b)
+    while i + _RUN <= n:
+        run_a, run_b = a[i : i + _RUN], b[start_b + i : start_b + i + _RUN]
+        if run_a != (run_b if same_type else type(run_a)(run_b)):
+            break
+        i += _RUN
     while i < n and a[i] == b[start_b + i]:
         i += 1
     return i
+
+
+_RUN = 256
