@@ -22,6 +22,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or random:SHAPE")
     p.add_argument("--device", help="auto | cpu | cuda | any torch device")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--weights",
+        choices=["auto", "packed", "dequant"],
+        help="GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes",
+    )
     p.add_argument("--kv-layout", dest="kv_layout", choices=["segmented", "contiguous"])
     p.add_argument("--attention", choices=["auto", "fused", "lse"])
     p.add_argument("--max-context", dest="max_context", type=int, help="tokens; 0 = the model's own")

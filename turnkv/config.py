@@ -76,6 +76,7 @@ class EngineConfig:
     model: str = "default"
     device: str = "auto"  # auto | cpu | cuda | any torch device string
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    weights: str = "auto"  # auto | packed | dequant: GGUF Q4_0/Q4_1/Q8_0 kept packed on CPU (models/quant.py)
     kv_layout: str = "segmented"  # segmented | contiguous
     attention: str = "auto"  # auto | fused | lse
     bank_bytes: str = "auto"  # N | auto

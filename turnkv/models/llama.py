@@ -26,6 +26,7 @@ from torch import nn
 from turnkv.attention.route import AttentionRouter
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.kv.cache import KVCache
+from turnkv.models.quant import embedding, linear, residual_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,15 +101,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``, so this is three kernels.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-def _residual_linear(
-    x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-) -> torch.Tensor:
-    """``x + h @ w.T (+ b)``; without a bias the add rides in the matmul (one kernel, not two)."""
-    if b is None:
-        return torch.addmm(x, h, w.t())
-    return x + F.linear(h, w, b)
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
@@ -204,41 +196,54 @@ class LlamaModel(nn.Module):
         return self._slot(name).detach()
 
     def _slot(self, name: str) -> torch.Tensor:
+        owner, attr, rows = self.hf_place(name)
+        param = getattr(owner, attr)
+        return param if rows is None else param[rows]
+
+    def hf_place(self, name: str) -> tuple[nn.Module, str, slice | None]:
+        """Where the checkpoint tensor ``name`` goes: ``(owner, attribute, rows)``, ``rows`` the
+        slice of a fused matrix it fills or None for the whole. Raises KeyError like ``hf_slot``."""
         cfg = self.cfg
-        top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm"}
         if name in top:
-            return top[name]
+            return self, top[name], None
         if name == "lm_head.weight" and self.lm_head is not None:
-            return self.lm_head
+            return self, "lm_head", None
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
             raise KeyError(name)
         layer: DecoderLayer = self.layers[int(parts[2])]
         rest = ".".join(parts[3:])
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv_rows = {"q": (0, qd), "k": (qd, qd + kd), "v": (qd + kd, qd + 2 * kd)}
+        qkv_rows = {"q": slice(0, qd), "k": slice(qd, qd + kd), "v": slice(qd + kd, qd + 2 * kd)}
         inter = cfg.intermediate_size
         simple = {
-            "input_layernorm.weight": layer.attn_norm,
-            "post_attention_layernorm.weight": layer.mlp_norm,
-            "self_attn.o_proj.weight": layer.o,
-            "self_attn.o_proj.bias": layer.o_bias,
-            "self_attn.q_norm.weight": layer.q_norm,
-            "self_attn.k_norm.weight": layer.k_norm,
-            "mlp.down_proj.weight": layer.down,
-            "mlp.gate_proj.weight": layer.gate_up[:inter],
-            "mlp.up_proj.weight": layer.gate_up[inter:],
+            "input_layernorm.weight": ("attn_norm", None),
+            "post_attention_layernorm.weight": ("mlp_norm", None),
+            "self_attn.o_proj.weight": ("o", None),
+            "self_attn.o_proj.bias": ("o_bias", None),
+            "self_attn.q_norm.weight": ("q_norm", None),
+            "self_attn.k_norm.weight": ("k_norm", None),
+            "mlp.down_proj.weight": ("down", None),
+            "mlp.gate_proj.weight": ("gate_up", slice(0, inter)),
+            "mlp.up_proj.weight": ("gate_up", slice(inter, 2 * inter)),
         }
-        if rest in simple and simple[rest] is not None:
-            return simple[rest]
+        if rest in simple and getattr(layer, simple[rest][0]) is not None:
+            return layer, *simple[rest]
         proj, _, kind = rest.removeprefix("self_attn.").partition("_proj.")
         if rest.startswith("self_attn.") and proj in qkv_rows:
-            lo, hi = qkv_rows[proj]
             if kind == "weight":
-                return layer.qkv[lo:hi]
+                return layer, "qkv", qkv_rows[proj]
             if kind == "bias" and layer.qkv_bias is not None:
-                return layer.qkv_bias[lo:hi]
+                return layer, "qkv_bias", qkv_rows[proj]
         raise KeyError(name)
+
+    @staticmethod
+    def replace_weight(owner: nn.Module, attr: str, value: nn.Module) -> None:
+        """Swap the parameter ``owner.attr`` for a weight module that ``quant.linear`` and
+        ``quant.embedding`` accept (a loader hook: quantized weights stay packed)."""
+        del owner._parameters[attr]
+        setattr(owner, attr, value)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Fill every weight in place on its device (norms at 1): for benches and tests."""
@@ -268,10 +273,10 @@ class LlamaModel(nn.Module):
         start = cache.num_tokens
         cache.reserve(m)
         cos, sin = self.rope.tables(start, m)  # [M, D]
-        x = F.embedding(tokens, self.embed)  # [M, hidden]
+        x = embedding(tokens, self.embed, self.dtype)  # [M, hidden]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [M, (Hq+2Hkv)*D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias)  # [M, (Hq+2Hkv)*D]
             qk = qkv[:, : (hq + hkv) * d].view(m, hq + hkv, d).transpose(0, 1)  # [Hq+Hkv, M, D]
             v = qkv[:, (hq + hkv) * d :].view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
             if layer.q_norm is not None:
@@ -287,12 +292,12 @@ class LlamaModel(nn.Module):
             # q goes in the cache dtype so the router never has to gather mixed-dtype views.
             o = router.attend(q.to(kv_dtype), cache.views(i), self.scale)  # [Hq, M, D]
             o = o.transpose(0, 1).reshape(m, hq * d).to(x.dtype)  # [M, Hq*D]
-            x = _residual_linear(x, o, layer.o, layer.o_bias)
+            x = residual_linear(x, o, layer.o, layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [M, I] each
-            x = _residual_linear(x, F.silu(gate) * up, layer.down, None)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [M, I] each
+            x = residual_linear(x, F.silu(gate) * up, layer.down, None)
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [M or 1, V]
+        return linear(x, head).float()  # [M or 1, V]

@@ -1,0 +1,358 @@
+"""Packed quantized weights for CPU: GGUF Q4_0, Q4_1 and Q8_0 kept at 4 bits a value.
+
+The model's matmuls go through ``linear``, ``residual_linear`` and ``embedding``, which take
+either a plain tensor (today's dequantized path, and every HF folder and GPU load) or a
+``QuantWeight``. A ``QuantWeight`` holds one or two *planes* in torch's CPU int4 format
+(``_convert_weight_to_int4pack_for_cpu``; each value ``u`` in 0..15 and, per row and group of 32
+columns, a scale ``s`` and zero ``z``, read as ``(u - 8) * s + z``) and runs them through
+``_weight_int4pack_mm_for_cpu``. The GGUF blocks map onto that form without re-quantizing:
+
+- Q4_0 ``(q - 8) * d``: one plane, ``u = q, s = d, z = 0``.
+- Q4_1 ``q * d + m``: one plane, ``u = q, s = d, z = m + 8d``.
+- Q8_0 ``q * d`` (q an int8): two planes, ``q = 16 h + l`` with ``h = q >> 4`` in -8..7 and
+  ``l = q & 15``: ``u = h + 8, s = 16d, z = 0`` plus ``u = l, s = d, z = 8d``.
+
+Measured on the 2-core AVX-512 VM (torch 2.13, one row, the default model's shapes): the kernel
+takes 0.02-0.05 ms for a layer's matmuls with bf16 activations, 0.9 ms for the 49152-row LM head;
+the same kernel with fp32 activations is a scalar fallback 25-30x slower (26.8 ms for the head),
+fp32 dense F.linear takes 9.5 ms for the head, bf16 dense 3.4 ms. The fast kernel reads its scales
+and zeros as bf16, takes bf16 activations and writes bf16, so the packed path is *not* bit-exact
+against the GGUF's fp32 dequantized values. ``error_bound`` states the difference per output and
+``self_check`` verifies it at load; the terms (``u = 2^-9``, bf16's unit roundoff):
+
+- weights: ``|W' - W| = |(u-8)(s - bf16(s)) + (z - bf16(z))|`` per value (computed exactly);
+- activations: ``|x - bf16(x)| <= u |x|``;
+- each plane's output rounded to bf16: ``<= u |y_p|``; fp32 accumulation over K: ``<= K 2^-24 sum|x||W'|``.
+
+Only the embedding *lookup* is exact: it dequantizes the gathered rows from the GGUF blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # values per GGUF block = the kernel's group size
+PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+WEIGHT_MODES = ("auto", "packed", "dequant")
+BF16_U = 2.0**-9  # unit roundoff of bfloat16 (8 significant bits)
+FP32_U = 2.0**-24
+_ROW_ALIGN = 16  # the packer wants a multiple of 16 rows; pad with zero rows
+
+
+def kernel_missing() -> str | None:
+    """Why the packed path cannot run in this torch, or None when it can."""
+    ops = torch.ops.aten
+    for name in ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"):
+        if not hasattr(ops, name):
+            return f"torch {torch.__version__} has no aten.{name} (needs torch>=2.6)"
+    return None
+
+
+# ---- GGUF blocks -> planes --------------------------------------------------------------------
+@dataclass
+class Plane:
+    """One int4 plane of ``rows`` rows: values ``u`` ``[R, K]`` in 0..15, fp32 ``scale``/``zero`` ``[R, K/32]``
+    (before rounding to bf16): the plane's weight is ``(u - 8) * scale + zero`` per group."""
+
+    u: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @staticmethod
+    def zeros(rows: int, cols: int) -> Plane:
+        g = cols // GROUP
+        return Plane(
+            torch.full((rows, cols), 8, dtype=torch.uint8), torch.zeros(rows, g), torch.zeros(rows, g)
+        )
+
+
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def planes_from_blocks(raw: torch.Tensor, type_name: str) -> list[Plane]:
+    """GGUF blocks ``[R, row_bytes]`` (uint8) of a Q4_0/Q4_1/Q8_0 matrix -> its planes (see the module doc)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, _BLOCK_BYTES[type_name])  # [R, G, bytes]
+    d = b[..., :2].contiguous().view(torch.float16)[..., 0].float()  # [R, G] scale
+    if type_name == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16)  # [R, G, 32]
+        hi = ((q >> 4) + 8).to(torch.uint8).reshape(rows, -1)
+        lo = (q & 15).to(torch.uint8).reshape(rows, -1)
+        return [Plane(hi, 16 * d, torch.zeros_like(d)), Plane(lo, d, 8 * d)]
+    qs = b[..., 4:] if type_name == "Q4_1" else b[..., 2:]  # [R, G, 16]
+    # Byte j holds value j in its low nibble and value j+16 in its high nibble.
+    u = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)  # [R, K]
+    if type_name == "Q4_0":
+        return [Plane(u, d, torch.zeros_like(d))]
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()  # [R, G] minimum
+    return [Plane(u, d, m + 8 * d)]
+
+
+def plane_values(p: Plane) -> torch.Tensor:
+    """fp64 ``[R, K]``: the values the kernel computes from this plane (scale and zero in bf16)."""
+    s = p.scale.to(torch.bfloat16).double().repeat_interleave(GROUP, dim=1)
+    z = p.zero.to(torch.bfloat16).double().repeat_interleave(GROUP, dim=1)
+    return (p.u.double() - 8) * s + z
+
+
+# ---- the weight object ------------------------------------------------------------------------
+class QuantWeight(nn.Module):
+    """A ``[N, K]`` weight kept quantized. ``mm(x)`` is ``x @ W.T`` through torch's int4 kernel;
+    ``lookup(ids)`` gathers dequantized rows from the GGUF blocks (embeddings). Either part may
+    be absent: an untied embedding needs no planes, an LM head needs no blocks.
+
+    Invariants: planes hold ``rows_padded`` rows (a multiple of 16), the first ``shape[0]`` real;
+    ``packed`` is ``[P, rows_padded, K/2]`` uint8, ``scale_zeros`` ``[P, K/32, rows_padded, 2]`` bf16.
+    """
+
+    def __init__(self, shape: tuple[int, int], planes: list[Plane] | None, blocks=None, block_type=""):
+        super().__init__()
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.block_type = block_type
+        # [N, row_bytes] uint8 GGUF blocks or None; the loader passes a view of the file's
+        # memory map, so only the pages of rows looked up become resident (as in llama.cpp).
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("scale_zeros", None, persistent=False)
+        if planes:
+            n, k = self.shape
+            pad = -n % _ROW_ALIGN
+            packs, szs = [], []
+            for p in planes:
+                u, s, z = p.u, p.scale, p.zero
+                if pad:
+                    filler = Plane.zeros(pad, k)
+                    u, s, z = (
+                        torch.cat([u, filler.u]),
+                        torch.cat([s, filler.scale]),
+                        torch.cat([z, filler.zero]),
+                    )
+                packs.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 2))
+                szs.append(torch.stack([s, z], dim=-1).transpose(0, 1).to(torch.bfloat16))  # [G, Np, 2]
+            self.packed = torch.stack(packs)  # [P, Np, K/2]
+            self.scale_zeros = torch.stack(szs).contiguous()  # [P, G, Np, 2]
+
+    @property
+    def planes(self) -> int:
+        return 0 if self.packed is None else self.packed.shape[0]
+
+    def nbytes(self) -> int:
+        parts = (self.blocks, self.packed, self.scale_zeros)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> bf16 ``[..., N]`` (fp32 when two planes)."""
+        if self.packed is None:
+            raise RuntimeError("this quantized weight keeps no packed planes (an untied embedding)")
+        lead = x.shape[:-1]
+        a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = mm(a, self.packed[0], GROUP, self.scale_zeros[0])  # [M, Np]
+        if self.packed.shape[0] > 1:
+            y = y.float()
+            for i in range(1, self.packed.shape[0]):
+                y.add_(mm(a, self.packed[i], GROUP, self.scale_zeros[i]))
+        n = self.shape[0]
+        if y.shape[-1] != n:
+            y = y[:, :n]
+        return y.reshape(*lead, n)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` ``[M]`` -> fp32 ``[M, K]``: the GGUF's own dequantized values, exactly."""
+        from turnkv.models.gguf import dequant_rows
+
+        if self.blocks is None:
+            raise RuntimeError("this quantized weight keeps no GGUF blocks (an LM head)")
+        return dequant_rows(self.blocks[ids], self.block_type)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, planes={self.planes}, blocks={self.block_type or None}"
+
+
+# ---- what the model calls ---------------------------------------------------------------------
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in x's dtype, for a plain tensor or a ``QuantWeight``."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    y = w.mm(x)
+    return y.to(x.dtype) if bias is None else torch.add(bias, y)  # add promotes to bias's dtype
+
+
+def residual_linear(x: torch.Tensor, h: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + h @ w.T (+ b)``; the add rides in the matmul (plain) or in the cast back (packed)."""
+    if isinstance(w, torch.Tensor):
+        if bias is None:
+            return torch.addmm(x, h, w.t())
+        return x + F.linear(h, w, bias)
+    y = torch.add(x, w.mm(h))  # fp32 + bf16 -> fp32 in one kernel
+    return y if bias is None else y.add_(bias)
+
+
+def embedding(ids: torch.Tensor, w, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows ``ids`` of an embedding matrix (plain or quantized) in ``dtype`` (default: w's)."""
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w)
+    return w.lookup(ids).to(dtype or torch.float32)
+
+
+# ---- the stated error and the load-time check -------------------------------------------------
+def error_bound(x: torch.Tensor, planes: list[Plane], ref: torch.Tensor) -> torch.Tensor:
+    """Upper bound ``[M, R]`` of ``|mm(x) - x @ ref.T|`` for fp32 x ``[M, K]`` and the GGUF's fp32
+    dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the terms)."""
+    xa = x.double().abs()  # [M, K]
+    vals = [plane_values(p) for p in planes]  # each [R, K]
+    w = sum(vals)
+    k = x.shape[-1]
+    rep = xa @ (w - ref.double()).abs().T  # weights' bf16 scales and zeros
+    act = BF16_U * (xa @ w.abs().T)  # activations rounded to bf16
+    out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
+    return 1.01 * (rep + act + out) + 1e-30
+
+
+def self_check(qw: QuantWeight, planes: list[Plane], ref: torch.Tensor, rows: torch.Tensor, seed: int = 0):
+    """Run ``qw.mm`` on two random activation rows and compare the sampled ``rows`` with the
+    GGUF's dequantized values ``ref`` (``[len(rows), K]``) against ``error_bound``.
+    Returns ``(ok, worst ratio of error to bound)``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, qw.shape[1], generator=gen)  # [2, K]
+    got = qw.mm(x).double()[:, rows]  # [2, R]
+    want = x.double() @ ref.double().T
+    bound = error_bound(x, planes, ref)
+    ratio = ((got - want).abs() / bound).max().item()
+    return bool(torch.isfinite(got).all()) and ratio <= 1.0, ratio
+
+
+# ---- a GGUF's matrices -> QuantWeights ---------------------------------------------------------
+@dataclass
+class PackReport:
+    """What ``pack_gguf`` did: ``used`` is ``packed`` (every Q4_0/Q4_1/Q8_0 matrix), ``mixed``
+    (some kept dequantized: another type in the same fused matrix, or a failed self-check) or
+    ``dequant``; ``packed_names`` are the checkpoint names the loader must not fill again."""
+
+    used: str = "dequant"
+    reason: str = ""
+    packed_names: frozenset[str] = frozenset()
+    packed_bytes: int = 0
+    worst_ratio: float = 0.0  # largest |packed - dequantized| / error_bound seen by the self-check
+
+
+def _concat(planes_per_part: list[list[Plane]], cols: int) -> list[Plane]:
+    """Row-concatenate parts' planes; a part with fewer planes gets leading zero planes."""
+    count = max(len(p) for p in planes_per_part)
+    out = []
+    for i in range(count):
+        col = []
+        for parts in planes_per_part:
+            rows = parts[0].u.shape[0]
+            j = i - (count - len(parts))
+            col.append(parts[j] if j >= 0 else Plane.zeros(rows, cols))
+        out.append(Plane(*(torch.cat([getattr(p, f) for p in col]) for f in ("u", "scale", "zero"))))
+    return out
+
+
+def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) -> PackReport:
+    """Pack the matrices of a GGUF load whose every part is Q4_0/Q4_1/Q8_0 into ``QuantWeight``s
+    and swap them into ``model`` (``model.hf_place`` / ``model.replace_weight``).
+
+    ``entries``: ``(hf_name, TensorEntry, unpermute_heads)``; ``data`` the file's bytes; ``path``
+    the file, mapped again for the embedding's blocks (None: they are copied). ``mode``: ``auto`` packs on CPU what
+    passes the self-check; ``packed`` packs or raises ValueError saying why not; ``dequant`` packs
+    nothing. The embedding keeps its GGUF blocks for lookups (exact), plus planes when it is tied.
+    """
+    from turnkv.models import gguf as gg
+
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {mode!r} (use {', '.join(WEIGHT_MODES)})")
+    if mode == "dequant":
+        return PackReport(reason="--weights dequant")
+    why_not = (
+        kernel_missing() if device.type == "cpu" else f"packed weights run on CPU, the device is {device}"
+    )
+    groups: dict[tuple[int, str], list] = {}
+    for name, entry, heads in entries:
+        try:
+            owner, attr, rows = model.hf_place(name)
+        except KeyError:
+            continue  # the loader reports it
+        if len(entry.shape) == 2:
+            groups.setdefault((id(owner), attr), []).append(
+                (rows.start if rows else 0, name, entry, heads, owner)
+            )
+    packable = {
+        key: sorted(parts, key=lambda p: p[0])
+        for key, parts in groups.items()
+        if all(p[2].type_name in PACKED_TYPES and p[2].shape[1] % GROUP == 0 for p in parts)
+        and sum(p[2].shape[0] for p in parts) == getattr(parts[0][4], key[1]).shape[0]
+    }
+    if not packable:
+        why_not = why_not or "no matrix is all Q4_0/Q4_1/Q8_0"
+    if why_not:
+        if mode == "packed":
+            raise ValueError(f"--weights packed: {why_not} (use --weights auto or dequant)")
+        return PackReport(reason=why_not)
+    done, nbytes, worst, failed = set(), 0, 0.0, []
+    tied = model.lm_head is None
+    for (_, attr), parts in packable.items():
+        owner = parts[0][4]
+        raws = [gg.raw_rows(data, e, heads) for _, _, e, heads, _ in parts]
+        cols = parts[0][2].shape[1]
+        rows = sum(r.shape[0] for r in raws)
+        is_embed = owner is model and attr == "embed"
+        needs_mm = not is_embed or tied
+        planes = _concat(
+            [planes_from_blocks(r, p[2].type_name) for r, p in zip(raws, parts, strict=True)], cols
+        )
+        blocks = None
+        if is_embed:  # its own map: only looked-up rows become resident, and they stay file-backed
+            blocks = gg.map_rows(path, parts[0][2]) if path is not None else raws[0].clone()
+        qw = QuantWeight((rows, cols), planes if needs_mm else None, blocks, parts[0][2].type_name)
+        if needs_mm:
+            ok, ratio = _check_parts(qw, planes, raws, [p[2].type_name for p in parts])
+            worst = max(worst, ratio)
+            if not ok:
+                failed.append(f"{parts[0][1]} (error {ratio:.2f}x its bound)")
+                continue
+        model.replace_weight(owner, attr, qw)
+        done.update(p[1] for p in parts)
+        nbytes += qw.nbytes()
+    if failed and mode == "packed":
+        raise ValueError(f"--weights packed: the self-check failed for {', '.join(failed[:3])}")
+    left = sum(1 for key, parts in groups.items() if key not in packable or parts[0][1] not in done)
+    used = "packed" if not left else ("mixed" if done else "dequant")
+    reason = f"self-check failed for {', '.join(failed[:3])}" if failed else "self-check ok"
+    _trim_heap()
+    log.info("weights %s: %d tensors packed, %.1f MiB (%s)", used, len(done), nbytes / 2**20, reason)
+    return PackReport(used, reason, frozenset(done), nbytes, worst)
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS: packing frees ~100 MB of int32 temporaries that glibc
+    otherwise keeps (measured: resident memory after the default model's load 475 -> 287 MiB)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
+def _check_parts(qw: QuantWeight, planes: list[Plane], raws: list[torch.Tensor], types: list[str]):
+    """``self_check`` on the first, middle and last row of every part of a fused matrix."""
+    from turnkv.models.gguf import dequant_rows
+
+    rows, refs, offset = [], [], 0
+    for raw, type_name in zip(raws, types, strict=True):
+        idx = torch.unique(torch.tensor([0, raw.shape[0] // 2, raw.shape[0] - 1]))
+        rows.append(idx + offset)
+        refs.append(dequant_rows(raw[idx], type_name))
+        offset += raw.shape[0]
+    sel = torch.cat(rows)
+    sampled = [Plane(p.u[sel], p.scale[sel], p.zero[sel]) for p in planes]
+    return self_check(qw, sampled, torch.cat(refs), sel)
