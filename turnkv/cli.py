@@ -31,6 +31,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", "fused", "lse"])
     p.add_argument("--max-context", dest="max_context", type=int, help="tokens; 0 = the model's own")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, help="rows per prefill window")
+    p.add_argument("--threads", type=int, help="torch CPU threads; 0 = the cores available to the process")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +87,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from turnkv.threads import prepare_env
+
+    prepare_env()  # OpenMP reads its settings once, when torch loads: before any torch import
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
@@ -110,6 +114,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return cli_main(args.device, args.json)
     cfg = engine_config(args)
+    from turnkv.threads import set_threads
+
+    set_threads(cfg.threads)
     if args.command == "serve":
         from turnkv.server.app import serve
 

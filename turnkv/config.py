@@ -82,6 +82,7 @@ class EngineConfig:
     bank_bytes: str = "auto"  # N | auto
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
+    threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)

@@ -44,6 +44,7 @@ WEIGHT_MODES = ("auto", "packed", "dequant")
 BF16_U = 2.0**-9  # unit roundoff of bfloat16 (8 significant bits)
 FP32_U = 2.0**-24
 _ROW_ALIGN = 16  # the packer wants a multiple of 16 rows; pad with zero rows
+WIDE_ROWS = 128  # rows from which mm dequantizes to bf16 + oneDNN GEMM (see QuantWeight.mm)
 
 
 def kernel_missing() -> str | None:
@@ -121,6 +122,7 @@ class QuantWeight(nn.Module):
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scale_zeros", None, persistent=False)
+        self.wide_ok = False  # the wide-window path is enabled by check_layout
         if planes:
             n, k = self.shape
             pad = -n % _ROW_ALIGN
@@ -148,11 +150,18 @@ class QuantWeight(nn.Module):
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> bf16 ``[..., N]`` (fp32 when two planes)."""
+        """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> bf16 ``[..., N]`` (fp32 when two planes).
+
+        Windows of ``wide_rows`` rows or more (prefill chunks) dequantize the planes to bf16 once
+        and take oneDNN's bf16 GEMM; fewer rows take the int4 kernel, which dequantizes per
+        4-row block (see ``WIDE_ROWS``)."""
         if self.packed is None:
             raise RuntimeError("this quantized weight keeps no packed planes (an untied embedding)")
         lead = x.shape[:-1]
         a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+        if self.wide_ok and a.shape[0] >= WIDE_ROWS:
+            y = torch.mm(a, self.dequant_t())  # [M, N]
+            return y.reshape(*lead, self.shape[0])
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = mm(a, self.packed[0], GROUP, self.scale_zeros[0])  # [M, Np]
         if self.packed.shape[0] > 1:
@@ -164,6 +173,35 @@ class QuantWeight(nn.Module):
             y = y[:, :n]
         return y.reshape(*lead, n)
 
+    def dequant_t(self) -> torch.Tensor:
+        """``W.T`` as bf16 ``[K, N]`` from the packed planes (each value rounded to bf16 once).
+
+        Reads torch's AVX-512 int4 layout: per block of 64 rows, ``[K, 32]`` bytes whose low
+        nibbles are rows 0-31 and high nibbles rows 32-63. ``wide_ok`` is set only after
+        ``check_layout`` saw this read back every value that was packed."""
+        p, np_, kh = self.packed.shape
+        k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // 64
+        nib = self.packed.view(p, nb, k, 32)
+        u = torch.cat([nib & 15, nib >> 4], dim=-1).view(p, nb, g, GROUP, 64)  # [P, NB, G, 32, 64]
+        # scales and zeros apart first (1/32 of the values): strided broadcasts are slow kernels
+        sc, ze = (self.scale_zeros[..., i].contiguous().view(p, g, nb, 1, 64).transpose(1, 2) for i in (0, 1))
+        w = _values(u, sc, ze)  # [NB, G, 32, 64]
+        wt = w.reshape(nb, k, 64).transpose(0, 1).reshape(k, np_)  # [K, Np]
+        return wt[:, : self.shape[0]]
+
+    def check_layout(self, planes: list[Plane]) -> bool:
+        """Enable the wide path if ``dequant_t`` reads back exactly the values of ``planes``."""
+        self.wide_ok = False
+        n, k = self.shape
+        if self.packed is None or self.packed.shape[1] % 64 or n % 64:
+            return False
+        u = torch.stack([pl.u.view(n, k // GROUP, GROUP) for pl in planes])  # [P, N, G, 32]
+        s = torch.stack([pl.scale for pl in planes]).to(torch.bfloat16)[..., None]  # [P, N, G, 1]
+        z = torch.stack([pl.zero for pl in planes]).to(torch.bfloat16)[..., None]
+        want = _values(u, s, z).view(n, k)
+        self.wide_ok = bool(torch.equal(self.dequant_t().T, want))
+        return self.wide_ok
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` ``[M]`` -> fp32 ``[M, K]``: the GGUF's own dequantized values, exactly."""
         from turnkv.models.gguf import dequant_rows
@@ -174,6 +212,14 @@ class QuantWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, planes={self.planes}, blocks={self.block_type or None}"
+
+
+def _values(u: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Sum over planes (dim 0) of ``(u - 8) * s + z`` (bf16 s, z broadcast), rounded to bf16 once."""
+    if u.shape[0] == 1:  # (u - 8) * s is exact in fp32, so addcmul rounds once
+        return torch.addcmul(z[0], u[0].to(torch.bfloat16) - 8, s[0])
+    w = torch.addcmul(z.float(), u.float() - 8, s.float())  # each plane exact in fp32
+    return w.sum(0).to(torch.bfloat16)
 
 
 # ---- what the model calls ---------------------------------------------------------------------
@@ -203,30 +249,47 @@ def embedding(ids: torch.Tensor, w, dtype: torch.dtype | None = None) -> torch.T
 
 
 # ---- the stated error and the load-time check -------------------------------------------------
-def error_bound(x: torch.Tensor, planes: list[Plane], ref: torch.Tensor) -> torch.Tensor:
+def error_bound(x: torch.Tensor, planes: list[Plane], ref: torch.Tensor, wide: bool = False) -> torch.Tensor:
     """Upper bound ``[M, R]`` of ``|mm(x) - x @ ref.T|`` for fp32 x ``[M, K]`` and the GGUF's fp32
-    dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the terms)."""
+    dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the
+    terms). ``wide``: the bf16 GEMM path, which also rounds each weight to bf16."""
     xa = x.double().abs()  # [M, K]
     vals = [plane_values(p) for p in planes]  # each [R, K]
     w = sum(vals)
     k = x.shape[-1]
     rep = xa @ (w - ref.double()).abs().T  # weights' bf16 scales and zeros
-    act = BF16_U * (xa @ w.abs().T)  # activations rounded to bf16
+    act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
     out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
     return 1.01 * (rep + act + out) + 1e-30
 
 
-def self_check(qw: QuantWeight, planes: list[Plane], ref: torch.Tensor, rows: torch.Tensor, seed: int = 0):
-    """Run ``qw.mm`` on two random activation rows and compare the sampled ``rows`` with the
-    GGUF's dequantized values ``ref`` (``[len(rows), K]``) against ``error_bound``.
-    Returns ``(ok, worst ratio of error to bound)``."""
+def self_check(
+    qw: QuantWeight,
+    planes: list[Plane],
+    ref: torch.Tensor,
+    rows: torch.Tensor,
+    wide: bool = False,
+    seed: int = 0,
+):
+    """Run ``qw`` on two random activation rows through the int4 kernel (and, with ``wide``, the
+    wide path) and compare the sampled ``rows`` with the GGUF's dequantized values ``ref``
+    (``[len(rows), K]``) against ``error_bound``. Returns ``(ok, worst ratio of error to bound)``.
+
+    The load skips ``wide``: ``check_layout`` already proved that path's weights are the kernel's,
+    rounded to bf16 once, which is what the bound's ``wide`` term allows for."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, qw.shape[1], generator=gen)  # [2, K]
-    got = qw.mm(x).double()[:, rows]  # [2, R]
     want = x.double() @ ref.double().T
-    bound = error_bound(x, planes, ref)
-    ratio = ((got - want).abs() / bound).max().item()
-    return bool(torch.isfinite(got).all()) and ratio <= 1.0, ratio
+    outs = {False: qw.mm(x)}  # 2 rows: the int4 kernel
+    if wide and qw.wide_ok:
+        outs[True] = torch.mm(x.to(torch.bfloat16), qw.dequant_t())
+    ok, worst = True, 0.0
+    for wide, y in outs.items():
+        got = y.double()[:, rows]  # [2, R]
+        ratio = ((got - want).abs() / error_bound(x, planes, ref, wide)).max().item()
+        ok = ok and bool(torch.isfinite(got).all()) and ratio <= 1.0
+        worst = max(worst, ratio)
+    return ok, worst
 
 
 # ---- a GGUF's matrices -> QuantWeights ---------------------------------------------------------
@@ -314,6 +377,8 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
             blocks = gg.map_rows(path, parts[0][2]) if path is not None else raws[0].clone()
         qw = QuantWeight((rows, cols), planes if needs_mm else None, blocks, parts[0][2].type_name)
         if needs_mm:
+            if owner is not model:  # layers; the head's windows are narrow (logits of a few rows)
+                qw.check_layout(planes)
             ok, ratio = _check_parts(qw, planes, raws, [p[2].type_name for p in parts])
             worst = max(worst, ratio)
             if not ok:
