@@ -181,8 +181,9 @@ def bf16_yardstick(loaded):
 
 # Model-level tolerance, stated against that yardstick: the packed model's logits may be at most
 # YARDSTICK_FACTOR times further from the exact (fp32, dequantized) logits than the bf16-rounded
-# yardstick's are. Measured on these 2-layer models (logits up to ~4.5): packed 0.04-0.09 off,
-# yardstick 0.03-0.04 off. The per-matmul error itself is bounded exactly in the test above.
+# yardstick's are. Measured: on these 2-layer models (logits up to ~4.5) packed 0.04-0.09 off,
+# yardstick 0.03-0.04; on the default model (logits up to ~38) packed 1.27, yardstick 0.49-0.65
+# (2.0-2.6x). The per-matmul error itself is bounded exactly in the test above.
 YARDSTICK_FACTOR = 4.0
 
 
