@@ -31,7 +31,9 @@ def gguf_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> torch.Te
     """Blocks made by gguf's own quantizer from Gaussian values (with an offset, so Q4_1's minima
     are not all near -8 d): ``[rows, row_bytes]`` uint8."""
     rng = np.random.default_rng(seed)
-    values = (rng.standard_normal((rows, cols)) * 0.05 + rng.uniform(-0.02, 0.02, (rows, 1))).astype(np.float32)
+    values = (rng.standard_normal((rows, cols)) * 0.05 + rng.uniform(-0.02, 0.02, (rows, 1))).astype(
+        np.float32
+    )
     return torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name]))
 
 
@@ -195,7 +197,9 @@ def test_tiny_gguf_packed_matches_dequantized(tmp_path, monkeypatch, type_name, 
     tiny_gguf(path, type_name, tied)
     packed = load_model(str(path), device="cpu", dtype="float32", progress=False, weights="packed")
     plain = load_model(str(path), device="cpu", dtype="float32", progress=False, weights="dequant")
-    yard = bf16_yardstick(load_model(str(path), device="cpu", dtype="float32", progress=False, weights="dequant"))
+    yard = bf16_yardstick(
+        load_model(str(path), device="cpu", dtype="float32", progress=False, weights="dequant")
+    )
     assert (packed.weights, packed.weights_note) == ("packed", "self-check ok")
     assert plain.weights == "dequant"
     layer = packed.model.layers[0]

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from test_quant import YARDSTICK_FACTOR, bf16_yardstick
 
 from turnkv.attention.route import AttentionRouter
 from turnkv.config import EngineConfig
@@ -19,7 +20,6 @@ from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
 from turnkv.models import quant
 from turnkv.models.load import default_model_path, load_model
-from test_quant import YARDSTICK_FACTOR, bf16_yardstick
 
 pytestmark = [
     pytest.mark.slow,
@@ -105,7 +105,9 @@ def test_weights_resident_memory_within_one_and_a_half_gguf():
         "lm = load_model('default', 'cpu', 'auto', progress=False)\n"
         "print(json.dumps({'delta': rss() - before, 'weights': lm.weights}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     size = default_model_path().stat().st_size
     assert got["weights"] == "packed"
