@@ -104,6 +104,7 @@ def _child_llama(opts: dict) -> dict:
         verbose=False,
     )
     rss = _rss_mib() - before
+    vocab = llm.n_vocab()
 
     def greedy(prompt: list[int], n: int, stop: bool = False) -> tuple[list[int], float, float]:
         llm.reset()
@@ -112,7 +113,9 @@ def _child_llama(opts: dict) -> dict:
         t1 = time.perf_counter()
         out = []
         for _ in range(n):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # llama-cpp-python 0.3.36 keeps no scores without logits_all: read the last row
+            last = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))
+            nxt = int(np.argmax(last))
             if stop and nxt == llm.token_eos():
                 break
             out.append(nxt)

@@ -112,3 +112,40 @@ def test_weights_resident_memory_within_one_and_a_half_gguf():
     size = default_model_path().stat().st_size
     assert got["weights"] == "packed"
     assert got["delta"] <= 1.5 * size, f"{got['delta'] / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB GGUF"
+
+
+def test_cached_equals_uncached_within_tolerance(models):
+    """The KV invariant on the packed path: the same tokens run (a) as one window from scratch and
+    (b) through the segmented cache in turns (a prompt window, single decode rows, a seal after
+    each turn, so later windows attend over several segments) give logits that differ by no more
+    than the bf16 yardstick's distance from the exact model, and the same decisions wherever the
+    top-1 leads by more than MARGIN. (Greedy *text* equality is pinned on the fp32 path in
+    tests/test_engine_equivalence.py: bf16 rounding can flip a near-tie either way.)"""
+    packed, exact = models
+    eng = Engine(packed, EngineConfig(device="cpu"))
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    seq = eng.tokenizer.apply_chat_template(messages)
+    cuts = [len(seq)]
+    for prompt in PROMPTS[2:5]:
+        seq = seq + greedy(eng, PROMPTS[1], 8) + eng.tokenizer.encode(f" {prompt}")
+        cuts.append(len(seq))
+    whole = window_logits(packed, seq)  # [T, V], one window, no cache reuse
+    cache, rows, start = eng.new_cache(), [], 0
+    for cut in cuts:
+        rows.append(eng.forward_window(cache, seq[start : cut - 4]))  # the turn's prompt window
+        cache.commit(seq[start : cut - 4])
+        for tok in seq[cut - 4 : cut]:  # then single rows, as decode runs them
+            rows.append(eng.forward_window(cache, [tok]))
+            cache.commit([tok])
+        cache.seal()
+        start = cut
+    turned = torch.cat(rows)
+    assert turned.shape == whole.shape and len(cache.views(0)) > 1
+    yard = bf16_yardstick(load_model("default", "cpu", "float32", progress=False, weights="dequant"))
+    want = window_logits(exact, seq)
+    yard_off = float((window_logits(yard, seq) - want).abs().max())
+    off = float((turned - whole).abs().max())
+    assert off <= YARDSTICK_FACTOR * yard_off, (off, yard_off)
+    top2 = whole.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > MARGIN
+    assert bool((turned.argmax(-1) == whole.argmax(-1))[clear].all())

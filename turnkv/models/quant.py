@@ -120,8 +120,8 @@ class QuantWeight(nn.Module):
         super().__init__()
         self.shape = (int(shape[0]), int(shape[1]))
         self.block_type = block_type
-        # [N, row_bytes] uint8 GGUF blocks or None; the loader passes a view of the file's
-        # memory map, so only the pages of rows looked up become resident (as in llama.cpp).
+        # [N, row_bytes] uint8 GGUF blocks or None; the loader passes a memory map of their own,
+        # so only the pages of rows looked up become resident, file-backed (as in llama.cpp).
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scale_zeros", None, persistent=False)
@@ -155,16 +155,19 @@ class QuantWeight(nn.Module):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> bf16 ``[..., N]`` (fp32 when two planes).
 
-        Windows of ``wide_rows`` rows or more (prefill chunks) dequantize the planes to bf16 once
+        Windows of ``WIDE_ROWS`` rows or more (prefill chunks) dequantize the planes to bf16 once
         and take oneDNN's bf16 GEMM; fewer rows take the int4 kernel, which dequantizes per
         4-row block (see ``WIDE_ROWS``)."""
         if self.packed is None:
             raise RuntimeError("this quantized weight keeps no packed planes (an untied embedding)")
-        lead = x.shape[:-1]
-        a = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+        # Only the calls that do something: a decode step makes ~120 of these (no-op .to/
+        # .reshape/.contiguous calls each cost a dispatch; counted by the profiler, not timed).
+        a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
+        a = a if a.dtype == torch.bfloat16 else a.to(torch.bfloat16)
+        a = a if a.is_contiguous() else a.contiguous()
         if self.wide_ok and a.shape[0] >= WIDE_ROWS:
             y = torch.mm(a, self.dequant_t())  # [M, N]
-            return y.reshape(*lead, self.shape[0])
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = mm(a, self.packed[0], GROUP, self.scale_zeros[0])  # [M, Np]
         if self.packed.shape[0] > 1:
@@ -174,7 +177,7 @@ class QuantWeight(nn.Module):
         n = self.shape[0]
         if y.shape[-1] != n:
             y = y[:, :n]
-        return y.reshape(*lead, n)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
     def dequant_t(self) -> torch.Tensor:
         """``W.T`` as bf16 ``[K, N]`` from the packed planes (each value rounded to bf16 once).
