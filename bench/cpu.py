@@ -4,7 +4,10 @@ For each engine (turnkv with ``--weights packed`` and ``dequant``, llama.cpp thr
 llama-cpp-python), each thread count and with/without a busy neighbour (a process spinning on one
 core), one fresh process measures: resident memory added by loading the model, the greedy answer to
 the default prompt, decode tokens/s after that short prompt and after a ~2K-token context, and
-prefill tokens/s of that context. Both engines get the same token ids.
+prefill tokens/s of that context, and the CPU time (all threads) per decoded token, which other
+processes on the machine disturb less than wall time. Both engines get the same token ids.
+Resident memory: turnkv's is the weights (the KV cache comes later, per conversation);
+llama.cpp's includes the KV cache and compute buffers it allocates for ``n_ctx`` at load.
 
     python bench/cpu.py                       # threads 1,2; neighbour off,on
     python bench/cpu.py --threads 2 --neighbour off --engines turnkv-packed,llama.cpp
@@ -69,18 +72,26 @@ def _child_turnkv(opts: dict) -> dict:
     answer_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}])
     answer = "".join(e.text for e in eng.generate(eng.new_cache(), answer_ids, SamplingParams(max_tokens=24)))
 
-    def run(ids: list[int]) -> tuple[float, float, float]:
+    def run(ids: list[int], n: int | None = None) -> tuple[float, float, float, float]:
         stats = None
-        params = SamplingParams(max_tokens=opts["gen"], ignore_eos=True)
+        params = SamplingParams(max_tokens=n or opts["gen"], ignore_eos=True)
+        c0 = time.process_time()
         for ev in eng.generate(eng.new_cache(), ids, params):
             stats = ev.stats or stats
-        return stats.prefill_s, stats.decode_tok_s, len(ids) / stats.prefill_s
+        return stats.prefill_s, stats.decode_tok_s, len(ids) / stats.prefill_s, time.process_time() - c0
+
+    def decode_cpu_ms(ids: list[int]) -> float:
+        """CPU time (all threads) per decoded token: a figure that busy neighbours disturb less."""
+        one = run(ids, 1)[3]
+        return (run(ids)[3] - one) / (opts["gen"] - 1) * 1e3
 
     run(answer_ids)  # warm-up: first calls pay for oneDNN/kernel set-up
     short = run(answer_ids)
     long_ids = _long_prompt(tok.encode, answer_ids, opts["context"])
     long = run(long_ids)
-    return _row(opts, rss, answer, short, long, len(long_ids), eng.loaded.weights)
+    row = _row(opts, rss, answer, short, long, len(long_ids), eng.loaded.weights)
+    row["decode_cpu_ms_per_token"] = decode_cpu_ms(answer_ids)
+    return row
 
 
 def _long_prompt(encode, prompt_ids: list[int], context: int) -> list[int]:
@@ -126,12 +137,18 @@ def _child_llama(opts: dict) -> dict:
     answer_toks, _, _ = greedy(ids, 24, stop=True)
     answer = llm.detokenize(answer_toks).decode("utf-8", "replace")
     greedy(ids, 4)  # warm-up
+    c0 = time.process_time()
     _, pre_s, tps = greedy(ids, opts["gen"])
     short = (pre_s, tps, len(ids) / pre_s)
+    c1 = time.process_time()
+    greedy(ids, 1)
+    one = time.process_time() - c1
     long_ids = opts["long_ids"]
     _, pre_s, tps = greedy(long_ids, opts["gen"])
     long = (pre_s, tps, len(long_ids) / pre_s)
-    return _row(opts, rss, answer, short, long, len(long_ids), "gguf")
+    row = _row(opts, rss, answer, short, long, len(long_ids), "gguf")
+    row["decode_cpu_ms_per_token"] = (c1 - c0 - one) / (opts["gen"] - 1) * 1e3
+    return row
 
 
 def _row(opts, rss, answer, short, long, long_len, weights) -> dict:
@@ -252,6 +269,7 @@ def run_parent(args: argparse.Namespace) -> None:
     results["load_average_start"] = load
     results["load_average_end"] = os.getloadavg()
     _ratios(rows)
+    print(markdown(rows))
     save(results, args.tag, _plot)
 
 
@@ -270,6 +288,7 @@ def _print_row(r: dict) -> None:
         f"{r['engine']:>15} t={r['threads']} nb={'on ' if r['neighbour'] else 'off'} | "
         f"decode {r['decode_short_tok_s']:6.1f} tok/s short, {r['decode_long_tok_s']:6.1f} at "
         f"{r['long_context']} | prefill {r['prefill_tok_s']:7.1f} tok/s | RSS +{r['rss_mib']:.0f} MiB "
+        f"| decode CPU {r['decode_cpu_ms_per_token']:.1f} ms/token "
         f"| {r['answer'][:40]!r}",
         flush=True,
     )
@@ -290,6 +309,27 @@ def _ratios(rows: list[dict]) -> None:
             f"decode {v['decode_short_tok_s']:.2f}x short, {v['decode_long_tok_s']:.2f}x long; "
             f"prefill {v['prefill_tok_s']:.2f}x"
         )
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as the table docs/BENCHMARKS.md keeps (ratios against llama.cpp where it ran)."""
+    out = [
+        "| engine | threads | neighbour | decode short tok/s | decode 2K tok/s | prefill tok/s | RSS MiB "
+        "| decode CPU ms/token |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        v = r.get("vs_llama_cpp", {})
+
+        def cell(key: str, v=v, r=r) -> str:
+            return f"{r[key]:.1f}" + (f" ({v[key]:.2f}x)" if key in v else "")
+
+        out.append(
+            f"| {r['engine']} | {r['threads']} | {'busy core' if r['neighbour'] else 'none'} | "
+            f"{cell('decode_short_tok_s')} | {cell('decode_long_tok_s')} | {cell('prefill_tok_s')} | "
+            f"{r['rss_mib']:.0f} | {r['decode_cpu_ms_per_token']:.1f} |"
+        )
+    return "\n".join(out)
 
 
 def _plot(results: dict, plt, path: Path) -> None:
