@@ -3,11 +3,12 @@
 ``prepare_env()`` must run before torch is imported (``cli.main`` calls it first; the CLI imports
 torch lazily); ``set_threads()`` after. Both leave alone anything the user set explicitly.
 
-Why (measured on the 2-core VM, default model, see docs/BENCHMARKS.md): libgomp's threads spin
-between parallel regions. A decode step is hundreds of tiny regions, so with another process
-busy on one of the two cores a spinning thread burns the time slice its partner needs and decode
-fell from 24.1 to 4.1 tok/s. Passive waiting (``OMP_WAIT_POLICY=PASSIVE``) lets the scheduler run
-the partner at once.
+Why: libgomp's threads spin between parallel regions. A decode step is hundreds of tiny regions,
+so with another process busy on one of the two cores a spinning thread burns the time slice its
+partner needs (issue 11: decode fell from 24.1 to 4.1 tok/s). Passive waiting lets the scheduler
+run the partner at once. Measured on the shared 2-core VM (load average 9-10, default model
+packed, 2 threads): 0.5 tok/s with libgomp's default, 5-13 with ``GOMP_SPINCOUNT=10000``, 20-23
+with ``OMP_WAIT_POLICY=PASSIVE`` (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
