@@ -52,6 +52,11 @@ def models():
     return packed, exact
 
 
+@pytest.fixture(scope="module")
+def yard():
+    return bf16_yardstick(load_model("default", "cpu", "float32", progress=False, weights="dequant"))
+
+
 def window_logits(loaded, ids: list[int]) -> torch.Tensor:
     cfg = loaded.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device)
@@ -72,12 +77,11 @@ def test_default_answer_and_greedy_text(models):
         assert greedy(ep, PROMPTS[i]) == greedy(ee, PROMPTS[i]), PROMPTS[i]
 
 
-def test_logits_and_decisions_along_the_exact_continuation(models):
+def test_logits_and_decisions_along_the_exact_continuation(models, yard):
     """Teacher-forced on the exact model's greedy continuation of every prompt: the packed logits
     stay within YARDSTICK_FACTOR of the bf16 yardstick's distance, and every decision the exact
     model makes by more than MARGIN the packed model makes too."""
     packed, exact = models
-    yard = bf16_yardstick(load_model("default", "cpu", "float32", progress=False, weights="dequant"))
     ee = Engine(exact, EngineConfig(device="cpu"))
     for prompt in PROMPTS:
         ids = ee.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -114,7 +118,7 @@ def test_weights_resident_memory_within_one_and_a_half_gguf():
     assert got["delta"] <= 1.5 * size, f"{got['delta'] / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB GGUF"
 
 
-def test_cached_equals_uncached_within_tolerance(models):
+def test_cached_equals_uncached_within_tolerance(models, yard):
     """The KV invariant on the packed path: the same tokens run (a) as one window from scratch and
     (b) through the segmented cache in turns (a prompt window, single decode rows, a seal after
     each turn, so later windows attend over several segments) give logits that differ by no more
@@ -141,7 +145,6 @@ def test_cached_equals_uncached_within_tolerance(models):
         start = cut
     turned = torch.cat(rows)
     assert turned.shape == whole.shape and len(cache.views(0)) > 1
-    yard = bf16_yardstick(load_model("default", "cpu", "float32", progress=False, weights="dequant"))
     want = window_logits(exact, seq)
     yard_off = float((window_logits(yard, seq) - want).abs().max())
     off = float((turned - whole).abs().max())

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.models import gguf as gg
 from turnkv.models import quant
+from turnkv.models.gguf_pack import pack_gguf
 from turnkv.models.llama import LlamaModel
 from turnkv.tokenizer import Tokenizer, byte_level
 
@@ -296,7 +297,7 @@ def _load_gguf(
         raise ModelLoadError(f"{path.name}: {exc}") from exc
     with torch.no_grad():
         try:
-            report = quant.pack_gguf(model, [(n, e, heads(e)) for n, e in named], data, weights, dev, path)
+            report = pack_gguf(model, [(n, e, heads(e)) for n, e in named], data, weights, dev, path)
         except ValueError as exc:
             raise ModelLoadError(f"{path.name}: {exc}") from exc
         items = [
