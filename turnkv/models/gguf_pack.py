@@ -91,6 +91,8 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
             raise ValueError(f"--weights packed: {why_not} (use --weights auto or dequant)")
         return PackReport(reason=why_not)
     done, nbytes, worst, failed = set(), 0, 0.0, []
+    kinds_checked: dict[tuple, tuple[bool, float]] = {}
+    kinds_layout: dict[tuple, bool] = {}
     tied = model.lm_head is None
     for (_, attr), parts in packable.items():
         owner = parts[0][4]
@@ -107,9 +109,17 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
             blocks = gg.map_rows(path, parts[0][2]) if path is not None else raws[0].clone()
         qw = QuantWeight((rows, cols), planes if needs_mm else None, blocks, parts[0][2].type_name)
         if needs_mm:
+            # The checks test the kernel, the packed layout and the block mapping, which depend on
+            # the matrix's part types and shape, not on its values: one matrix of each kind
+            # (5 of the default model's 121; checking all cost ~15 s of CPU at load, measured).
+            kind = (tuple(p[2].type_name for p in parts), tuple(r.shape[0] for r in raws), cols)
             if owner is not model:  # layers; the head's windows are narrow (logits of a few rows)
-                qw.check_layout(planes)
-            ok, ratio = _check_parts(qw, planes, raws, [p[2].type_name for p in parts])
+                layout = kinds_layout.get(kind)
+                kinds_layout[kind] = qw.check_layout(planes) if layout is None else layout
+                qw.wide_ok = kinds_layout[kind]
+            if kind not in kinds_checked:
+                kinds_checked[kind] = _check_parts(qw, planes, raws, [p[2].type_name for p in parts])
+            ok, ratio = kinds_checked[kind]
             worst = max(worst, ratio)
             if not ok:
                 failed.append(f"{parts[0][1]} (error {ratio:.2f}x its bound)")
