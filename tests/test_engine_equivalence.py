@@ -1,7 +1,10 @@
 """Cached == uncached: greedy text through turns, /undo rollback and a fork is identical for the
 segmented layout, the contiguous layout and recomputation from scratch every turn.
 
-Runs the real default model (SmolLM2-135M-Instruct, fp32 on CPU). Also checks that the follow-up
+Runs the real default model (SmolLM2-135M-Instruct, fp32 on CPU) with its weights dequantized
+(``weights="dequant"``): fp32 end to end, so the paths agree to ~1e-6 and greedy text is exact.
+The packed-weight path (bf16 activations) is held to the same script within a stated tolerance
+in tests/test_quant_default.py. Also checks that the follow-up
 turns really were served from the cache (cached_tokens, no gather) and that a multi-row window
 gives the same logits as the same rows one at a time.
 """
@@ -35,7 +38,9 @@ SCRIPT = [
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    seg = Engine.from_config(EngineConfig(kv_layout="segmented", device="cpu"), progress=False)
+    seg = Engine.from_config(
+        EngineConfig(kv_layout="segmented", device="cpu", weights="dequant"), progress=False
+    )
     con = Engine(seg.loaded, replace(seg.cfg, kv_layout="contiguous"))
     return {"segmented": seg, "contiguous": con}
 

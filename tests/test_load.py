@@ -339,14 +339,14 @@ def test_gguf_tiny_llama_matches_dequantized_reference(tmp_path, monkeypatch, ll
     ids = torch.tensor([5, 77, 300, 12, 9, 250, 31])
     with torch.no_grad():
         want = hf(ids[None]).logits[0]
-    ours = load_model(str(path), device="cpu", dtype="float32", progress=False)
+    ours = load_model(str(path), device="cpu", dtype="float32", progress=False, weights="dequant")
     assert ours.name == "tiny" and ours.config.num_kv_heads == 2 and not ours.config.tie_embeddings
     assert ours.tokenizer.eos_token_ids == {258}
     assert ours.tokenizer.decode(ours.tokenizer.encode("héllo")) == "héllo"
     got = our_logits(ours, ids)
     assert (got - want).abs().max().item() < 1e-4
     # The second load reads the header cache and gives the same model.
-    again = load_model(str(path), device="cpu", dtype="float32", progress=False)
+    again = load_model(str(path), device="cpu", dtype="float32", progress=False, weights="dequant")
     assert again.fingerprint == ours.fingerprint and again.config == ours.config
     assert any((tmp_path / "cache" / "gguf" / ours.fingerprint).iterdir())
     assert torch.equal(our_logits(again, ids), got)

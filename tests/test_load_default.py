@@ -38,7 +38,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(cache_dir):
-    return load_model("default", device="cpu", dtype="float32", progress=False)
+    return load_model("default", device="cpu", dtype="float32", progress=False, weights="dequant")
 
 
 def test_cold_then_warm_load_agree(ours, cache_dir):
@@ -56,7 +56,7 @@ def test_cold_then_warm_load_agree(ours, cache_dir):
     assert (folder / "tokenizer.json").is_file() and (folder / "header.json").is_file()
     _, _, from_cache = gg.cached_header(default_model_path(), ours.fingerprint)
     assert from_cache
-    warm = load_model("default", device="cpu", dtype="float32", progress=False)
+    warm = load_model("default", device="cpu", dtype="float32", progress=False, weights="dequant")
     assert warm.config == cfg and warm.fingerprint == ours.fingerprint
     for (name, a), (_, b) in zip(ours.model.named_parameters(), warm.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name

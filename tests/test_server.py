@@ -76,7 +76,10 @@ class Live:
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model("default", "cpu", "auto", progress=False)
+    # fp32 dequantized weights: these tests compare greedy text across a cold request and one that
+    # reuses the bank, which is exact only in fp32 (packed weights round activations to bf16 and
+    # can flip a near-tie; see tests/test_quant_default.py for that path's stated tolerance).
+    return load_model("default", "cpu", "auto", progress=False, weights="dequant")
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,10 @@ def test_greedy_text_is_the_same_alone_and_in_company(tiny):
 
 @pytest.mark.slow
 def test_default_model_greedy_text_alone_and_in_company():
-    engine = Engine.from_config(EngineConfig(device="cpu"), progress=False)
+    # fp32 weights: the packed CPU path rounds activations to bf16 before each matmul, so a turn
+    # whose prompt is prefilled in other chunks beside others can part at a bf16 near-tie
+    # (docs/SCHEDULER.md says what holds where)
+    engine = Engine.from_config(EngineConfig(device="cpu", weights="dequant"), progress=False)
     tok = engine.tokenizer
     questions = ["What is the capital of France?", "Name three colours.", "Count to five.", "Say hi."]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]

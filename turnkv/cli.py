@@ -22,6 +22,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or random:SHAPE")
     p.add_argument("--device", help="auto | cpu | cuda | any torch device")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--weights",
+        choices=["auto", "packed", "dequant"],
+        help="GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes",
+    )
     p.add_argument("--kv-layout", dest="kv_layout", choices=["segmented", "contiguous"])
     p.add_argument("--attention", choices=["auto", "fused", "lse"])
     p.add_argument("--max-context", dest="max_context", type=int, help="tokens; 0 = the model's own")
@@ -29,6 +34,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graphs", dest="cuda_graphs", choices=["auto", "off"], help="captured decode steps on CUDA"
     )
+    p.add_argument("--threads", type=int, help="torch CPU threads; 0 = the cores available to the process")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +114,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from turnkv.threads import prepare_env
+
+    prepare_env()  # OpenMP reads its settings once, when torch loads: before any torch import
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
@@ -135,6 +144,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from turnkv.cache_cli import cache_main
 
         return cache_main(args.action, cfg.disk_dir, args.json)
+    from turnkv.threads import set_threads
+
+    set_threads(cfg.threads)
     if args.command == "serve":
         from turnkv.server.app import serve
 

@@ -72,6 +72,7 @@ class EngineConfig:
     model: str = "default"
     device: str = "auto"  # auto | cpu | cuda | any torch device string
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    weights: str = "auto"  # auto | packed | dequant: GGUF Q4_0/Q4_1/Q8_0 kept packed on CPU (models/quant.py)
     kv_layout: str = "segmented"  # segmented | contiguous
     attention: str = "auto"  # auto | fused | lse
     bank_bytes: str = "auto"  # N | auto
@@ -83,6 +84,7 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # auto | off: captured decode steps on CUDA
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
+    threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)

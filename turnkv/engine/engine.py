@@ -92,7 +92,7 @@ class Engine:
         if cfg.model.startswith("random:"):
             loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype)
         else:
-            loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress)
+            loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=cfg.weights)
         return cls(loaded, cfg)
 
     # -- caches -------------------------------------------------------------------------------

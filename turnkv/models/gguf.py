@@ -261,7 +261,7 @@ def unpermute_perm(rows: int, n_heads: int) -> torch.Tensor:
 _BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}  # values, bytes per block
 
 
-def _dequant_torch(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+def dequant_rows(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     """raw ``[rows, row_bytes]`` uint8 on any device -> fp32 ``[rows, cols]`` for the simple formats."""
     rows = raw.shape[0]
     if type_name == "F32":
@@ -299,7 +299,7 @@ def read_tensor(
     if unpermute_heads and len(entry.shape) > 1:
         raw = raw[unpermute_perm(rows, unpermute_heads)]  # a copy, in the HF row order
     if entry.type_name in ("F32", "F16", "BF16", *_BLOCK):
-        out = _dequant_torch(raw.to(device), entry.type_name)
+        out = dequant_rows(raw.to(device), entry.type_name)
     else:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -310,6 +310,22 @@ def read_tensor(
     if unpermute_heads and len(entry.shape) == 1:  # a bias: permute its values
         out = out[unpermute_perm(entry.shape[0], unpermute_heads).to(out.device)]
     return out
+
+
+def raw_rows(data: np.ndarray, entry: TensorEntry, unpermute_heads: int = 0) -> torch.Tensor:
+    """A matrix's stored bytes as uint8 ``[rows, row_bytes]`` in Hugging Face row order (llama.cpp's
+    Q/K permutation undone when ``unpermute_heads > 0``; rows are quantized independently)."""
+    rows = int(np.prod(entry.shape[:-1]))
+    raw = torch.from_numpy(np.asarray(data[entry.offset : entry.offset + entry.nbytes]).reshape(rows, -1))
+    return raw[unpermute_perm(rows, unpermute_heads)] if unpermute_heads else raw
+
+
+def map_rows(path: Path, entry: TensorEntry) -> torch.Tensor:
+    """A matrix's stored bytes ``[rows, row_bytes]`` through a memory map of its own: pages become
+    resident only as rows are read, and stay file-backed (the map lives as long as the tensor)."""
+    rows = int(np.prod(entry.shape[:-1]))
+    mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=entry.offset, shape=(entry.nbytes,))
+    return torch.from_numpy(mapped.reshape(rows, -1))
 
 
 def read_into(data: np.ndarray, entry: TensorEntry, dst: torch.Tensor, unpermute_heads: int = 0) -> None:
@@ -325,4 +341,4 @@ def read_into(data: np.ndarray, entry: TensorEntry, dst: torch.Tensor, unpermute
     step = max(1, (1 << 22) // flat.shape[1])  # about 4M values per chunk
     for lo in range(0, rows, step):
         part = raw[lo : lo + step] if perm is None else raw[perm[lo : lo + step]]
-        flat[lo : lo + step].copy_(_dequant_torch(part.to(dst.device), entry.type_name))
+        flat[lo : lo + step].copy_(dequant_rows(part.to(dst.device), entry.type_name))

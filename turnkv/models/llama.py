@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from turnkv.attention.backend import StepAttention
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.models.pointwise import rms_norm, silu_mul
+from turnkv.models.quant import embedding, linear, residual_linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -88,15 +88,6 @@ class Rope(nn.Module):
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin ``[N, D]`` for device ``positions`` ``[N]`` (covered by ``ensure``)."""
         return self._cos[positions], self._sin[positions]
-
-
-def _residual_linear(
-    x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-) -> torch.Tensor:
-    """``x + h @ w.T (+ b)``; without a bias the add rides in the matmul (one kernel, not two)."""
-    if b is None:
-        return torch.addmm(x, h, w.t())
-    return x + F.linear(h, w, b)
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
@@ -179,41 +170,54 @@ class LlamaModel(nn.Module):
         return self._slot(name).detach()
 
     def _slot(self, name: str) -> torch.Tensor:
+        owner, attr, rows = self.hf_place(name)
+        param = getattr(owner, attr)
+        return param if rows is None else param[rows]
+
+    def hf_place(self, name: str) -> tuple[nn.Module, str, slice | None]:
+        """Where the checkpoint tensor ``name`` goes: ``(owner, attribute, rows)``, ``rows`` the
+        slice of a fused matrix it fills or None for the whole. Raises KeyError like ``hf_slot``."""
         cfg = self.cfg
-        top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm"}
         if name in top:
-            return top[name]
+            return self, top[name], None
         if name == "lm_head.weight" and self.lm_head is not None:
-            return self.lm_head
+            return self, "lm_head", None
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
             raise KeyError(name)
         layer: DecoderLayer = self.layers[int(parts[2])]
         rest = ".".join(parts[3:])
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv_rows = {"q": (0, qd), "k": (qd, qd + kd), "v": (qd + kd, qd + 2 * kd)}
+        qkv_rows = {"q": slice(0, qd), "k": slice(qd, qd + kd), "v": slice(qd + kd, qd + 2 * kd)}
         inter = cfg.intermediate_size
         simple = {
-            "input_layernorm.weight": layer.attn_norm,
-            "post_attention_layernorm.weight": layer.mlp_norm,
-            "self_attn.o_proj.weight": layer.o,
-            "self_attn.o_proj.bias": layer.o_bias,
-            "self_attn.q_norm.weight": layer.q_norm,
-            "self_attn.k_norm.weight": layer.k_norm,
-            "mlp.down_proj.weight": layer.down,
-            "mlp.gate_proj.weight": layer.gate_up[:inter],
-            "mlp.up_proj.weight": layer.gate_up[inter:],
+            "input_layernorm.weight": ("attn_norm", None),
+            "post_attention_layernorm.weight": ("mlp_norm", None),
+            "self_attn.o_proj.weight": ("o", None),
+            "self_attn.o_proj.bias": ("o_bias", None),
+            "self_attn.q_norm.weight": ("q_norm", None),
+            "self_attn.k_norm.weight": ("k_norm", None),
+            "mlp.down_proj.weight": ("down", None),
+            "mlp.gate_proj.weight": ("gate_up", slice(0, inter)),
+            "mlp.up_proj.weight": ("gate_up", slice(inter, 2 * inter)),
         }
-        if rest in simple and simple[rest] is not None:
-            return simple[rest]
+        if rest in simple and getattr(layer, simple[rest][0]) is not None:
+            return layer, *simple[rest]
         proj, _, kind = rest.removeprefix("self_attn.").partition("_proj.")
         if rest.startswith("self_attn.") and proj in qkv_rows:
-            lo, hi = qkv_rows[proj]
             if kind == "weight":
-                return layer.qkv[lo:hi]
+                return layer, "qkv", qkv_rows[proj]
             if kind == "bias" and layer.qkv_bias is not None:
-                return layer.qkv_bias[lo:hi]
+                return layer, "qkv_bias", qkv_rows[proj]
         raise KeyError(name)
+
+    @staticmethod
+    def replace_weight(owner: nn.Module, attr: str, value: nn.Module) -> None:
+        """Swap the parameter ``owner.attr`` for a weight module that ``quant.linear`` and
+        ``quant.embedding`` accept (a loader hook: quantized weights stay packed)."""
+        del owner._parameters[attr]
+        setattr(owner, attr, value)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Fill every weight in place on its device (norms at 1): for benches and tests."""
@@ -242,10 +246,10 @@ class LlamaModel(nn.Module):
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         cos, sin = self.rope.at(positions)  # [N, D]
-        x = F.embedding(ids, self.embed)  # [N, hidden]
+        x = embedding(ids, self.embed, self.dtype)  # [N, hidden]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
             qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]  # [N, Hq+Hkv, D], [N, Hkv, D]
             if layer.q_norm is not None:
                 qk = torch.cat(
@@ -253,11 +257,9 @@ class LlamaModel(nn.Module):
                 )
             q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
             o = attention.attend(i, q, self.scale)  # [N, Hq, D]
-            x = _residual_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
+            x = residual_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, eps)
-            x = _residual_linear(
-                x, silu_mul(F.linear(h, layer.gate_up)), layer.down, None
-            )  # [N, 2I] -> [N, I]
+            x = residual_linear(x, silu_mul(linear(h, layer.gate_up)), layer.down, None)  # [N, 2I] -> [N, I]
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps)  # [R, hidden]
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [R, V]
+        return linear(x, head).float()  # [R, V]

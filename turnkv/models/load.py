@@ -23,6 +23,8 @@ from tqdm import tqdm
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.kv.cache import KVShape
 from turnkv.models import gguf as gg
+from turnkv.models import quant
+from turnkv.models.gguf_pack import pack_gguf
 from turnkv.models.llama import LlamaModel
 from turnkv.tokenizer import Tokenizer, byte_level
 
@@ -115,6 +117,8 @@ class LoadedModel:
     fingerprint: str  # content-derived id of the weights (see cache_fingerprint for KV cache keys)
     device: torch.device
     dtype: torch.dtype
+    weights: str = "dequant"  # packed | mixed | dequant: how the matrices are held (models/quant.py)
+    weights_note: str = ""  # why, e.g. "self-check ok" or "packed weights run on CPU, ..."
 
 
 # ---- device / dtype -------------------------------------------------------------------------
@@ -198,15 +202,30 @@ def default_model_path() -> Path:
 
 # ---- loading --------------------------------------------------------------------------------
 def load_model(
-    spec: str = "default", device: str = "auto", dtype: str = "auto", progress: bool = True
+    spec: str = "default",
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+    weights: str = "auto",
 ) -> LoadedModel:
-    """Load ``spec``: ``default``, a HF folder, a ``.gguf`` file or ``random:<shape>``."""
+    """Load ``spec``: ``default``, a HF folder, a ``.gguf`` file or ``random:<shape>``.
+
+    ``weights`` (GGUF only): ``auto`` keeps Q4_0/Q4_1/Q8_0 matrices packed on CPU where the
+    load-time self-check passes, ``packed`` insists (a ModelLoadError says why it cannot),
+    ``dequant`` expands everything to ``dtype`` as before. See ``turnkv.models.quant``.
+    """
+    if weights not in quant.WEIGHT_MODES:
+        raise ModelLoadError(f"unknown weights mode {weights!r} (use {', '.join(quant.WEIGHT_MODES)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if weights == "packed" and (spec.startswith("random:") or Path(spec).is_dir()):
+        raise ModelLoadError(
+            "--weights packed needs a GGUF file with Q4_0/Q4_1/Q8_0 tensors (use --weights auto or dequant)"
+        )
     if spec.startswith("random:"):
         return build_random_model(spec.split(":", 1)[1], dev, dt)
     if spec in ("", "default"):
-        return _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME)
+        return _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -215,7 +234,7 @@ def load_model(
     if path.is_dir():
         return _load_hf(path, dev, dt, progress)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dev, dt, progress, path.stem)
+        return _load_gguf(path, dev, dt, progress, path.stem, weights)
     raise ModelLoadError(f"{spec!r} is neither a folder with config.json nor a .gguf file")
 
 
@@ -235,10 +254,10 @@ def build_random_model(shape: str, device="auto", dtype="auto", seed: int = 0) -
     return LoadedModel(model, tok, cfg, f"random:{shape}", fp, dev, dt)
 
 
-def _fill(model: LlamaModel, items, desc: str, progress: bool) -> None:
+def _fill(model: LlamaModel, items, desc: str, progress: bool, done: frozenset[str] = frozenset()) -> None:
     """Fill the model from ``(hf_name, shape, write)`` triples, ``write(dst)`` writing one tensor
-    into its parameter slice in place; every needed tensor must arrive once."""
-    needed = set(model.hf_names())
+    into its parameter slice in place; every needed tensor not in ``done`` must arrive once."""
+    needed = set(model.hf_names()) - done
     seen: set[str] = set()
     for name, shape, write in tqdm(items, desc=desc, unit="tensor", file=sys.stderr, disable=not progress):
         if name not in needed:
@@ -259,7 +278,9 @@ def _fill(model: LlamaModel, items, desc: str, progress: bool) -> None:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
 
 
-def _load_gguf(path: Path, dev: torch.device, dt: torch.dtype, progress: bool, name: str) -> LoadedModel:
+def _load_gguf(
+    path: Path, dev: torch.device, dt: torch.dtype, progress: bool, name: str, weights: str = "auto"
+) -> LoadedModel:
     fp = file_fingerprint(path)
     try:
         header, tok, _ = gg.cached_header(path, fp)
@@ -277,21 +298,29 @@ def _load_gguf(path: Path, dev: torch.device, dt: torch.dtype, progress: bool, n
         if e.name == gg.ROPE_FREQS:
             model.rope.set_freq_factors(gg.read_tensor(data, e))
 
-    def writer(entry: gg.TensorEntry):
-        heads = 0
+    def heads(entry: gg.TensorEntry) -> int:
         if header.permuted_qk and entry.name.endswith((".attn_q.weight", ".attn_q.bias")):
-            heads = cfg.num_heads
-        elif header.permuted_qk and entry.name.endswith((".attn_k.weight", ".attn_k.bias")):
-            heads = cfg.num_kv_heads
-        return lambda dst: gg.read_into(data, entry, dst, heads)
+            return cfg.num_heads
+        if header.permuted_qk and entry.name.endswith((".attn_k.weight", ".attn_k.bias")):
+            return cfg.num_kv_heads
+        return 0
 
     try:
-        items = [(gg.hf_name(e.name), e.shape, writer(e)) for e in entries]
+        named = [(gg.hf_name(e.name), e) for e in entries]
     except gg.GGUFError as exc:
         raise ModelLoadError(f"{path.name}: {exc}") from exc
     with torch.no_grad():
-        _fill(model, items, f"loading {name}", progress)
-    return LoadedModel(model, tok, cfg, name, fp, dev, dt)
+        try:
+            report = pack_gguf(model, [(n, e, heads(e)) for n, e in named], data, weights, dev, path)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path.name}: {exc}") from exc
+        items = [
+            (n, e.shape, lambda dst, e=e: gg.read_into(data, e, dst, heads(e)))
+            for n, e in named
+            if n not in report.packed_names
+        ]
+        _fill(model, items, f"loading {name}", progress, report.packed_names)
+    return LoadedModel(model, tok, cfg, name, fp, dev, dt, report.used, report.reason)
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
