@@ -3,13 +3,21 @@
 Each finished turn is sealed, so ``/undo`` is a trim back to the row count before the last turn:
 the earlier turns' segments are still there and nothing is recomputed. When stdin is not a
 terminal, every input line is one user message, so the chat can be scripted.
+
+Ctrl-C (SIGINT) during an answer stops it at the next token: the text so far becomes the
+assistant's message and its rows are sealed into the conversation, and the prompt comes back. A
+second Ctrl-C before the answer has stopped (a long prefill), or Ctrl-C at the prompt, ends the
+program as before.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 from turnkv.engine.engine import Engine, TurnStats
@@ -33,13 +41,14 @@ class ChatSession:
         self.turns: list[tuple[int, int]] = []
         self.last: TurnStats | None = None
 
-    def ask(self, text: str) -> Iterator[str]:
-        """Streams the answer's text; the turn is sealed when the stream ends."""
+    def ask(self, text: str, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+        """Streams the answer's text; the turn is sealed when the stream ends (``should_stop``
+        ends it early, keeping what was generated)."""
         self.turns.append((len(self.messages), self.cache.num_tokens))
         self.messages.append({"role": "user", "content": text})
         ids = self.engine.tokenizer.apply_chat_template(self.messages)
         pieces = []
-        for ev in self.engine.generate(self.cache, ids, self.params):
+        for ev in self.engine.generate(self.cache, ids, self.params, should_stop=should_stop):
             if ev.text:
                 pieces.append(ev.text)
                 yield ev.text
@@ -69,8 +78,28 @@ class ChatSession:
         return out
 
 
-def run_chat(engine: Engine, args: argparse.Namespace) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+@contextlib.contextmanager
+def interruptible() -> Iterator[threading.Event]:
+    """While inside, the first SIGINT sets the yielded event instead of raising KeyboardInterrupt;
+    a second one raises as usual. Only in the main thread (signals cannot be caught elsewhere)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_sigint(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_chat(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
     session = ChatSession(engine, params, args.system)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -99,7 +128,8 @@ def run_chat(engine: Engine, args: argparse.Namespace) -> int:
         elif line.startswith("/"):
             print(f"(unknown command; {HELP})", flush=True)
         else:
-            for piece in session.ask(line):
-                print(piece, end="", flush=True)
-            print(flush=True)
+            with interruptible() as stop:
+                for piece in session.ask(line, should_stop=stop.is_set):
+                    print(piece, end="", flush=True)
+            print(" (stopped)" if stop.is_set() else "", flush=True)
     return 0
