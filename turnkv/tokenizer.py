@@ -111,8 +111,11 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Ids of ``text``. Special-token strings in the text (``<|im_start|>``) map to their ids."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Ids of ``text``. Special-token strings in the text (``<|im_start|>``) map to their ids.
+
+        ``encode_batch`` releases the GIL (``encode`` holds it: measured, a 2 MB text held it for
+        2.4 s, stalling every other Python thread -- the engine's included)."""
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -29,9 +29,22 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 
 def route_label(request: Request) -> str:
-    """The metrics label of a request: one of our routes, or ``other`` (bounded cardinality)."""
+    """The metrics label of a request: one of our routes, ``/v1/models/{id}``, or ``other``
+    (bounded cardinality)."""
     path = request.url.path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
     return path if path in ROUTES else "other"
+
+
+def note_usage(request: Request, admitted: Admitted, completion: int, finish: str | None) -> None:
+    """What the access log prints for this request (``server.access``)."""
+    request.state.usage = {
+        "prompt": admitted.prompt_tokens,
+        "cached": admitted.cached_tokens,
+        "completion": completion,
+        "finish": finish,
+    }
 
 
 def failed_error(f: Failed) -> ApiError:
@@ -92,6 +105,7 @@ async def respond(srv: Server, request: Request, turn: Turn, req, chat: bool) ->
     text = "".join(pieces)
     stats = final.stats
     srv.finished(route, stats)
+    note_usage(request, admitted, stats.completion_tokens, final.finish_reason)
     usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
     if chat:
         choice = {
@@ -132,6 +146,7 @@ async def _sse_events(
             choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
         return {**base, "choices": [choice], **extra}
 
+    tokens = 0
     try:
         if chat:
             yield _sse(chunk("", None, role=True))
@@ -144,6 +159,7 @@ async def _sse_events(
                 break
             if not isinstance(ev, GenEvent):
                 continue
+            tokens += ev.token_id is not None
             if ev.finish_reason is None:
                 if ev.text:
                     yield _sse(chunk(ev.text, None))
@@ -153,6 +169,7 @@ async def _sse_events(
             yield _sse(chunk(None if chat else "", ev.finish_reason))
             stats = ev.stats
             srv.finished(route, stats)
+            note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)
             if include_usage:
                 usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
                 yield _sse({**base, "choices": [], "usage": usage})
@@ -162,3 +179,5 @@ async def _sse_events(
         # the client went away (the response task was cancelled) or we are done: either way the
         # worker must stop generating for nobody; it still banks what it computed
         turn.cancel.set()
+        if getattr(request.state, "usage", None) is None:
+            note_usage(request, admitted, tokens, "cancelled")

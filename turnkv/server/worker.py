@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 Emit = Callable[[object], None]
 
 
-DEFAULT_MAX_TOKENS = 4096  # output rows reserved when a request sets no max_tokens
+# the most output rows reserved when a request sets no max_tokens (fewer when the context or the
+# bank budget cannot hold them: the answer then ends with finish_reason "length")
+DEFAULT_MAX_TOKENS = 4096
 # rows reserved past the answer for the rebase (the last answer token and the end-of-turn tokens
 # the template adds), so the tail need not regrow -- a copy -- to take them
 REBASE_SLACK_ROWS = 8
@@ -38,19 +40,19 @@ REBASE_SLACK_ROWS = 8
 
 @dataclass
 class Turn:
-    """What a request asks once its body is parsed.
+    """What a request asks once its body is parsed and its prompt tokenized.
 
-    ``prompt`` is the token ids, or a callable making them (the chat template), which the worker
-    runs so the tokenizer is only ever used from one thread; a ``ValueError`` from it is a 400.
-    ``max_tokens`` None means up to ``DEFAULT_MAX_TOKENS`` within the context; an explicit value that
-    does not fit the context is a 400 (``context_length_exceeded``), as with vLLM.
+    ``prompt`` is the token ids (the HTTP handler renders and tokenizes them off the event loop and
+    off this thread). ``max_tokens`` None means as many as the context and the bank budget allow,
+    at most ``DEFAULT_MAX_TOKENS``; an explicit value that does not fit the context is a 400
+    (``context_length_exceeded``), as with vLLM.
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus
     the answer, or the completion prompt plus its text); the service banks rows matching those ids,
     so the next turn reuses all of them (see :meth:`TurnService.rebase`).
     """
 
-    prompt: list[int] | Callable[[], list[int]]
+    prompt: list[int]
     params: SamplingParams
     max_tokens: int | None = None
     namespace: str = ""
@@ -99,16 +101,10 @@ class TurnService:
         self.rebase_enabled = rebase
         self.rebase_max_rows = rebase_max_rows
 
-    def reserve_rows(self, prompt_tokens: int, max_tokens: int) -> int:
-        room = self.engine.max_context - prompt_tokens if self.engine.max_context else max_tokens
-        return max(0, min(max_tokens, room))
-
     def prepare(self, turn: Turn) -> tuple[list[int], SamplingParams] | Failed:
-        """Token ids and final sampling parameters, or the 400 that the request earns."""
-        try:
-            ids = list(turn.prompt() if callable(turn.prompt) else turn.prompt)
-        except ValueError as e:
-            return Failed(400, f"the prompt cannot be built: {e}")
+        """Token ids and sampling parameters (``max_tokens`` as asked, or the most the context
+        allows up to ``DEFAULT_MAX_TOKENS``), or the 400 that the request earns."""
+        ids = list(turn.prompt)
         if not ids:
             return Failed(400, "the prompt is empty")
         limit = self.engine.max_context
@@ -139,12 +135,25 @@ class TurnService:
         ids, params = ready
         slack = REBASE_SLACK_ROWS if self.rebase_enabled and turn.render_history is not None else 0
         try:
+            # without an explicit max_tokens the reservation shrinks to what the budget can hold
             lease = self.bank.admit(
-                turn.namespace, ids, params.max_tokens + slack, self.engine.activation_bytes, turn.session
+                turn.namespace,
+                ids,
+                params.max_tokens + slack,
+                self.engine.activation_bytes,
+                turn.session,
+                min_reserve_rows=1 + slack if turn.max_tokens is None else None,
             )
         except Refused as e:
-            emit(Failed(507, str(e), "kv_memory_exhausted", e.needed_bytes, e.available_bytes))
+            fix = (
+                "a shorter prompt or a smaller max_tokens"
+                if turn.max_tokens is not None
+                else "a shorter prompt"
+            )
+            msg = f"{e}; retry with {fix} (the server's KV budget is --bank-bytes)"
+            emit(Failed(507, msg, "kv_memory_exhausted", e.needed_bytes, e.available_bytes))
             return
+        params = replace(params, max_tokens=max(lease.reserve_rows - slack, 1))
         cache = self.engine.restore(lease.snapshot) if lease.snapshot is not None else self.engine.new_cache()
         lease.attach(cache)
         # the tail is sized once for everything admission priced (generate plans less: no slack)
@@ -202,6 +211,8 @@ class EngineWorker:
     def __init__(self, service: TurnService) -> None:
         self.service = service
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: list[Job] = []  # queued and running (removed when done), for stop()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="turnkv-engine", daemon=True)
         self.busy = False
         self._thread.start()
@@ -211,11 +222,22 @@ class EngineWorker:
         return self._queue.qsize()
 
     def submit(self, turn: Turn, emit: Emit) -> None:
-        self._queue.put(Job(turn, emit))
+        with self._lock:
+            self._jobs.append(job := Job(turn, emit))
+        self._queue.put(job)
 
-    def stop(self) -> None:
+    def cancel_all(self) -> None:
+        """Cancel every queued and running turn: a running one stops at its next token (its answer
+        ends with ``finish_reason`` "cancelled") and still banks what it computed. Thread-safe."""
+        with self._lock:
+            for job in self._jobs:
+                job.turn.cancel.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every turn (``cancel_all``), then stop; wait at most ``timeout`` s for the thread."""
+        self.cancel_all()
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
         while True:
@@ -233,3 +255,5 @@ class EngineWorker:
                 job.emit(Failed(500, f"internal error: {type(e).__name__}: {e}", "internal_error"))
             finally:
                 self.busy = False
+                with self._lock:
+                    self._jobs.remove(job)
