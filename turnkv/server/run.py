@@ -3,8 +3,10 @@
 The listening socket is bound *before* the model loads, so a port in use or a host that cannot be
 bound fails in one line within a second rather than after the load (and "serving on" is printed
 only once the socket is ours). On SIGTERM or Ctrl-C the server stops accepting, logs how many turns
-it waits for, and waits at most ``--shutdown-timeout`` seconds (uvicorn's graceful-shutdown
-timeout) before cancelling them; cancelled turns still bank what they computed.
+it waits for, and lets them run for ``--shutdown-timeout`` seconds; then it cancels them: each stops
+at its next token, banks what it computed, and its answer ends normally with ``finish_reason``
+"cancelled". uvicorn's own graceful-shutdown timeout is ``GRACE_S`` later, a last resort for a turn
+that does not reach a token boundary in time (a long prefill).
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 import errno
 import socket
 import sys
+import threading
 
 import uvicorn
 
 from turnkv.config import EngineConfig
+
+GRACE_S = 5.0  # after cancelling the turns, how long uvicorn still waits before cancelling tasks
 
 
 class BindError(ValueError):
@@ -56,9 +61,9 @@ def serve(cfg: EngineConfig) -> None:
             app,
             log_level="warning",
             access_log=False,  # turnkv's own access log has the token counts (server.access)
-            timeout_graceful_shutdown=cfg.shutdown_timeout,
+            timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_S,
         )
-        server = _Uvicorn(config, srv)
+        server = _Uvicorn(config, srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
         print(
             f"turnkv: serving {engine.model_name} on http://{cfg.host}:{port}/v1 "
@@ -75,14 +80,18 @@ def serve(cfg: EngineConfig) -> None:
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, saying on the first stop signal what it waits for and for how long."""
 
-    def __init__(self, config: uvicorn.Config, srv) -> None:
+    def __init__(self, config: uvicorn.Config, srv, timeout: float) -> None:
         super().__init__(config)
         self.srv = srv
+        self.timeout = timeout
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             running = int(self.srv.worker.busy) + self.srv.worker.waiting
-            timeout = self.config.timeout_graceful_shutdown
+            timeout = self.timeout
+            timer = threading.Timer(timeout, self.srv.worker.cancel_all)
+            timer.daemon = True
+            timer.start()
             print(
                 f"turnkv: shutting down: waiting for {running} running turn{'' if running == 1 else 's'} "
                 f"(at most {timeout:g} s, --shutdown-timeout)",
