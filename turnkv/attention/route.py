@@ -1,6 +1,6 @@
 """Chooses the attention route for each call and counts what it chose.
 
-Routes (see DESIGN.md):
+Routes (see docs/DESIGN.md):
 - ``fused``: one Triton launch over all segments; only when the load-time verdict is ``ok``
   (``turnkv.attention.selfcheck`` decides it and hands the router a checked kernel callable).
 - ``single``: one view; the stock contiguous kernel (torch SDPA) on a zero-copy view, so a
