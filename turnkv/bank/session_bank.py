@@ -41,13 +41,10 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 from turnkv.bank.detach import DetachPlan, held_segment_ids, plan_detach
 from turnkv.bank.sessions import SessionGuard
@@ -57,8 +54,6 @@ from turnkv.kv.cache import KVCache, Snapshot
 # Measures the unique bytes of KV rows held by snapshots and live caches (each segment once).
 Measure = Callable[[Iterable[object]], int]
 
-AUTO_SHARE_CUDA = 0.80  # of the device memory free after the weights are loaded
-AUTO_SHARE_CPU = 0.50  # of the RAM the OS reports available at start
 LOOKUP_CANDIDATES = 16  # entries weighed when several share the longest prefix
 SESSION_TTL_S = 600.0  # default protection of a session's newest entry after its last turn
 SESSION_SHARE = 0.5  # default share of the budget all protected entries together may hold
@@ -427,24 +422,3 @@ class SessionBank:
         if index.empty:
             del self._index[entry.namespace]
         self._sessions.forget(entry.id)
-
-
-def auto_budget_bytes(device: torch.device | str) -> int:
-    """``--bank-bytes auto``: 80 % of the CUDA memory free now (call it after loading the weights),
-    or 50 % of the RAM the OS reports available on any other device."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * AUTO_SHARE_CUDA)
-    return int(_available_ram() * AUTO_SHARE_CPU)
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

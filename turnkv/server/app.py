@@ -26,7 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
+from turnkv.bank.budget import auto_budget_bytes
+from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
 from turnkv.server.access import AccessLog, access_logger
 from turnkv.server.body import body_limit, read_body
