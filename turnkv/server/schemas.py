@@ -251,4 +251,3 @@ def validation_error(e: ValidationError) -> ApiError:
     loc = ".".join(str(x) for x in first.get("loc", ()))
     msg = first["msg"].removeprefix("Value error, ")
     return bad_request(f"{loc}: {msg}" if loc else msg, param=loc or None)
-
