@@ -18,27 +18,29 @@ ACCESS_LOGGER = "turnkv.access"
 USAGE_KEYS = ("prompt", "cached", "completion", "finish")
 
 
-def access_logger(enabled: bool) -> logging.Logger:
-    """``turnkv.access`` writing bare lines to stderr (INFO), or silenced."""
+def access_logger() -> logging.Logger:
+    """``turnkv.access``, writing bare lines to stderr at INFO (its handler is added once)."""
     log = logging.getLogger(ACCESS_LOGGER)
     log.propagate = False
-    if enabled and not log.handlers:
+    if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
-    log.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
+    log.setLevel(logging.INFO)
     return log
 
 
 class AccessLog:
-    """Pure ASGI middleware (it sees a streamed response end, which ``BaseHTTPMiddleware`` hides)."""
+    """Pure ASGI middleware (it sees a streamed response end, which ``BaseHTTPMiddleware`` hides);
+    ``enabled`` False passes every request through untouched (``--no-access-log``)."""
 
-    def __init__(self, app, logger: logging.Logger | None = None) -> None:
+    def __init__(self, app, enabled: bool = True) -> None:
         self.app = app
-        self.log = logger or logging.getLogger(ACCESS_LOGGER)
+        self.enabled = enabled
+        self.log = access_logger() if enabled else logging.getLogger(ACCESS_LOGGER)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.log.isEnabledFor(logging.INFO):
+        if scope["type"] != "http" or not self.enabled:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()

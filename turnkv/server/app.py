@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from turnkv.bank.budget import auto_budget_bytes
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
-from turnkv.server.access import AccessLog, access_logger
+from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
 from turnkv.server.health import health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
@@ -189,7 +189,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     app = FastAPI(title="turnkv", lifespan=lifespan)
     app.state.server = srv
-    app.add_middleware(AccessLog, logger=access_logger(cfg.access_log))
+    app.add_middleware(AccessLog, enabled=cfg.access_log)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
