@@ -1,14 +1,13 @@
 """Follow-up turns at growing context: segmented against contiguous, in one process.
 
 Each layout runs the same conversation: a first turn of ``--history`` prompt tokens, then
-``--turns`` follow-up turns of ``--new`` prompt tokens and ``--gen`` generated tokens each. Between
-turns the conversation goes through a bank the way the server does it: the finished turn is
-sealed, snapshotted, and the next turn restores from that snapshot (zero-copy for segments, a
-copy for the contiguous layout). Per turn it reports prompt tokens prefilled, TTFT, decode tok/s
-and peak KV memory above the turn's start: on CUDA ``torch.cuda.max_memory_allocated`` (all
-allocations: KV, activations, restore copies); on CPU the peak of the KV bytes the layouts hold
-(unique bytes of the banked snapshot plus the live cache, sampled after restore, prefill, decode
-and snapshot).
+``--turns`` follow-up turns of ``--new`` prompt tokens and ``--gen`` generated tokens each, through
+the server's turn path (``engine.turn``: admission, restore from the bank, steps, seal, bank):
+the next turn restores from the banked snapshot (zero-copy for segments, a copy for the
+contiguous layout). Per turn it reports prompt tokens prefilled, TTFT, decode tok/s and peak
+memory above the turn's start: on CUDA ``torch.cuda.max_memory_allocated`` (all allocations: KV,
+activations, restore copies); on CPU the most unique KV bytes the bank measured at the turn's end
+(banked snapshots, the live cache and the new snapshot).
 
     python bench/multiturn.py                                     # default model, CPU
     python bench/multiturn.py --shape llama3-8b --device cuda --history 8192,32768,65536
@@ -29,7 +28,8 @@ from report import save
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
-from turnkv.kv.segments import unique_bytes
+from turnkv.engine.scheduler import run_turn
+from turnkv.engine.turn import Banked, GenEvent, TurnRequest
 
 
 def _mem_now(device: torch.device) -> int:
@@ -45,10 +45,10 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         return [t if t not in special else (t + 1) % vocab for t in ids]
 
-    params = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+    params = SamplingParams(ignore_eos=True)
     cuda = engine.shape.device.type == "cuda"
+    bank = engine.new_bank()
     prompt: list[int] = []
-    banked = None
     rows = []
     for turn in range(args.turns + 1):
         prompt = prompt + tokens(history if turn == 0 else args.new)
@@ -56,31 +56,24 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start_mem = _mem_now(engine.shape.device)
-        start_kv = unique_bytes(banked) if banked is not None else 0
-        peak_kv = start_kv
+        start_kv = bank.unique_bytes()
+        bank.stats.peak_bytes = start_kv
         t0 = time.perf_counter()
-        cache = engine.restore(banked) if banked is not None else engine.new_cache()
-        peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache) if x is not None)))
-        stats = None
-        generated = []
-        for ev in engine.generate(cache, prompt, params):
-            if ev.token_id is not None:
-                generated.append(ev.token_id)
-            if ev.token_id is not None and len(generated) == 1:
-                peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache) if x is not None)))
-            stats = ev.stats or stats
-        peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache) if x is not None)))
-        cache.seal()
-        snap = cache.snapshot()
-        peak_kv = max(peak_kv, unique_bytes(*(x for x in (banked, cache, snap) if x is not None)))
+        stats, generated, banked = None, [], None
+        for ev in run_turn(engine, bank, TurnRequest(prompt, params, max_tokens=args.gen)):
+            if isinstance(ev, GenEvent):
+                if ev.token_id is not None:
+                    generated.append(ev.token_id)
+                stats = ev.stats or stats
+            elif isinstance(ev, Banked):
+                banked = ev
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - start_mem
         else:
-            peak = peak_kv - start_kv
+            peak = bank.stats.peak_bytes - start_kv
         wall = time.perf_counter() - t0
-        del cache
-        banked = snap  # the bank keeps the newest snapshot of the conversation
+        entry = next(e for e in bank.entries() if e.id == banked.entry_id)
         prompt = prompt + generated[:-1]  # what the client resends: history + the answer
         rows.append(
             {
@@ -91,9 +84,9 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
                 "ttft_s": stats.ttft_s,
                 "decode_tok_s": stats.decode_tok_s,
                 "peak_above_start_bytes": peak,
-                "kv_banked_bytes": unique_bytes(banked),
+                "kv_banked_bytes": bank.unique_bytes(live=False),
                 "turn_s": wall,
-                "segments": len(snap.segments()),
+                "segments": len(entry.snapshot.segments()),
             }
         )
     return rows
@@ -120,17 +113,18 @@ def main() -> None:
     seg = Engine.from_config(replace(base, kv_layout="segmented"), progress=False)
     # the same weights behind both layouts: one model, two engines
     con = Engine(seg.loaded, replace(base, kv_layout="contiguous"))
+    info = seg.info
     results = {
-        "model": seg.model_name,
+        "model": info.model_name,
         "random_weights": bool(args.shape),
-        "device": str(seg.shape.device),
-        "dtype": str(seg.shape.dtype),
-        "attention": seg.router.verdict.route,
+        "device": info.device,
+        "dtype": info.dtype,
+        "attention": info.verdict.route,
         "runs": [],
     }
     print(
-        f"# {seg.model_name}{' (random weights: speed and memory only)' if args.shape else ''} "
-        f"on {seg.shape.device} {seg.shape.dtype}, attention={seg.router.verdict.route}"
+        f"# {info.model_name}{' (random weights: speed and memory only)' if args.shape else ''} "
+        f"on {info.device} {info.dtype}, attention={info.verdict.route}"
     )
     for history in [int(h) for h in args.history.split(",")]:
         for name, engine in (("segmented", seg), ("contiguous", con)):

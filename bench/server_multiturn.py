@@ -43,10 +43,10 @@ from report import save
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
-from turnkv.engine.engine import Engine, GenEvent
+from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
-from turnkv.kv.segments import unique_bytes
-from turnkv.server.worker import Admitted, Failed, Turn, TurnService
+from turnkv.engine.scheduler import run_turn
+from turnkv.engine.turn import Admitted, Failed, GenEvent, TurnRequest
 
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor violet engine whisper canyon ledger "
@@ -63,29 +63,19 @@ def user_message(tokenizer, target: int, rng: random.Random, label: str) -> str:
     return " ".join(parts)
 
 
-def make_bank(engine: Engine, budget: int) -> SessionBank:
-    return SessionBank(
-        budget_bytes=budget,
-        bytes_per_row=engine.shape.bytes_per_row,
-        measure=lambda held: unique_bytes(*held),
-        copy_on_restore=engine.cfg.kv_layout == "contiguous",
-    )
-
-
 class InProcess:
-    """Calls the turn service directly; TTFT from the call to the first token."""
+    """Runs each turn through the engine's turn path directly; TTFT from the call to the first token."""
 
     def __init__(self, engine: Engine, bank: SessionBank, ignore_eos: bool) -> None:
         self.engine = engine
-        self.service = TurnService(engine, bank)
+        self.bank = bank
         self.ignore_eos = ignore_eos
 
     def ask(self, messages: list[dict], max_tokens: int, salt: str) -> dict:
         tok = self.engine.tokenizer
-        t0 = time.perf_counter()  # tokenizing counts, as in the HTTP handler
-        turn = Turn(
+        turn = TurnRequest(
             tok.apply_chat_template(messages),
-            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos),
+            SamplingParams(temperature=0.0, ignore_eos=self.ignore_eos),
             max_tokens=max_tokens,
             namespace="bench|" + salt,
             render_history=lambda a: tok.apply_chat_template(
@@ -93,6 +83,7 @@ class InProcess:
             ),
         )
         events: list[object] = []
+        t0 = time.perf_counter()
         first: list[float] = []
 
         def emit(ev: object) -> None:
@@ -100,10 +91,11 @@ class InProcess:
                 first.append(time.perf_counter() - t0)
             events.append(ev)
 
-        self.service.run(turn, emit)
+        for ev in run_turn(self.engine, self.bank, turn):
+            emit(ev)
         failed = next((e for e in events if isinstance(e, Failed)), None)
         if failed is not None:
-            return {"status": failed.status, "text": ""}
+            return {"status": 507 if failed.code == "kv_memory_exhausted" else 400, "text": ""}
         adm = next(e for e in events if isinstance(e, Admitted))
         gen = [e for e in events if isinstance(e, GenEvent)]
         return {
@@ -140,7 +132,7 @@ class Http:
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0)
         self.openai = openai
-        self.model = engine.model_name
+        self.model = engine.info.model_name
         self.ignore_eos = ignore_eos
 
     def ask(self, messages: list[dict], max_tokens: int, salt: str) -> dict:
@@ -180,7 +172,7 @@ class Http:
 
 
 def run_variant(engine: Engine, variant: str, args: argparse.Namespace, budget: int) -> dict:
-    bank = make_bank(engine, budget)
+    bank = engine.new_bank(budget)
     # random weights hit EOS at random: run every answer to its length there; a real model's
     # answers end where the model ends them (greedy, so every variant gets the same answers)
     driver = (Http if args.mode == "http" else InProcess)(engine, bank, ignore_eos=bool(args.shape))
@@ -288,15 +280,15 @@ def main() -> None:
     )
     note = " (random weights: speed and memory only)" if args.shape else ""
     print(
-        f"# {first.model_name}{note} on {first.shape.device} {first.shape.dtype}, "
-        f"attention={first.router.verdict.route}, mode={args.mode}, budget {budget / 2**20:.0f} MiB"
+        f"# {first.info.model_name}{note} on {first.shape.device} {first.shape.dtype}, "
+        f"attention={first.info.verdict.route}, mode={args.mode}, budget {budget / 2**20:.0f} MiB"
     )
     results = {
-        "model": first.model_name,
+        "model": first.info.model_name,
         "random_weights": bool(args.shape),
         "device": str(first.shape.device),
         "dtype": str(first.shape.dtype),
-        "attention": first.router.verdict.route,
+        "attention": first.info.verdict.route,
         "mode": args.mode,
         "args": vars(args),
         "variants": [],

@@ -1,8 +1,17 @@
-"""Fixtures shared by the server test modules: the default model, loaded once per session."""
+"""Session-wide test settings and fixtures: servers a test starts keep their KV disk tier under a
+temp dir; the default model is loaded once per session for the server test modules."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+
+def pytest_configure(config) -> None:
+    # the disk tier's default directory is $XDG_CACHE_HOME/turnkv/kv: never the user's real cache
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="turnkv-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from turnkv.attention.backend import PortableBackend
 from turnkv.attention.lse import lse_attention
 from turnkv.attention.reference import reference_attention
-from turnkv.attention.route import AttentionRouter, single_attention
+from turnkv.attention.route import Verdict, single_attention
+from turnkv.kv.cache import KVWindow
 
 
 def _views(hkv: int, lengths: list[int], d: int, dtype: torch.dtype, seed: int = 0):
@@ -25,6 +27,16 @@ def _views(hkv: int, lengths: list[int], d: int, dtype: torch.dtype, seed: int =
         base_v = torch.randn(3, hkv, n + 5, d, generator=g).to(dtype)
         views.append((base_k[1, :, :n], base_v[1, :, :n]))
     return views
+
+
+def _window(hkv: int, lengths: list[int], m: int, d: int, seed: int) -> KVWindow:
+    """A KV window over all-layer views ``[L=2, Hkv, T_i, D]``; the last view holds the m window rows."""
+    g = torch.Generator().manual_seed(seed)
+    views = []
+    for n in [*lengths[:-1], lengths[-1] + m]:
+        k, v = torch.randn(2, 2, hkv, n + 3, d, generator=g)
+        views.append((k[:, :, :n], v[:, :, :n]))
+    return KVWindow(tuple(views), sum(lengths), m)
 
 
 def _ulp_diff_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,13 +67,14 @@ def test_lse_equals_fp32_reference_rounded_once(dtype, lengths, m, hq, hkv):
 
 def test_one_segment_is_bit_identical_to_contiguous_single():
     hq, hkv, d, m = 8, 2, 32, 5
-    views = _views(hkv, [40], d, torch.bfloat16)
-    q = torch.randn(hq, m, d).to(torch.bfloat16)
-    router = AttentionRouter()
-    out = router.attend(q, views, d**-0.5)
-    k, v = (t.contiguous().clone() for t in views[0])
-    assert torch.equal(out, single_attention(q, k, v, d**-0.5))
-    assert router.route_counts == {"single_q5": 1}
+    w = _window(hkv, [35], m, d, seed=0)  # one strided view of all layers
+    q = torch.randn(m, hq, d).to(torch.bfloat16)
+    w = KVWindow(tuple((k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in w.views), w.start, m)
+    step = PortableBackend(Verdict()).plan([w])
+    out = step.attend(1, q, d**-0.5)
+    k, v = (t[1].contiguous().clone() for t in w.views[0])
+    assert torch.equal(out, single_attention(q.transpose(0, 1), k, v, d**-0.5).transpose(0, 1))
+    assert step.labels == ["single_q5"]
 
 
 @pytest.mark.parametrize("m", [6, 40])
@@ -81,21 +94,24 @@ def test_fully_masked_rows_are_zero_not_nan(m):
     assert torch.equal(single[:, :3], torch.zeros_like(single[:, :3]))
 
 
-def test_normal_paths_never_gather():
+def test_a_ragged_step_equals_each_window_alone_and_labels_its_routes():
     hq, hkv, d = 4, 2, 16
-    router = AttentionRouter()
-    for lengths, m in [([8], 1), ([8, 3], 1), ([8, 3, 9], 4), ([2] * 12, 33)]:
-        views = _views(hkv, lengths, d, torch.float32)
-        router.attend(torch.randn(hq, m, d), views, d**-0.5)
-    assert not any(k.startswith("gather") for k in router.route_counts)
-    assert router.route_counts["lse_prefill"] == 1 and router.route_counts["single_q1"] == 1
-
-
-def test_mixed_dtypes_gather_and_are_counted():
-    hq, hkv, d = 4, 2, 16
-    views = _views(hkv, [5], d, torch.float32) + _views(hkv, [6], d, torch.float16)
-    router = AttentionRouter()
-    q = torch.randn(hq, 2, d)
-    out = router.attend(q, views, d**-0.5)
-    assert router.route_counts == {"gather_q2": 1}
-    torch.testing.assert_close(out, reference_attention(q, views, d**-0.5), atol=2e-3, rtol=2e-3)
+    shapes = [([8], 1), ([8, 3], 1), ([8, 3, 9], 4), ([2] * 12, 33)]
+    windows = [_window(hkv, lengths, m, d, seed) for seed, (lengths, m) in enumerate(shapes)]
+    n = sum(w.rows for w in windows)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(hq, n, d, generator=g), *torch.randn(2, n, hkv, d, generator=g)
+    q = q.transpose(0, 1)  # [N, Hq, D] with strides like the model's
+    step = PortableBackend(Verdict()).plan(windows)
+    assert step.labels == ["single_q1", "lse_q1", "lse_q4", "lse_prefill"]
+    step.store(1, k, v)
+    out = step.attend(1, q, d**-0.5)
+    start = 0
+    for w in windows:
+        rows = slice(start, start + w.rows)
+        assert torch.equal(w.views[-1][0][1, :, -w.rows :], k[rows].transpose(0, 1))  # stored in place
+        alone = PortableBackend(Verdict()).plan([w]).attend(1, q[rows], d**-0.5)
+        assert torch.equal(out[rows], alone)
+        ref = reference_attention(q[rows].transpose(0, 1), w.layer_views(1), d**-0.5).transpose(0, 1)
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+        start += w.rows

@@ -34,11 +34,11 @@ def _bank(budget_rows: int = 10_000, layout: str = "segmented") -> SessionBank:
 def _append(cache, tokens: list[int], seed: int = 0) -> None:
     """One turn of rows for ``tokens`` (random K/V), sealed as the engine does."""
     g = torch.Generator().manual_seed(seed)
-    cache.plan(len(tokens))
-    cache.reserve(len(tokens))
+    cache.presize(len(tokens))
+    win = cache.open_window(len(tokens))
     for layer in range(SHAPE.num_layers):
         k = torch.randn(SHAPE.num_kv_heads, len(tokens), SHAPE.head_dim, generator=g)
-        cache.write(layer, k, -k)
+        win.write(layer, k, -k)
     cache.commit(tokens)
     cache.seal()
 
@@ -116,7 +116,7 @@ def test_follow_up_fork_regenerate_and_edit_restore_without_copying():
         live = layout.restore(lease.snapshot)
         lease.attach(live)
         assert live.tokens == prompt[:cached]
-        assert all(v[0].data_ptr() >= 0 for v in live.views(0))
+        assert all(v[0].data_ptr() >= 0 for v in live.views())
         bank.finish(lease, None)
     assert segments_created() == before, "admission and restore must not build segments"
     assert bank.stats.hits == len(cases) and bank.stats.misses == 0
@@ -129,7 +129,8 @@ def test_restored_views_alias_the_banked_rows():
     bank.insert("ns", cache.snapshot())
     lease = bank.admit("ns", [1, 2, 3, 4, 9], reserve_rows=1)
     live = layout.restore(lease.snapshot)
-    views, banked = live.views(0), cache.views(0)
+    views = [(k[0], v[0]) for k, v in live.views()]
+    banked = [(k[0], v[0]) for k, v in cache.views()]
     # the same segments (the merge policy may have joined the two turns), the last one cut short
     assert [k.data_ptr() for k, _ in views] == [k.data_ptr() for k, _ in banked]
     assert sum(k.shape[1] for k, _ in views) == 4
@@ -257,8 +258,8 @@ def test_finish_banks_the_turn_and_counts_the_live_cache():
     lease = bank.admit("ns", [*range(10), 10, 11], reserve_rows=3)
     live = layout.restore(lease.snapshot)
     lease.attach(live)
-    live.plan(100)
-    live.reserve(1)  # the tail is allocated for the planned rows and counted while live
+    live.presize(100)
+    live.open_window(1)  # the tail is allocated for the planned rows and counted while live
     assert bank.unique_bytes(live=True) == (10 + 100) * ROW
     assert bank.unique_bytes(live=False) == 10 * ROW
     live.trim(10)

@@ -68,7 +68,7 @@ def test_scripted_chat_undo_reuses_segments():
     # the turn after /undo was served from the first turn's segment, not recomputed
     assert stats["last_turn"]["cached_tokens"] > 0
     assert stats["seals"] >= 3
-    assert not any(k.startswith("gather") for k in stats["route_counts"])
+    assert any(k.startswith("lse_") for k in stats["last_turn"]["route_counts"])  # several segments
 
 
 # -- flags are validated before the model loads (issue 7, items 8 and 9) ---------------------------
@@ -224,14 +224,12 @@ def test_ctrl_c_stops_the_answer_keeps_the_turn_and_ctrl_c_at_the_prompt_exits()
         assert first["turns"] == 1
         turn = first["last_turn"]
         assert 0 < turn["completion_tokens"] < 2000
-        # the stopped answer is sealed into the conversation: the cache holds it (the next turn's
-        # prompt re-renders it, and the engine restores the common prefix: test_engine_equivalence)
-        assert first["cached_rows"] >= turn["prompt_tokens"] + turn["completion_tokens"] - 1
-        assert first["seals"] == 1
+        # the stopped answer is sealed and banked: the conversation goes on from it
+        assert first["seals"] == 1 and first["bank_entries"] == 1
         chat.send("/undo")  # the turn is part of the conversation
         chat.wait_for(lambda out: "(undone)" in out)
-        chat.proc.send_signal(signal.SIGINT)  # at the prompt: the program ends, as before
-        assert chat.proc.wait(timeout=60) == 130
+        chat.proc.send_signal(signal.SIGINT)  # at the prompt: the program ends
+        assert chat.proc.wait(timeout=60) in (0, 130)
     finally:
         if chat.proc.poll() is None:
             chat.proc.kill()

@@ -67,3 +67,17 @@ def test_engine_config_validates_every_field_in_one_place(field, value):
     with pytest.raises(ConfigError) as e:
         EngineConfig(**{field: value})
     assert e.value.field == field
+
+
+def test_disk_flags_and_their_env_twins(monkeypatch):
+    cfg = engine_config(build_parser().parse_args(["serve"]))
+    assert (cfg.disk_dir, cfg.disk_bytes, cfg.no_disk) == ("", "8G", False)  # on by default
+    monkeypatch.setenv("TURNKV_NO_DISK", "1")
+    monkeypatch.setenv("TURNKV_DISK_DIR", "/tmp/kv")
+    monkeypatch.setenv("TURNKV_DISK_BYTES", "2G")
+    cfg = engine_config(build_parser().parse_args(["serve"]))
+    assert (cfg.disk_dir, cfg.disk_bytes, cfg.no_disk) == ("/tmp/kv", "2G", True)
+    cfg = engine_config(build_parser().parse_args(["serve", "--disk-dir", "/x", "--disk-bytes", "1G"]))
+    assert (cfg.disk_dir, cfg.disk_bytes) == ("/x", "1G")
+    with pytest.raises(ValueError):
+        engine_config(build_parser().parse_args(["serve", "--disk-bytes", "lots"]))

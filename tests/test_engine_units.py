@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnkv.engine.engine import StopMatcher
 from turnkv.engine.sampling import Sampler, SamplingParams
+from turnkv.engine.stops import StopMatcher
 
 
 def run(stops, pieces):
@@ -67,9 +67,7 @@ def test_seeded_sampling_repeats_and_top_k_top_p_restrict():
     assert {s(logits) for _ in range(50)} == {int(torch.argmax(logits))}
 
 
-@pytest.mark.parametrize(
-    "bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"max_tokens": 0}]
-)
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}])
 def test_invalid_params_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -15,22 +15,22 @@ def append(cache, rows: int, gen: torch.Generator) -> torch.Tensor:
     s = cache.shape
     start = cache.num_tokens
     k = torch.randn(s.num_layers, s.num_kv_heads, rows, s.head_dim, generator=gen)
-    cache.reserve(rows)
+    win = cache.open_window(rows)
     for layer in range(s.num_layers):
-        cache.write(layer, k[layer], -k[layer])
+        win.write(layer, k[layer], -k[layer])
     cache.commit(range(start, start + rows))
     return k
 
 
 def rows_of(cache, layer: int) -> torch.Tensor:
-    views = cache.views(layer)
+    views = cache.views()
     assert len(views) == 1
-    return views[0][0]
+    return views[0][0][layer]
 
 
 def test_views_are_one_zero_copy_view() -> None:
     cache = ContiguousLayout(SHAPE).new()
-    assert cache.views(0) == []
+    assert cache.views() == []
     gen = torch.Generator().manual_seed(0)
     a = append(cache, 5, gen)
     b = append(cache, 3, gen)
@@ -75,7 +75,7 @@ def test_restore_copies_once_into_a_buffer_sized_by_plan() -> None:
     snap = cache.snapshot()
     restored = layout.restore(snap)
     assert restored.capacity == 0  # the copy waits for first use, so plan() can size it
-    restored.plan(100)
+    restored.presize(100)
     b = append(restored, 50, gen)
     assert restored.capacity >= 107 and layout.stats.grown_rows == 0
     view = rows_of(restored, 0)
@@ -101,7 +101,7 @@ def test_snapshots_cross_layouts() -> None:
     created = segments_created()
     back = seg_layout.restore(csnap)
     assert segments_created() == created and back.num_segments == 1
-    assert back.views(0)[0][0].data_ptr() == csnap.refs[0].segment.k.data_ptr()
+    assert back.views()[0][0].data_ptr() == csnap.refs[0].segment.k.data_ptr()
     assert back.tokens == list(range(7))
 
 

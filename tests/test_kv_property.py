@@ -47,11 +47,14 @@ class Oracle:
         return torch.stack(self.k, dim=2)[layer], torch.stack(self.v, dim=2)[layer]
 
 
-def cat_views(views: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def cat_views(
+    views: list[tuple[torch.Tensor, torch.Tensor]], layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of all-layer views ``[L, Hkv, T_i, D]``, concatenated: ``[Hkv, sum T_i, D]``."""
     if not views:
         empty = torch.empty(SHAPE.num_kv_heads, 0, SHAPE.head_dim)
         return empty, empty
-    return torch.cat([k for k, _ in views], dim=1), torch.cat([v for _, v in views], dim=1)
+    return torch.cat([k[layer] for k, _ in views], dim=1), torch.cat([v[layer] for _, v in views], dim=1)
 
 
 def storage_bytes(tensors) -> int:
@@ -87,13 +90,14 @@ class LayoutMachine(RuleBasedStateMachine):
     def append(self, m: int, keep: int, plan: bool) -> None:
         keep = min(keep, m)
         if plan:
-            self.cache.plan(m)
-        self.cache.reserve(m)
+            self.cache.presize(m)
+        win = self.cache.open_window(m)
+        assert win.start == self.cache.num_tokens and win.rows == m
         ks = torch.randn(SHAPE.num_layers, SHAPE.num_kv_heads, m, SHAPE.head_dim, generator=self.gen)
         vs = torch.randn(ks.shape, generator=self.gen)
         for layer in range(SHAPE.num_layers):
-            self.cache.write(layer, ks[layer], vs[layer])
-            got_k, got_v = cat_views(self.cache.views(layer))
+            win.write(layer, ks[layer], vs[layer])
+            got_k, got_v = cat_views(list(win.views), layer)
             want_k, want_v = self.oracle.layer(layer)
             assert torch.equal(got_k, torch.cat([want_k, ks[layer]], dim=1))
             assert torch.equal(got_v, torch.cat([want_v, vs[layer]], dim=1))
@@ -143,7 +147,7 @@ class LayoutMachine(RuleBasedStateMachine):
         assert cache.num_tokens == len(oracle.tokens)
         assert cache.tokens == oracle.tokens
         for layer in range(SHAPE.num_layers):
-            got_k, got_v = cat_views(cache.views(layer))
+            got_k, got_v = cat_views(cache.views(), layer)
             want_k, want_v = oracle.layer(layer)
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
@@ -206,7 +210,7 @@ class SegmentedMachine(LayoutMachine):
         for cache in [self.cache, *(c for c, _ in self.others)]:
             assert isinstance(cache, ConversationKV)
             assert cache.num_segments <= SMALL_POLICY.soft_limit
-            assert len(cache.views(0)) <= MAX_SEGMENTS
+            assert len(cache.views()) + 1 <= MAX_SEGMENTS  # a window adds the tail's view
         assert self.layout.stats.max_segments <= SMALL_POLICY.soft_limit
 
 
@@ -219,7 +223,7 @@ class ContiguousMachine(LayoutMachine):
 
     @invariant()
     def one_view(self) -> None:
-        assert len(self.cache.views(0)) == (1 if self.cache.num_tokens else 0)
+        assert len(self.cache.views()) == (1 if self.cache.num_tokens else 0)
 
 
 SegmentedMachine.TestCase.settings = SETTINGS

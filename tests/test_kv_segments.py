@@ -30,15 +30,15 @@ TINY = KVShape(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, de
 def add_turn(cache, rows: int, gen: torch.Generator, window: int = 7) -> torch.Tensor:
     """Append ``rows`` rows in windows (one row kept less in the last window); returns K ``[L, Hkv, rows, D]``."""
     s = cache.shape
-    cache.plan(rows + 1)  # the last window reaches one row past the kept ones
+    cache.presize(rows + 1)  # the last window reaches one row past the kept ones
     kept = []
     start = cache.num_tokens
     while sum(k.shape[2] for k in kept) < rows:
         m = min(window, rows - sum(k.shape[2] for k in kept))
-        cache.reserve(m + 1)  # one extra row that the commit drops, like a rejected draft
+        win = cache.open_window(m + 1)  # one extra row that the commit drops, like a rejected draft
         k = torch.randn(s.num_layers, s.num_kv_heads, m + 1, s.head_dim, generator=gen, dtype=s.dtype)
         for layer in range(s.num_layers):
-            cache.write(layer, k[layer], -k[layer])
+            win.write(layer, k[layer], -k[layer])
         cache.commit(range(start, start + m))
         start += m
         kept.append(k[:, :, :m])
@@ -63,12 +63,12 @@ def history(turns: list[int], shape: KVShape = SHAPE, seed: int = 0):
 def test_views_are_zero_copy_and_cover_all_rows() -> None:
     _, cache, rows = history([40, 9, 3])
     gen = torch.Generator().manual_seed(1)
-    cache.reserve(5)
+    win = cache.open_window(5)
     k = torch.randn(SHAPE.num_kv_heads, 5, SHAPE.head_dim, generator=gen)
     tails = set()
     for layer in range(SHAPE.num_layers):
-        cache.write(layer, k, k)
-        views = cache.views(layer)
+        win.write(layer, k, k)
+        views = win.layer_views(layer)
         assert len(views) == cache.num_segments + 1  # the tail is last
         tails |= {t.untyped_storage().data_ptr() for t in views[-1]}
         ptrs = {t.untyped_storage().data_ptr() for pair in views[:-1] for t in pair}
@@ -78,7 +78,8 @@ def test_views_are_zero_copy_and_cover_all_rows() -> None:
     assert len(tails) == 2  # one K and one V tail buffer shared by all layers
     # A view of a sealed segment is the segment's memory itself, not a copy.
     first = cache.refs[0]
-    assert cache.views(0)[0][0].data_ptr() == first.segment.k[0].data_ptr()
+    assert win.layer_views(0)[0][0].data_ptr() == first.segment.k[0].data_ptr()
+    assert win.views[0][0].data_ptr() == first.segment.k.data_ptr()  # all layers, one stride apart
 
 
 def test_seal_copies_only_this_turns_rows_and_keeps_old_segments() -> None:
@@ -111,11 +112,11 @@ def test_snapshot_fork_restore_prefix_trim_allocate_no_kv_memory() -> None:
     for c in (fork, again, part, cache):
         assert c.tail_capacity == 0
         assert storages(c) <= ptrs
-        views = c.views(1)
+        views = [(k[1], v[1]) for k, v in c.views()]
         assert {kv.untyped_storage().data_ptr() for pair in views for kv in pair} <= ptrs
     assert unique_bytes(cache, snap, fork, again, part) == total
     assert part.num_tokens == 333 and part.tokens == list(range(333))
-    got = torch.cat([k for k, _ in part.views(2)], dim=1)
+    got = torch.cat([k[2] for k, _ in part.views()], dim=1)
     assert torch.equal(got, rows[2, :, :333])
     assert cache.num_tokens == 310 and [r.n for r in cache.refs] == [300, 10]
 
@@ -164,8 +165,7 @@ def test_two_hundred_turns_stay_bounded() -> None:
     counts = []
     for turn in range(200):
         rows = rng.randint(1, 3000)
-        cache.reserve(rows)
-        cache.write(0, *torch.randn(2, 1, rows, 2, generator=gen))
+        cache.open_window(rows).write(0, *torch.randn(2, 1, rows, 2, generator=gen))
         cache.commit(range(turn * 3000, turn * 3000 + rows))
         cache.seal()
         counts.append(cache.num_segments)
@@ -216,8 +216,8 @@ def test_a_segment_held_by_many_snapshots_counts_once() -> None:
     per_row = SHAPE.bytes_per_row
     assert unique_bytes(*snaps) == 80 * per_row
     assert unique_bytes(cache, *snaps) == 80 * per_row  # the tail is released after the seal
-    cache.plan(10)
-    cache.reserve(1)
+    cache.presize(10)
+    cache.open_window(1)
     assert unique_bytes(cache, *snaps) == (80 + cache.tail_capacity) * per_row
 
 
@@ -230,16 +230,16 @@ def test_trim_inside_tail_and_regrow() -> None:
     cache.trim(4)
     assert [r.n for r in cache.refs] == [4] and cache.tail_rows == 0
     more = add_turn(cache, 3, gen)
-    got = torch.cat([k for k, _ in cache.views(0)], dim=1)
+    got = torch.cat([k[0] for k, _ in cache.views()], dim=1)
     assert torch.equal(got, torch.cat([rows[0, :, :4], more[0]], dim=1))
     cache.trim(0)
-    assert cache.views(0) == [] and cache.num_tokens == 0
+    assert cache.views() == [] and cache.num_tokens == 0
 
 
 def test_rows_keep_the_shape_dtype() -> None:
     shape = KVShape(2, 1, 4, torch.bfloat16, torch.device("cpu"))
     _, cache, _ = history([5, 3], shape=shape)
-    for k, v in cache.views(1):
+    for k, v in cache.views():
         assert k.dtype == v.dtype == torch.bfloat16
     with pytest.raises(ValueError):  # a segment of another dtype does not fit
         ConversationKV(SHAPE, cache.refs)
@@ -248,14 +248,12 @@ def test_rows_keep_the_shape_dtype() -> None:
 def test_contract_misuse_raises() -> None:
     cache = SegmentedLayout(SHAPE).new()
     k = torch.zeros(SHAPE.num_kv_heads, 2, SHAPE.head_dim)
-    with pytest.raises(RuntimeError):
-        cache.write(0, k, k)  # no window
-    cache.reserve(2)
-    with pytest.raises(RuntimeError):
-        cache.views(0)  # before this layer's write
     with pytest.raises(ValueError):
-        cache.write(0, k[:, :1], k[:, :1])  # wrong row count
-    cache.write(0, k, k)
+        cache.open_window(0)
+    win = cache.open_window(2)
+    with pytest.raises(ValueError):
+        win.write(0, k[:, :1], k[:, :1])  # wrong row count
+    win.write(0, k, k)
     with pytest.raises(ValueError):
         cache.commit([1, 2, 3])
     with pytest.raises(ValueError):

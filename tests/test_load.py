@@ -14,7 +14,9 @@ import torch
 import transformers
 from transformers.integrations.gguf import dequant as hf_dequant
 
-from turnkv.attention.route import AttentionRouter
+from turnkv.attention.backend import PortableBackend
+from turnkv.attention.route import Verdict
+from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
 from turnkv.models import gguf as gg
@@ -58,7 +60,8 @@ def tiny_llama(path: Path, rope_scaling: dict | None = None, **save_kwargs) -> t
 def our_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
     cfg = loaded.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device)
-    return loaded.model(ids, ConversationKV(shape), AttentionRouter())
+    window = Window(ConversationKV(shape), ids.tolist(), logits=len(ids))
+    return forward(loaded.model, [window], PortableBackend(Verdict()))[1]
 
 
 # ---- errors ---------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnkv.attention.route import AttentionRouter
+from turnkv.attention.backend import PortableBackend
+from turnkv.attention.route import Verdict
+from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
 from turnkv.models import gguf as gg
@@ -76,12 +78,12 @@ def test_logits_match_transformers_gguf(ours):
     cache = ConversationKV(
         KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, ours.device)
     )
-    router = AttentionRouter()
-    rows = [ours.model(torch.tensor(prompt), cache, router)]
+    backend = PortableBackend(Verdict())
+    rows = [forward(ours.model, [Window(cache, prompt, logits=len(prompt))], backend)[1]]
     cache.commit(prompt)
     cache.seal()
     for tok in ids[len(prompt) :]:
-        rows.append(ours.model(torch.tensor([tok]), cache, router))
+        rows.append(forward(ours.model, [Window(cache, [tok])], backend)[1])
         cache.commit([tok])
     got = torch.cat(rows)
     assert got.shape == want.shape

@@ -16,7 +16,9 @@ import pytest
 import torch
 import transformers
 
-from turnkv.attention.route import AttentionRouter
+from turnkv.attention.backend import PortableBackend
+from turnkv.attention.route import Verdict
+from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.contiguous import ContiguousKV
 from turnkv.kv.segments import ConversationKV
@@ -81,20 +83,22 @@ def make_folder(path: Path, case: str) -> transformers.PreTrainedModel:
     return model
 
 
-def run_windows(loaded, cache) -> torch.Tensor:
-    """Our logits for PROMPT, fed window by window through ``cache``; ``[T, V]``."""
-    router = AttentionRouter()
-    rows, pos = [], 0
+def run_windows(loaded, cache) -> tuple[torch.Tensor, list[str]]:
+    """Our logits for PROMPT, fed window by window through ``cache``; ``[T, V]`` and the routes."""
+    backend = PortableBackend(Verdict())
+    rows, labels, pos = [], [], 0
     for w in WINDOWS:
         if w == "seal":
             cache.seal()
             continue
-        ids = PROMPT[pos : pos + w]
-        rows.append(loaded.model(ids, cache, router))
-        cache.commit(ids.tolist())
+        ids = PROMPT[pos : pos + w].tolist()
+        plan, logits = forward(loaded.model, [Window(cache, ids, logits=len(ids))], backend)
+        rows.append(logits)
+        labels += plan.attention.labels
+        cache.commit(ids)
         pos += w
     assert pos == len(PROMPT) and cache.num_tokens == pos
-    return torch.cat(rows), router
+    return torch.cat(rows), labels
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -113,22 +117,22 @@ def test_logits_match_transformers(pair, layout):
     cfg = ours.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
     cache = ConversationKV(shape) if layout == "segmented" else ContiguousKV(shape)
-    got, router = run_windows(ours, cache)
+    got, labels = run_windows(ours, cache)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert want.abs().max() > 0.5  # logits large enough that TOL is a real bound
     diff = (got - want).abs().max().item()
     assert diff < TOL, f"max abs diff {diff}"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     if layout == "segmented":  # windows after the seal read a segment plus the tail
-        assert any(k.startswith("lse_") for k in router.route_counts), router.route_counts
+        assert any(k.startswith("lse_") for k in labels), labels
 
 
-def test_last_only_and_config(pair):
+def test_a_window_asking_for_its_last_logits_only(pair):
     ours, want = pair
     cfg = ours.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
     cache = ConversationKV(shape)
-    last = ours.model(PROMPT, cache, AttentionRouter(), last_only=True)
+    _, last = forward(ours.model, [Window(cache, PROMPT.tolist(), logits=1)], PortableBackend(Verdict()))
     assert last.shape == (1, cfg.vocab_size)
     assert (last[0] - want[-1]).abs().max().item() < TOL
     assert cache.num_tokens == 0  # the model never commits; the engine does

@@ -16,7 +16,7 @@ import torch
 
 from turnkv.attention import selfcheck
 from turnkv.attention.lse import lse_attention
-from turnkv.attention.route import AttentionRouter
+from turnkv.kv.cache import KVWindow
 
 CUDA = torch.cuda.is_available()
 KERNEL_DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -99,20 +99,18 @@ def test_exact_attention_passes_the_probe():
 
 @needs_kernel
 def test_the_real_kernel_passes_at_the_model_shapes():
-    router = selfcheck.make_router("fused", KERNEL_DEVICE, 64, 9, 3, BF16)
-    assert isinstance(router, AttentionRouter)
-    assert (router.verdict.route, router.verdict.verdict) == ("fused", "ok"), router.verdict.reason
-    report = router.verdict.selfcheck
-    assert report["passed"] and len(report["shapes"]) == 10
+    backend = selfcheck.make_backend("fused", KERNEL_DEVICE, 64, 9, 3, BF16)
+    assert backend.name == "fused"
+    assert (backend.verdict.route, backend.verdict.verdict) == ("fused", "ok"), backend.verdict.reason
+    report = backend.verdict.selfcheck
+    assert report["passed"] and len(report["shapes"]) == 11  # 10 single-sequence shapes + one step
     expected = selfcheck.model_shapes(64, 9, 3, small=not CUDA)
     assert {r["segments"] for r in report["shapes"]} == {len(s.lengths) for s in expected}
     assert {1, 13} < {len(s.lengths) for s in expected}  # one view, two groups, and one between
     assert {r["rows"] for r in report["shapes"]} >= {1, 4, 32}
     assert all(r["tol_ratio"] <= 1 for r in report["shapes"])
-    q = torch.randn(9, 4, 64).to(KERNEL_DEVICE, BF16)
-    views = [(torch.randn(3, n, 64).to(KERNEL_DEVICE, BF16),) * 2 for n in (5, 0, 9)]
-    router.attend(q, views, 0.125)
-    assert router.route_counts == {"fused_q4": 1}
+    views = tuple((torch.randn(2, 3, n, 64).to(KERNEL_DEVICE, BF16),) * 2 for n in (5, 0, 9))
+    assert backend.plan([KVWindow(views, 10, 4)]).labels == ["fused_q4"]
 
 
 @needs_kernel

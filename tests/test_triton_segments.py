@@ -1,4 +1,4 @@
-"""The fused segment kernel (turnkv/attention/triton_segments.py) against the fp32 oracle.
+"""The fused kernels (turnkv/attention/triton_segments.py, fused.py) against the fp32 oracle.
 
 CI runs it through Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes; on a CUDA machine
 the same tests run compiled at real shapes (head counts x4, lengths x64, so splits, row blocks and
@@ -10,7 +10,6 @@ the input dtype before P·V. A one-key error or an off-by-one mask is far outsid
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -22,9 +21,13 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
 
 from turnkv.attention import triton_segments as ts  # noqa: E402
+from turnkv.attention.fused import FusedBackend  # noqa: E402
 from turnkv.attention.reference import reference_attention  # noqa: E402
-from turnkv.attention.route import AttentionRouter, Verdict  # noqa: E402
+from turnkv.attention.route import Verdict  # noqa: E402
+from turnkv.attention.segment_table import UnsupportedViews, pack, upload  # noqa: E402
 from turnkv.attention.selfcheck import error_ratio, tolerance  # noqa: E402
+from turnkv.kv.cache import KVWindow  # noqa: E402
+from turnkv.limits import MAX_SEGMENTS  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 HEADS = 4 if CUDA else 1  # head-count multiplier
@@ -63,14 +66,18 @@ def assert_within(out: torch.Tensor, q, views, scale, window_start=None) -> floa
 
 def run(q, views, splits=None, window_start=None):
     """The kernel over one sequence; ``splits`` forces the split count (exercises the combine pass)."""
-    hq, m, d = q.shape
-    table = ts.build_table([views], m, None if window_start is None else [window_start])
-    cfg = None
-    if splits is not None:
-        hkv = views[0][0].shape[0]
-        cfg = ts.pick_config(1, hkv, hq // hkv, m, d, table.max_keys, table.groups, q.device)
-        cfg = cfg._replace(splits=splits)
-    return ts.segment_attention(q.unsqueeze(0), table, d**-0.5, cfg)[0]
+    return ts.fused_attention(q, views, q.shape[-1] ** -0.5, window_start, splits)
+
+
+def window4(hkv: int, lengths: list[int], m: int, d: int, seed: int, layers: int = 3) -> KVWindow:
+    """A KV window over all-layer views ``[L, Hkv, T_i, D]`` (strided slices of bigger buffers);
+    the last view ends with the window's ``m`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    views = []
+    for i, n in enumerate([*lengths[:-1], lengths[-1] + m]):
+        kv = torch.randn(2, layers, hkv, n + 8 * (i % 3 + 1), d, generator=g).to(DEVICE, torch.bfloat16)
+        views.append((kv[0, :, :, :n], kv[1, :, :, :n]))
+    return KVWindow(tuple(views), sum(lengths), m)
 
 
 # (view lengths before the window, rows, GQA group, head_dim, dtype): covers 1/3/12/13 views with
@@ -111,28 +118,54 @@ def test_thirteen_views_form_two_groups_merged_by_the_combine():
     hkv, d, m = HEADS, 64, 4
     lengths = [_len(n) for n in [3, 0, 1, 4, 2, 5, 1, 3, 2, 0, 6, 1, 2]] + [m]
     views = make_views(hkv, lengths, d)
-    table = ts.build_table([views], m)
-    assert table.groups == 2 and table.packed.shape == (1, 2, ts.MAX_SEGMENTS + 1, ts.FIELDS)
+    _, meta = pack([[(k[None], v[None]) for k, v in views]], [m])
+    assert meta.groups == 2 and meta.table_words == 2 * (MAX_SEGMENTS + 1) * 8
     q = make_q(4 * hkv, m, d)
     assert_within(run(q, views), q, views, d**-0.5)
 
 
-def test_batch_of_three_with_different_views_and_window_rows():
-    hkv, gqa, d, m = 2 * HEADS, 4, 64, 9
-    q_lens = [9, 1, 5]  # rows past a sequence's q_len are batch padding and come out zero
-    seqs = [
-        make_views(hkv, [_len(n) for n in [7, 0, 3]] + [q_lens[0]], d, seed=10),
-        make_views(hkv, [_len(20) + q_lens[1]], d, seed=11),
-        make_views(hkv, [_len(n) for n in [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]] + [q_lens[2]], d, seed=12),
-    ]
-    q = torch.stack([make_q(hkv * gqa, m, d, seed=20 + b) for b in range(3)])  # [B, Hq, M, D]
-    table = ts.build_table(seqs, q_lens)
-    assert table.groups == 2  # the 14-view sequence sets the group count for the batch
-    out = ts.segment_attention(q, table, d**-0.5)
-    for b, views in enumerate(seqs):
-        n = q_lens[b]
-        assert_within(out[b, :, :n], q[b, :, :n], views, d**-0.5)
-        assert (out[b, :, n:] == 0).all()
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_ragged_step_stores_and_attends_every_window_at_its_layer(layer):
+    # one plan for a decode row, a verify window and a prefill chunk (two launches: narrow, wide),
+    # one of them over 14 views (two groups); every layer reads the same table at its stride
+    hkv, gqa, d = 2 * HEADS, 4, 64
+    shapes = [([_len(n) for n in [7, 0, 3]], 1), ([_len(20)], 5), ([_len(1)] * 13, 40)]
+    windows = [window4(hkv, lengths, m, d, seed=10 + i) for i, (lengths, m) in enumerate(shapes)]
+    n = sum(w.rows for w in windows)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n, hkv * gqa, d, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = torch.randn(2, n, hkv, d, generator=g).to(DEVICE, torch.bfloat16)
+    step = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows)
+    assert len(step.launches) == 2 and step.labels == ["fused_q1", "fused_q5", "fused_prefill"]
+    step.store(layer, k, v)
+    out = step.attend(layer, q, d**-0.5)
+    start = 0
+    for w in windows:
+        rows = slice(start, start + w.rows)
+        views = w.layer_views(layer)
+        assert torch.equal(views[-1][0][:, -w.rows :], k[rows].transpose(0, 1))
+        assert torch.equal(views[-1][1][:, -w.rows :], v[rows].transpose(0, 1))
+        assert_within(out[rows].transpose(0, 1), q[rows].transpose(0, 1), views, d**-0.5)
+        start += w.rows
+    other = (layer + 1) % 3  # nothing was stored into another layer
+    assert not torch.equal(windows[0].layer_views(other)[-1][0][:, -1:], k[:1].transpose(0, 1))
+
+
+def test_padding_sequences_are_neither_read_nor_written():
+    # a graph-style plan: padded to 4 sequences, into a static buffer; padding rows keep their bits
+    hkv, gqa, d = HEADS, 2, 64
+    windows = [window4(hkv, [_len(9), 2], 1, d, seed=s) for s in (1, 2)]
+    static = torch.zeros(4 * (MAX_SEGMENTS + 2) * 8, dtype=torch.int64, device=DEVICE)
+    step = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows, out=static, pad_to=4, max_keys=8192)
+    assert step.packed.data_ptr() == static.data_ptr()
+    q = torch.randn(4, hkv * gqa, d).to(DEVICE, torch.bfloat16)
+    k, v = torch.randn(2, 4, hkv, d).to(DEVICE, torch.bfloat16)
+    step.store(1, k, v)
+    out = torch.full_like(q, 3.0)
+    ts.segment_attention(q, step.packed, step.launches[0].meta, 1, d**-0.5, step.launches[0].config, out=out)
+    assert (out[2:] == 3.0).all()
+    fresh = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows)
+    assert torch.equal(out[:2], fresh.attend(1, q[:2], d**-0.5))
 
 
 @pytest.mark.parametrize("splits", [None, 4])
@@ -156,64 +189,38 @@ def test_prefill_window_is_tiled_over_rows():
     views = make_views(hkv, [_len(30), 0, _len(7) + m], d)
     q = make_q(hkv * gqa, m, d)
     hq = hkv * gqa
-    table = ts.build_table([views], m)
-    cfg = ts.pick_config(1, hkv, gqa, m, d, table.max_keys, table.groups, q.device)._replace(block_m=64)
-    out = ts.segment_attention(q.unsqueeze(0), table, d**-0.5, cfg)[0]
+    words, meta = pack([[(k[None], vv[None]) for k, vv in views]], [m])
+    cfg = ts.pick_config(meta, gqa, q.device)._replace(block_m=64)
+    out = ts.segment_attention(q.transpose(0, 1), upload(words, q.device), meta, 0, d**-0.5, cfg)
+    out = out.transpose(0, 1)
     assert out.shape == (hq, m, d)
     assert_within(out, q, views, d**-0.5)
 
 
-def test_table_update_in_place_matches_a_fresh_table():
-    hkv, d, m = HEADS, 64, 1
-    views = make_views(hkv, [_len(10), 1, _len(4) + m], d)
-    q = make_q(4 * hkv, m, d)
-    table = ts.build_table([views[:2]], m)  # one decode step earlier: a shorter history
-    buffer = table.packed
-    table.update_([views], m)
-    assert table.packed is buffer and table.max_keys == sum(k.shape[1] for k, _ in views)
-    out = ts.segment_attention(q.unsqueeze(0), table, d**-0.5)[0]
-    assert torch.equal(out, run(q, views))
-
-
-def test_router_takes_the_fused_route_and_counts_it():
-    hkv, d, m = HEADS, 128, 5
-    views = make_views(hkv, [_len(6), 0, _len(3) + m], d)
-    q = make_q(4 * hkv, m, d)
-    router = AttentionRouter(Verdict("fused", "ok", "test"), ts.fused_attention)
-    out = router.attend(q, views, d**-0.5)
-    assert router.route_counts == {"fused_q5": 1}
-    assert_within(out, q, views, d**-0.5)
-
-
-def test_unaligned_views_fall_back_to_lse(caplog):
+def test_unaligned_views_are_refused():
     hkv, d, m = HEADS, 64, 2
     views = make_views(hkv, [_len(5), _len(3) + m], d)
     g = torch.Generator().manual_seed(3)
     raw = torch.randn(hkv, _len(4), d + 1, generator=g).to(DEVICE, torch.bfloat16)
     odd = (raw[:, :, 1:], raw[:, :, 1:])  # last dim contiguous, but rows start off a 16-byte boundary
-    with pytest.raises(ts.UnsupportedViews):
-        ts.build_table([[*views, odd]], m)
-    q = make_q(2 * hkv, m, d)
-    with caplog.at_level(logging.WARNING):
-        out = ts.fused_attention(q, [views[0], odd, views[1]], d**-0.5)
-    assert "lse route" in caplog.text
-    assert_within(out, q, [views[0], odd, views[1]], d**-0.5)
+    with pytest.raises(UnsupportedViews):
+        pack([[(k[None], v[None]) for k, v in [*views, odd]]], [m])
 
 
 def test_shapes_outside_the_kernel_are_refused():
     views = make_views(1, [4], 64)
-    table = ts.build_table([views], 1)
     with pytest.raises(ValueError):
-        ts.segment_attention(make_q(9, 1, 64).unsqueeze(0), table, 0.125)  # GQA 9
-    with pytest.raises(ts.UnsupportedViews):
-        ts.build_table([make_views(1, [4], 64, dtype=torch.float32)], 1)
+        ts.fused_attention(make_q(9, 1, 64), views, 0.125)  # GQA 9
+    with pytest.raises(UnsupportedViews):
+        pack([[(k[None], v[None]) for k, v in make_views(1, [4], 64, dtype=torch.float32)]], [1])
 
 
 def test_causal_edge_on_tile_boundaries():
     # windows whose diagonal ends exactly on, just before and just after a key tile: the kernel
     # skips the mask on whole tiles every row sees, so an off-by-one there shows up only here
     hkv, d = HEADS, 64
-    bn = ts.pick_config(1, hkv, 2, 1, d, 1, 1, DEVICE).block_n
+    _, meta = pack([[(k[None], v[None]) for k, v in make_views(hkv, [1], d)]], [1])
+    bn = ts.pick_config(meta, 2, DEVICE).block_n
     for m in (2, 3):
         for first in (0, 5):  # the last view starts at key 0 or 5; tiles are counted from there
             for delta in (-1, 0, 1):  # row 0's last visible key ends a tile, or one before/after
@@ -223,42 +230,35 @@ def test_causal_edge_on_tile_boundaries():
                 assert_within(run(q, views), q, views, d**-0.5)
 
 
-def test_custom_op_matches_the_eager_path():
-    hkv, d, m = HEADS, 64, 3
-    views = make_views(hkv, [_len(7), 0, _len(2) + m], d)
-    q = make_q(2 * hkv, m, d)
-    ks, vs = [k for k, _ in views], [v for _, v in views]
-    assert torch.equal(
-        torch.ops.turnkv.segment_attention(q, ks, vs, d**-0.5), ts.fused_attention(q, views, d**-0.5)
-    )
+def test_rope_store_equals_rope_then_store_bit_for_bit():
+    # the fused RoPE + store kernel against the portable backend's torch RoPE and per-window store
+    from turnkv.attention.backend import PortableBackend
+
+    hkv, gqa, d = HEADS, 4, 64
+    shapes = [([_len(9)], 1), ([_len(3), 2], 7)]
+    fused_w = [window4(hkv, lengths, m, d, seed=40 + i) for i, (lengths, m) in enumerate(shapes)]
+    plain_w = [window4(hkv, lengths, m, d, seed=40 + i) for i, (lengths, m) in enumerate(shapes)]
+    n = sum(w.rows for w in fused_w)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(n, hkv * gqa + 2 * hkv, d, generator=g).to(DEVICE, torch.bfloat16)
+    qk, v = qkv[:, : hkv * (gqa + 1)], qkv[:, hkv * (gqa + 1) :]  # strided views, as the model has
+    angles = torch.randn(n, d // 2, generator=g)
+    cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE, torch.bfloat16)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(DEVICE, torch.bfloat16)
+    q1 = FusedBackend(Verdict(), hkv * gqa, hkv).plan(fused_w).rope_store(2, qk, v, cos, sin)
+    q2 = PortableBackend(Verdict()).plan(plain_w).rope_store(2, qk, v, cos, sin)
+    assert torch.equal(q1, q2)
+    for a, b in zip(fused_w, plain_w, strict=True):
+        for (ka, va), (kb, vb) in zip(a.views, b.views, strict=True):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)  # the same rows, written in place
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
-def test_cuda_graph_replays_a_decode_step_after_the_table_is_rewritten():
-    hkv, gqa, d = 8, 4, 128
-    views = make_views(hkv, [_len(50), _len(9)], d) + make_views(hkv, [_len(20)], d, seed=5)  # last: the tail
-    tail_k, tail_v = views[-1][0]._base[1], views[-1][1]._base[1]  # [Hkv, cap, D]: room to grow
-    q = make_q(hkv * gqa, 1, d).unsqueeze(0)
-    table = ts.build_table([views], 1)
-    cfg = ts.pick_config(1, hkv, gqa, 1, d, 4 * table.max_keys, table.groups, q.device)  # fixed grid
-    out = ts.segment_attention(q, table, d**-0.5, cfg)  # warm up (compile) outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ts.segment_attention(q, table, d**-0.5, cfg, out=out)
-    for grow in (1, 2, 7):  # decode steps: the tail grows, the table is rewritten in place
-        n = views[-1][0].shape[1] + grow
-        grown = [*views[:-1], (tail_k[:, :n], tail_v[:, :n])]
-        table.update_([grown], 1)
-        q.normal_()
-        graph.replay()
-        assert torch.equal(out, ts.segment_attention(q, ts.build_table([grown], 1), d**-0.5, cfg))
-        assert_within(out[0], q[0], grown, d**-0.5)
+def test_silu_mul_kernel_rounds_as_torch_does():
+    from turnkv.models.triton_pointwise import silu_mul
 
-
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
-def test_the_router_callable_refuses_a_graph_capture():
-    views = make_views(2, [_len(9), _len(3)], 64)
-    q = make_q(4, 1, 64)
-    ts.fused_attention(q, views, 0.125)
-    with pytest.raises(RuntimeError, match="capture"), torch.cuda.graph(torch.cuda.CUDAGraph()):
-        ts.fused_attention(q, views, 0.125)
+    x = torch.randn(5, 2 * 300).to(DEVICE, torch.bfloat16)
+    gate, up = x.chunk(2, -1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul(x)
+    assert got.shape == (5, 300)
+    assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()

@@ -1,76 +1,117 @@
-"""``turnkv chat``: one conversation across turns, kept in one live KV cache.
+"""``turnkv chat``: one conversation across turns, through the same turn path as the server.
 
-Each finished turn is sealed, so ``/undo`` is a trim back to the row count before the last turn:
-the earlier turns' segments are still there and nothing is recomputed. When stdin is not a
-terminal, every input line is one user message, so the chat can be scripted.
-
-Ctrl-C (SIGINT) during an answer stops it at the next token: the text so far becomes the
-assistant's message and its rows are sealed into the conversation, and the prompt comes back. A
-second Ctrl-C before the answer has stopped (a long prefill), or Ctrl-C at the prompt, ends the
-program as before.
+Every turn goes through ``engine.turn`` with a private session bank: the turn is admitted,
+restored from the bank by its tokens (references, no copy), computed, rebased, sealed and banked.
+``/undo`` drops the last exchange from the messages; the next prompt then matches a shorter
+prefix of what is banked, so nothing is recomputed. Ctrl-C during an answer stops the answer at
+the next token (what was computed is kept: sealed and banked) and returns to the prompt; the
+first Ctrl-C only sets the turn's cancel flag (``interruptible``), so no step is cut in the
+middle; a second one interrupts (and still cancels the turn). Ctrl-C at the prompt ends the
+program. When stdin is not a terminal, every input line is one user message, so the chat can be
+scripted.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 
-from turnkv.engine.engine import Engine, TurnStats
+from turnkv.bank.session_bank import SessionBank
+from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.scheduler import run_turn
+from turnkv.engine.turn import Failed, GenEvent, TurnRequest, TurnStats
 
 HELP = "commands: /undo (back one turn), /reset, /stats, /quit"
 
 
 class ChatSession:
-    """Messages plus the live cache; ``turns`` remembers (message count, cached rows) before each turn."""
+    """Messages plus a session bank; forks share the bank (and so every banked row)."""
 
-    def __init__(self, engine: Engine, params: SamplingParams, system: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        params: SamplingParams,
+        max_tokens: int = 256,
+        system: str | None = None,
+        bank: SessionBank | None = None,
+        namespace: str = "chat",
+    ) -> None:
         self.engine = engine
         self.params = params
+        self.max_tokens = max_tokens
+        self.bank = bank if bank is not None else engine.new_bank()
+        self.namespace = namespace
         self.system = [{"role": "system", "content": system}] if system else []
         self.reset()
 
     def reset(self) -> None:
         self.messages: list[dict] = list(self.system)
-        self.cache = self.engine.new_cache()
-        self.turns: list[tuple[int, int]] = []
+        self.turns: list[int] = []  # message count before each turn
         self.last: TurnStats | None = None
+        self.finish: str | None = None  # the last answer's finish_reason
 
-    def ask(self, text: str, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
-        """Streams the answer's text; the turn is sealed when the stream ends (``should_stop``
-        ends it early, keeping what was generated)."""
-        self.turns.append((len(self.messages), self.cache.num_tokens))
+    def fork(self) -> ChatSession:
+        """A second conversation from here (same bank: the shared history is restored, not copied)."""
+        other = ChatSession(
+            self.engine, self.params, self.max_tokens, bank=self.bank, namespace=self.namespace
+        )
+        other.messages = list(self.messages)
+        other.turns = list(self.turns)
+        return other
+
+    def ask(self, text: str, cancel: threading.Event | None = None) -> Iterator[str]:
+        """Streams the answer's text; the turn is banked when the stream ends (``cancel`` set: the
+        answer stops at the next token)."""
+        tok = self.engine.tokenizer
+        self.turns.append(len(self.messages))
         self.messages.append({"role": "user", "content": text})
-        ids = self.engine.tokenizer.apply_chat_template(self.messages)
+        history = list(self.messages)
+        request = TurnRequest(
+            tok.apply_chat_template(history),
+            self.params,
+            max_tokens=self.max_tokens,
+            namespace=self.namespace,
+            render_history=lambda answer: tok.apply_chat_template(
+                [*history, {"role": "assistant", "content": answer}], add_generation_prompt=False
+            ),
+            cancel=cancel if cancel is not None else threading.Event(),
+        )
         pieces = []
-        for ev in self.engine.generate(self.cache, ids, self.params, should_stop=should_stop):
-            if ev.text:
-                pieces.append(ev.text)
-                yield ev.text
-            if ev.stats is not None:
-                self.last = ev.stats
+        for ev in run_turn(self.engine, self.bank, request, interruptible=True):
+            if isinstance(ev, Failed):
+                self.turns.pop()
+                self.messages.pop()
+                raise ValueError(ev.message)
+            if isinstance(ev, GenEvent):
+                if ev.text:
+                    pieces.append(ev.text)
+                    yield ev.text
+                if ev.finish_reason is not None:
+                    self.last, self.finish = ev.stats, ev.finish_reason
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
-        self.cache.seal()
 
     def undo(self) -> bool:
-        """Back one turn: drop its messages and trim the cache to its start (no copy, no recompute)."""
+        """Back one turn: drop its messages (the bank keeps the rows; nothing is recomputed)."""
         if not self.turns:
             return False
-        n_messages, rows = self.turns.pop()
-        del self.messages[n_messages:]
-        self.cache.trim(rows)
+        del self.messages[self.turns.pop() :]
         return True
 
     def stats(self) -> dict:
+        s = self.bank.stats
         out = {
             "turns": len(self.turns),
-            "cached_rows": self.cache.num_tokens,
-            "segments": len(self.cache.views(0)),
+            "bank_entries": len(self.bank),
+            "bank_unique_bytes": self.bank.unique_bytes(live=False),
+            "hits": s.hits,
+            "misses": s.misses,
         }
         out.update(self.engine.counters())
         if self.last is not None:
@@ -99,15 +140,16 @@ def interruptible() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
-    session = ChatSession(engine, params, args.system)
+def run_chat(engine: Engine, args: argparse.Namespace) -> int:
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    session = ChatSession(engine, params, args.max_tokens, args.system)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"turnkv chat with {engine.model_name}. {HELP}", file=sys.stderr)
+        print(f"turnkv chat with {engine.info.model_name}. {HELP}", file=sys.stderr)
     while True:
         try:
             line = input("> ") if interactive else sys.stdin.readline()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             break
         if not interactive and not line:
             break
@@ -122,14 +164,12 @@ def run_chat(engine: Engine, args: argparse.Namespace, params: SamplingParams) -
             session.reset()
             print("(reset)", flush=True)
         elif line == "/stats":
-            import json
-
             print(json.dumps(session.stats()), flush=True)
         elif line.startswith("/"):
             print(f"(unknown command; {HELP})", flush=True)
         else:
             with interruptible() as stop:
-                for piece in session.ask(line, should_stop=stop.is_set):
+                for piece in session.ask(line, cancel=stop):
                     print(piece, end="", flush=True)
-            print(" (stopped)" if stop.is_set() else "", flush=True)
+            print(" (stopped)" if session.finish == "cancelled" else "", flush=True)
     return 0

@@ -1,4 +1,4 @@
-"""``turnkv serve | chat | generate | selfcheck``.
+"""``turnkv serve | chat | generate | selfcheck | cache``.
 
 Every flag of the engine and the server has a ``TURNKV_*`` environment twin (``--kv-layout`` <->
 ``TURNKV_KV_LAYOUT``); a flag on the command line wins. Every flag and variable is validated
@@ -49,6 +49,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add("--attention", "attention", "attention route", choices=["auto", "fused", "lse"])
     add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
+    add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA", choices=["auto", "off"])
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, top: bool) -> None:
@@ -89,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=_flag_help("access_log", "one line per request on stderr"),
     )
+    add("--max-running", "max_running", "turns decoding together per step", type=int)
+    add("--max-batch-tokens", "max_batch_tokens", "prefill rows per step (0: --prefill-chunk)", type=int)
+    _disk_flags(s)
+    add("--disk-bytes", "disk_bytes", "byte budget of the KV disk tier: N, 512M, 8G")
+    s.add_argument(
+        "--no-disk",
+        dest="no_disk",
+        action="store_true",
+        default=None,
+        help=_flag_help("no_disk", "serve without the KV disk tier"),
+    )
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)
@@ -105,7 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("selfcheck", help="run the fused-attention probe and print the verdict")
     k.add_argument("--device", default="auto", help="auto | cpu | cuda | any torch device (default: auto)")
     k.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("cache", help="the KV disk tier: stats, verify every block, or clear it")
+    d.add_argument("action", choices=["stats", "verify", "clear"])
+    _disk_flags(d)
+    d.add_argument("--json", action="store_true")
     return ap
+
+
+def _disk_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--disk-dir",
+        dest="disk_dir",
+        help=_flag_help("disk_dir", "KV disk tier directory ('': $XDG_CACHE_HOME/turnkv/kv)"),
+    )
 
 
 def version() -> str:
@@ -146,11 +171,9 @@ def sampling_params(args: argparse.Namespace, **extra):
     """The sampler's parameters from ``generate``/``chat`` flags; a bad one names its flag."""
     from turnkv.engine.sampling import SamplingError, SamplingParams
 
-    values = {
-        k: getattr(args, k)
-        for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")
-        if hasattr(args, k)
-    }
+    if getattr(args, "max_tokens", 1) < 1:
+        raise ConfigError("--max-tokens", f"must be >= 1 (got {args.max_tokens})")
+    values = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "seed") if hasattr(args, k)}
     try:
         return SamplingParams(**values, **extra)
     except SamplingError as e:
@@ -167,10 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # expected failures become one line and exit code 2
-        from turnkv.engine.engine import ContextTooLong
         from turnkv.models.load import ModelLoadError
 
-        if isinstance(e, (ModelLoadError, ContextTooLong, ValueError)):
+        if isinstance(e, (ModelLoadError, ValueError)):
             print(f"turnkv: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         raise
@@ -180,6 +202,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "selfcheck":
         return _selfcheck(args)
     cfg = engine_config(args)
+    if args.command == "cache":
+        from turnkv.cache_cli import cache_main
+
+        return cache_main(args.action, cfg.disk_dir, args.json)
     if args.command == "serve":
         from turnkv.server.run import serve
 
@@ -193,7 +219,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _generate(engine, args, params)
     from turnkv.chat import run_chat
 
-    return run_chat(engine, args, params)
+    return run_chat(engine, args)
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -207,16 +233,23 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
 
 def _generate(engine, args: argparse.Namespace, params) -> int:
+    from turnkv.engine.scheduler import run_turn
+    from turnkv.engine.turn import Failed, GenEvent, TurnRequest
+
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
     ids = engine.tokenizer.apply_chat_template(messages)
+    request = TurnRequest(ids, params, max_tokens=args.max_tokens)
     pieces, stats = [], None
-    for ev in engine.generate(engine.new_cache(), ids, params):
-        pieces.append(ev.text)
-        if not args.json and ev.text:
-            print(ev.text, end="", flush=True)
-        stats = ev.stats or stats
+    for ev in run_turn(engine, engine.new_bank(), request):
+        if isinstance(ev, Failed):
+            raise ValueError(ev.message)
+        if isinstance(ev, GenEvent):
+            pieces.append(ev.text)
+            if not args.json and ev.text:
+                print(ev.text, end="", flush=True)
+            stats = ev.stats or stats
     text = "".join(pieces)
     if args.json:
         out = {

@@ -71,10 +71,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def gqa_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 class ConfigError(ValueError):
     """A bad EngineConfig value; ``field`` names it, ``problem`` says what is wrong."""
@@ -88,6 +84,7 @@ class ConfigError(ValueError):
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 KVLayout = Literal["segmented", "contiguous"]
 AttentionChoice = Literal["auto", "fused", "lse"]
+CudaGraphs = Literal["auto", "off"]
 MAX_PORT = 65535
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -108,8 +105,14 @@ class EngineConfig:
     kv_layout: KVLayout = "segmented"
     attention: AttentionChoice = "auto"
     bank_bytes: str = "auto"  # N | auto
+    disk_dir: str = ""  # the KV disk tier's directory; "": $XDG_CACHE_HOME/turnkv/kv or ~/.cache/turnkv/kv
+    disk_bytes: str = "8G"  # byte budget of the disk tier (least recently used blocks go first)
+    no_disk: bool = False  # serve without the disk tier
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
+    cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
+    max_running: int = 64  # turns in the running set (one window each per step)
+    max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)
@@ -133,18 +136,22 @@ class EngineConfig:
                     "device",
                     f"must be auto, cpu, cuda or a torch device such as cuda:1 (got {self.device!r})",
                 ) from None
-        for name in ("bank_bytes", "max_body_bytes"):
+        for name, auto in (("bank_bytes", True), ("max_body_bytes", True), ("disk_bytes", False)):
             value = getattr(self, name)
-            if value != "auto":
-                try:
-                    if parse_size(value) <= 0:
-                        raise ValueError
-                except ValueError:
-                    raise ConfigError(
-                        name, f"must be auto or a positive size such as 512M or 8G (got {value!r})"
-                    ) from None
+            if auto and value == "auto":
+                continue
+            try:
+                if parse_size(value) <= 0:
+                    raise ValueError
+            except ValueError:
+                either = "auto or " if auto else ""
+                raise ConfigError(
+                    name, f"must be {either}a positive size such as 512M or 8G (got {value!r})"
+                ) from None
         _check_range("max_context", self.max_context, 0, None, "0 means the model's own")
         _check_range("prefill_chunk", self.prefill_chunk, 1, None)
+        _check_range("max_running", self.max_running, 1, None)
+        _check_range("max_batch_tokens", self.max_batch_tokens, 0, None, "0 means --prefill-chunk")
         _check_range("port", self.port, 0, MAX_PORT, "0 means any free port")
         _check_range("session_ttl", self.session_ttl, 0, None, "seconds; 0 turns session protection off")
         _check_range("session_share", self.session_share, 0, 1, "a share of the bank budget")

@@ -1,36 +1,26 @@
-"""Chooses the attention route for each call and counts what it chose.
+"""What the attention backends share: the load-time verdict, route labels, and the one-view path.
 
-Routes (see docs/DESIGN.md):
-- ``fused``: one Triton launch over all segments; only when the load-time verdict is ``ok``
-  (``turnkv.attention.selfcheck`` decides it and hands the router a checked kernel callable).
-- ``single``: one view; the stock contiguous kernel (torch SDPA) on a zero-copy view, so a
-  one-segment cache is bit-identical to the contiguous layout.
-- ``lse``: any number of views on any torch device (``turnkv.attention.lse``).
-- ``gather``: a counted, logged last resort for views the other routes cannot take (mixed dtypes
-  or devices). Tests assert the normal paths never take it.
+Routes (see docs/DESIGN.md), chosen once at load for the whole engine (``selfcheck.make_backend``):
+- ``fused``: the Triton kernels over one segment table per step (CUDA, verdict ``ok``), for every
+  window, one view or many, so no call pays a per-length plan (cuDNN's SDPA plans per key length).
+- ``single`` / ``lse``: the portable backend on any device: a window over one view goes through
+  ``single_attention`` (torch SDPA on the zero-copy view, or on a CPU the same fp32 math as lse, so
+  one segment is bit-identical to the contiguous layout), over several views through
+  ``lse.lse_attention`` (per view in fp32 with its log-sum-exp, one exact merge).
 
 Counts are keyed ``<route>_q<rows>`` for windows of 1-32 rows and ``<route>_prefill`` above.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from turnkv.attention.lse import lse_attention
 from turnkv.attention.reference import visible_mask
-
-log = logging.getLogger(__name__)
-
-MAX_WINDOW_ROWS = 32  # widest decode/verify window; wider windows are prefill chunks
-
-Views = list[tuple[torch.Tensor, torch.Tensor]]
-FusedFn = Callable[[torch.Tensor, Views, float], torch.Tensor]
+from turnkv.limits import MAX_WINDOW_ROWS
 
 
 @dataclass
@@ -87,40 +77,3 @@ def single_attention(
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """SDPA on ``[H, M, D]`` inputs, called with a batch axis: 3-D inputs miss the fused CUDA kernels."""
     return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
-
-
-@dataclass
-class AttentionRouter:
-    """Per-engine routing state. ``fused`` is a checked kernel callable or None."""
-
-    verdict: Verdict = field(default_factory=Verdict)
-    fused: FusedFn | None = None
-    route_counts: Counter = field(default_factory=Counter)
-
-    def attend(self, q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
-        """q ``[Hq, M, D]``; views ``[(k, v)]`` each ``[Hkv, T_i, D]``; window-causal. Returns q's dtype."""
-        m = q.shape[1]
-        if len(views) == 1:
-            route = "single"
-            out = single_attention(q, views[0][0], views[0][1], scale)
-        elif not _uniform(q, views):
-            route = "gather"
-            log.warning("attention gathered %d views (mixed dtype or device)", len(views))
-            k = torch.cat([kv[0].to(q.device, q.dtype) for kv in views], dim=1)
-            v = torch.cat([kv[1].to(q.device, q.dtype) for kv in views], dim=1)
-            out = single_attention(q, k, v, scale)
-        elif self.fused is not None:
-            route = "fused"
-            out = self.fused(q, views, scale)
-        else:
-            route = "lse"
-            out = lse_attention(q, views, scale)
-        self.route_counts[window_label(route, m)] += 1
-        return out
-
-
-def _uniform(q: torch.Tensor, views: Views) -> bool:
-    return all(
-        k.dtype == q.dtype and v.dtype == q.dtype and k.device == q.device and v.device == q.device
-        for k, v in views
-    )

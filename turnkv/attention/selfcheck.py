@@ -21,21 +21,21 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
+from turnkv.attention.backend import AttentionBackend, PortableBackend
 from turnkv.attention.reference import reference_attention
-from turnkv.attention.route import AttentionRouter, FusedFn, Verdict
+from turnkv.attention.route import Verdict
+from turnkv.kv.cache import KVWindow, Views
+from turnkv.limits import MAX_GQA, SUPPORTED_DTYPE_NAMES, SUPPORTED_HEAD_DIMS
 
 log = logging.getLogger(__name__)
 
-# The kernel's limits, repeated here so the verdict needs no triton import.
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-MAX_GQA = 8
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-
-Views = list[tuple[torch.Tensor, torch.Tensor]]
+SUPPORTED_DTYPES = tuple(getattr(torch, n) for n in SUPPORTED_DTYPE_NAMES)
+FusedFn = Callable[..., torch.Tensor]  # triton_segments.fused_attention: (q, views, scale) -> out
 
 
 def interpreting() -> bool:
@@ -125,6 +125,54 @@ def run_probe(fused: FusedFn, shape: ProbeShape, dtype: torch.dtype, device: tor
     return res
 
 
+def run_step_probe(
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device, seed: int = 99
+) -> ProbeResult:
+    """The fused backend as the engine runs it: one plan for a ragged step of three windows (1, 4
+    and a prefill chunk of rows) over all-layer views, then ``store`` and ``attend`` at layer 1,
+    against the fp32 reference per window. Never raises (errors become ``ok=False``)."""
+    from turnkv.attention.fused import FusedBackend
+
+    small = device.type == "cpu"
+    layouts = [((37,), 1), ((0, 1, 45), 4), ((3,) * 5 + (21,), 40)] if small else [
+        ((4099,), 1), ((0, 1, 3001, 517), 4), ((129,) * 8 + (700,), 300)]  # fmt: skip
+    keys = sum(sum(lengths) + m for lengths, m in layouts)
+    res = ProbeResult(head_dim, num_heads, num_kv_heads, -1, 3, keys, float("nan"), float("nan"), False)
+    try:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        windows = []
+        for lengths, m in layouts:
+            views = []
+            for i, n in enumerate((*lengths[:-1], lengths[-1] + m)):
+                kv = torch.randn(2, 2, num_kv_heads, n + 8 * (i % 3 + 1), head_dim, generator=g)
+                kv = kv.to(device, dtype)
+                views.append((kv[0, :, :, :n], kv[1, :, :, :n]))  # [L=2, Hkv, n, D] strided views
+            windows.append(KVWindow(tuple(views), sum(lengths), m))
+        n_rows = sum(w.rows for w in windows)
+        q = torch.randn(n_rows, num_heads, head_dim, generator=g).to(device, dtype)
+        k, v = torch.randn(2, n_rows, num_kv_heads, head_dim, generator=g).to(device, dtype)
+        step = FusedBackend(Verdict(), num_heads, num_kv_heads).plan(windows)
+        step.store(1, k, v)
+        out = step.attend(1, q, head_dim**-0.5)
+        errs, ratios, start = [], [], 0
+        for w in windows:
+            qs = q[start : start + w.rows].transpose(0, 1)
+            views = w.layer_views(1)
+            stored = views[-1][0][:, -w.rows :]
+            if not torch.equal(stored, k[start : start + w.rows].transpose(0, 1)):
+                raise AssertionError("store_kv wrote the wrong rows")
+            ref = reference_attention(qs, views, head_dim**-0.5)
+            got = out[start : start + w.rows].transpose(0, 1)
+            errs.append((got.float() - ref).abs().max().item())
+            ratios.append(error_ratio(got, ref, tolerance(qs, views, head_dim**-0.5, ref)))
+            start += w.rows
+        res.max_err, res.tol_ratio = max(errs), max(ratios)
+        res.ok = bool(torch.isfinite(out).all()) and res.tol_ratio <= 1
+    except Exception as exc:  # a compile or launch failure is a failed check, not a crash at load
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    return res
+
+
 def model_shapes(head_dim: int, num_heads: int, num_kv_heads: int, small: bool) -> list[ProbeShape]:
     """The cases checked at load for one model; ``small`` for the CPU interpreter."""
     if small:
@@ -194,6 +242,7 @@ def _check(mode, device, head_dim, num_heads, num_kv_heads, dtype) -> tuple[Verd
     t0 = time.perf_counter()
     shapes = model_shapes(head_dim, num_heads, num_kv_heads, small=device.type == "cpu")
     results = [run_probe(fused, s, dtype, device, seed=i) for i, s in enumerate(shapes)]
+    results.append(run_step_probe(head_dim, num_heads, num_kv_heads, dtype, device))
     report = _report(results, dtype, time.perf_counter() - t0)
     if not report["passed"]:
         worst = next(r for r in results if not r.ok)
@@ -206,12 +255,16 @@ def _check(mode, device, head_dim, num_heads, num_kv_heads, dtype) -> tuple[Verd
     return Verdict("fused", "ok", reason, report), fused
 
 
-def make_router(
+def make_backend(
     mode: str, device: torch.device, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
-) -> AttentionRouter:
-    """The engine's router: decides the verdict once and hands over the checked kernel, if any."""
+) -> AttentionBackend:
+    """The engine's attention backend: the verdict is decided once; ``fused`` only when it is ``ok``."""
     verdict, fused = decide(mode, device, head_dim, num_heads, num_kv_heads, dtype)
-    return AttentionRouter(verdict=verdict, fused=fused)
+    if fused is None:
+        return PortableBackend(verdict)
+    from turnkv.attention.fused import FusedBackend
+
+    return FusedBackend(verdict, num_heads, num_kv_heads)
 
 
 def _label(r: ProbeResult) -> str:

@@ -1,36 +1,31 @@
-"""Fused attention over a segment table: one Triton launch reads every segment, split over the keys.
+"""Fused attention over a segment table: one Triton launch per layer reads every sequence's views.
 
-A batch of ``B`` sequences, each a window of ``M`` query rows (``q [B, Hq, M, D]``) over its own list
-of KV views ``[(k, v)]`` (each ``[Hkv, T_i, D]``, zero-copy strided slices with the last dim
-contiguous). The keys of a sequence are the concatenation of its views (``T`` rows); query row ``i``
+A step of ``B`` sequences, each a window of ``q_len`` query rows over its own list of KV views, is
+described by one packed table (``segment_table.py``: built once per step, read by every layer at a
+per-view layer stride). The step's query rows are flat, ``q [N, Hq, D]``; sequence ``b`` owns rows
+``[q_start, q_start + q_len)``. Its keys are its views concatenated (``T`` rows); query row ``i``
 sees key ``p`` iff ``p <= window_start + i`` (``window_start = T - q_len`` by default), as in
-``reference.py``. Rows ``i >= q_len`` (batch padding) and rows that see no key come out as zeros.
+``reference.py``. Rows that see no key come out as zeros; padding sequences (``q_len`` 0) are
+neither read nor written.
 
 How one launch covers it:
-- The *segment table* is one packed int64 tensor ``[B, G, 1 + MAX_SEGMENTS, 8]``: per group of up to
-  ``MAX_SEGMENTS`` views a header row ``(n_segments, group_start, group_len, window_start, q_len)``
-  and one row per view ``(k_ptr, v_ptr, k_head_stride, k_row_stride, v_head_stride, v_row_stride,
-  length, start)``; pointers are raw device addresses, so nothing is gathered or concatenated and
-  building it costs one small host-to-device copy.
-- Grid ``(row_blocks, G * splits, B * Hkv)``. A program owns one KV head, ``BLOCK_M`` rows of the
-  ``GQA * M`` query rows of that head's group (so every loaded K/V tile serves all its query heads)
-  and one contiguous key range of its group (flash-decoding split). It walks the views that overlap
+- Grid ``(row_blocks, G * splits, B * Hkv)``. A program owns one KV head of one sequence,
+  ``BLOCK_M`` of the ``GQA * M`` query rows of that head's group (``M`` the widest window of the
+  launch; so every loaded K/V tile serves all its query heads) and one contiguous key range of its
+  group of up to ``MAX_SEGMENTS`` views (a flash-decoding split). It walks the views that overlap
   its range; tiles never cross a view, and the causal mask is only evaluated on tiles that need it.
 - With one program per (row block, head) (``G * splits == 1``) the kernel writes the result
   directly. Otherwise each program writes an fp32 partial and its log2-sum-exp, and a combine pass
   merges all partials of a row (splits and groups alike) and rounds once to the query dtype.
+- ``triton_store.py`` writes a layer's new K/V rows of every sequence into the window rows of its
+  last view (the cache's tail), from the same table's ``dest`` rows: one launch per layer.
 
 Precision: q·k in the tensor cores with fp32 accumulation; probabilities are rounded to the input
 dtype before P·V (as every flash kernel does); partials and the merge are fp32; one final rounding.
 
-CUDA graphs: ``segment_attention`` with a table built beforehand and a fixed ``config`` is
-capturable. The table is read from device memory at run time, so a captured decode step can be
-replayed after ``SegmentTable.update_`` rewrote pointers and lengths in place (the grid depends on
-``splits`` and the row blocks, never on the lengths; pick ``splits`` for the longest context the
-graph will see). ``fused_attention`` (the router's callable) builds a table per call and refuses to
-run inside a capture (a captured upload would replay stale host memory). Under ``torch.compile`` it
-is the opaque custom op ``turnkv::segment_attention``, tagged ``cudagraph_unsafe`` so that
-``mode="reduce-overhead"`` leaves it outside its graphs.
+CUDA graphs: both kernels read everything about the views from device memory, so a captured step
+is replayed after the table buffer was rewritten in place (``segment_table.upload(..., out=)``).
+The grid depends on the batch, ``M``, the groups and ``splits``, never on the lengths.
 
 Triton is imported at module import; import this module only where triton is known to exist.
 """
@@ -38,140 +33,18 @@ Triton is imported at module import; import this module only where triton is kno
 from __future__ import annotations
 
 import functools
-import logging
-import math
 import os
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from turnkv.attention.lse import lse_attention
+from turnkv.attention.segment_table import TableMeta, key_bucket, pack, padded_batch, upload
+from turnkv.limits import MAX_GQA, MAX_SEGMENTS, SUPPORTED_HEAD_DIMS
 
-log = logging.getLogger(__name__)
-
-MAX_SEGMENTS = 12  # views per group; more form several groups merged by the combine pass
-FIELDS = 8  # int64 words per table row
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-MAX_GQA = 8
 LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does
-
-Views = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class UnsupportedViews(ValueError):
-    """Views the kernel cannot read in place (dtype, device, alignment or a non-contiguous last dim)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The segment table
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SegmentTable:
-    """The packed per-call description of every sequence's views; lives on the device.
-
-    Invariants: ``packed`` is int64 ``[B, groups, 1 + MAX_SEGMENTS, FIELDS]`` on the views' device;
-    ``max_keys`` is the longest sequence's key count (host-side, for choosing the split count);
-    ``q_len`` holds each sequence's window rows; every view has ``kv_heads`` heads. The kernel reads
-    nothing else about the views.
-    """
-
-    packed: torch.Tensor
-    groups: int
-    max_keys: int
-    q_len: tuple[int, ...]
-    kv_heads: int
-
-    @property
-    def batch(self) -> int:
-        return self.packed.shape[0]
-
-    def update_(self, seqs: list[Views], q_lens: list[int] | int, window_starts=None) -> SegmentTable:
-        """Rewrites the table in place (same buffer) for new views; for replaying a CUDA graph.
-
-        The new views must need no more groups than the buffer has.
-        """
-        words, groups, max_keys, q_len, _ = _pack(seqs, q_lens, window_starts, self.groups)
-        if groups > self.groups:
-            raise ValueError(f"{groups} groups do not fit a table built for {self.groups}")
-        self.packed.copy_(_host_words(words, self.packed.device).view_as(self.packed), non_blocking=True)
-        self.max_keys, self.q_len = max_keys, q_len
-        return self
-
-
-def _host_words(words: list[int], device: torch.device) -> torch.Tensor:
-    # pinned (from torch's caching host allocator, which keeps a block until its copy is done), so
-    # the upload is one asynchronous copy that does not wait for the GPU
-    return torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-
-def _pack(
-    seqs: list[Views], q_lens: list[int] | int, window_starts, min_groups: int = 1
-) -> tuple[list[int], int, int, tuple[int, ...], tuple]:
-    """The flat int64 words of a table for ``seqs``, its group count, max keys, q lengths and the
-    layout every view shares ``(dtype, device index, Hkv, D)``.
-
-    Checks each view in the same pass (this runs once per layer per decode step, so it is kept to
-    plain integer tests); raises ``UnsupportedViews`` for a view the kernel cannot read in place.
-    """
-    b = len(seqs)
-    q_len = tuple([q_lens] * b if isinstance(q_lens, int) else q_lens)
-    groups = max(min_groups, max(1, *(math.ceil(len(v) / MAX_SEGMENTS) for v in seqs)))
-    k0 = seqs[0][0][0]
-    dtype, dev, hkv, d = k0.dtype, k0.get_device(), k0.shape[0], k0.shape[-1]
-    if dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedViews(f"dtype {dtype} (the kernel takes bf16/fp16)")
-    vec = 16 // k0.element_size()  # elements per 16 bytes
-    words: list[int] = []
-    max_keys = 0
-    for s, views in enumerate(seqs):
-        rows = []
-        start = 0
-        for k, v in views:
-            if k.dtype != dtype or v.dtype != dtype or k.get_device() != dev or v.get_device() != dev:
-                raise UnsupportedViews(
-                    f"view {k.dtype}/{v.dtype} on {k.device}, expected {dtype} like the first"
-                )
-            if k.dim() != 3 or k.shape != v.shape or k.shape[0] != hkv or k.shape[2] != d:
-                raise UnsupportedViews(f"views {tuple(k.shape)}/{tuple(v.shape)}, expected [{hkv}, T, {d}]")
-            n = k.shape[1]
-            ks, vs = k.stride(), v.stride()
-            kp, vp = k.data_ptr(), v.data_ptr()
-            # 16-byte aligned rows: the kernel promises the compiler so, to get 128-bit loads
-            if n and (ks[2] != 1 or vs[2] != 1 or (kp | vp) & 15 or (ks[0] | ks[1] | vs[0] | vs[1]) % vec):
-                raise UnsupportedViews(f"view strides {ks}/{vs} or address not 16-byte aligned rows")
-            rows.append((kp, vp, ks[0], ks[1], vs[0], vs[1], n, start))
-            start += n
-        max_keys = max(max_keys, start)
-        ws = start - q_len[s] if window_starts is None else window_starts[s]
-        for g in range(groups):
-            chunk = rows[g * MAX_SEGMENTS : (g + 1) * MAX_SEGMENTS]
-            g_start = chunk[0][7] if chunk else start
-            words += (len(chunk), g_start, sum(r[6] for r in chunk), ws, q_len[s], 0, 0, 0)
-            for r in chunk:
-                words += r
-            words += [0] * FIELDS * (MAX_SEGMENTS - len(chunk))
-    return words, groups, max_keys, q_len, (dtype, dev, hkv, d)
-
-
-def build_table(
-    seqs: list[Views], q_lens: list[int] | int, window_starts: list[int] | None = None
-) -> SegmentTable:
-    """One packed table for a batch: ``seqs[b]`` is sequence b's views in row order.
-
-    ``q_lens``: window rows per sequence (an int for all); ``window_starts`` defaults to
-    ``T_b - q_len_b``. Raises ``UnsupportedViews`` for views the kernel cannot read in place.
-    """
-    words, groups, max_keys, q_len, (_, _, hkv, _) = _pack(seqs, q_lens, window_starts)
-    device = seqs[0][0][0].device
-    packed = _host_words(words, device).view(len(seqs), groups, 1 + MAX_SEGMENTS, FIELDS)
-    return SegmentTable(packed.to(device, non_blocking=True), groups, max_keys, q_len, hkv)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +53,7 @@ def build_table(
 
 
 @triton.jit
-def _downcast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+def downcast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
     """fp32 -> dtype, rounding to nearest even. The CPU interpreter truncates fp32 -> bf16, so there
     the bits are rounded first (the cast is then exact); compiled code rounds in the cvt itself."""
     if INTERP:
@@ -223,7 +96,7 @@ def _tiles(
             v = tl.load(v_ptrs, mask=inb[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        p = _downcast(p, v.dtype, INTERP)  # rounded to the input dtype before P·V, on every path
+        p = downcast(p, v.dtype, INTERP)  # rounded to the input dtype before P·V, on every path
         if INTERP:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
         else:
@@ -232,10 +105,10 @@ def _tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["LAYER"])
 def _segment_attn_kernel(
-    Q, Out, PartO, PartL, Table,
-    sqb, sqh, sqm, sob, soh, som,
+    Q, Out, PartO, PartL, Table, LAYER,
+    sqm, sqh, som, soh,
     HKV, GQA, M, NSPLIT, NGROUPS, NPART,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SEG: tl.constexpr,
@@ -257,26 +130,32 @@ def _segment_attn_kernel(
     g_len = tl.load(hdr + 2)
     ws = tl.load(hdr + 3)
     q_len = tl.load(hdr + 4)
+    q_start = tl.load(hdr + 5)
     # this program's key range (global positions), whole tiles except at the group's end
     chunk = tl.cdiv(tl.cdiv(g_len, NSPLIT), BLOCK_N) * BLOCK_N
     lo = g_start + split * chunk
     hi = tl.minimum(lo + chunk, g_start + g_len)
 
-    # rows r = g * M + i: query head kvh * GQA + g, window row i
+    # rows r = g * q_len + i: query head kvh * GQA + g, window row i. Each sequence packs its own
+    # window's rows, so a one-row window's GQA heads share one row block even beside a wide window.
+    qd = tl.maximum(q_len, 1)
     r0 = pid_m * BLOCK_M
     rows = r0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < GQA * M
-    g = rows // M
-    row_i = rows % M
-    r1 = tl.minimum(r0 + BLOCK_M, GQA * M) - 1
-    one_head = (r0 // M) == (r1 // M)
-    i_min = tl.where(one_head, r0 % M, 0)
-    i_max = tl.minimum(tl.where(one_head, r1 % M, M - 1), q_len - 1)
+    g = rows // qd
+    row_i = rows % qd
+    row_ok = rows < GQA * q_len  # false for every row of a padding sequence (q_len 0)
+    r1 = tl.minimum(r0 + BLOCK_M, GQA * qd) - 1
+    one_head = (r0 // qd) == (r1 // qd)
+    i_min = tl.where(one_head, r0 % qd, 0)
+    i_max = tl.where(one_head, r1 % qd, qd - 1)
     see_hi = tl.minimum(hi, ws + i_max + 1)  # no row of the block sees a key at or past this
+    see_hi = tl.where(r0 < GQA * q_len, see_hi, lo)  # a block past this window's rows reads nothing
     full_hi = tl.minimum(see_hi, ws + i_min + 1)  # every row of the block sees keys before this
 
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b * sqb + (kvh * GQA + g)[:, None] * sqh + row_i[:, None] * sqm + offs_d[None, :]
+    head = kvh * GQA + g
+    qrow = q_start + row_i  # [BM] flat rows of the step (int64: the table is int64)
+    q_ptrs = Q + qrow[:, None] * sqm + head[:, None] * sqh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BM, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -290,24 +169,25 @@ def _segment_attn_kernel(
     sidx = tl.arange(0, SEG_P2)
     srow = hdr + (sidx + 1).to(tl.int64) * 8
     smask = sidx < nseg
-    s_start = tl.load(srow + 7, mask=smask, other=0)
-    s_end = s_start + tl.load(srow + 6, mask=smask, other=0)
+    s_start = tl.load(srow + 6, mask=smask, other=0)
+    s_end = s_start + tl.load(srow + 5, mask=smask, other=0)
     live = smask & (tl.maximum(lo, s_start) < tl.minimum(see_hi, s_end))
     first = tl.min(tl.where(live, sidx, SEG_P2), 0)
     last = tl.max(tl.where(live, sidx, -1), 0)
     for s in range(first, last + 1):
-        e = hdr + (s + 1) * 8  # this view's row: 8 independent loads, one round trip
-        seg_start = tl.load(e + 7)
+        e = hdr + (s + 1) * 8  # this view's row: independent loads, one round trip
+        seg_start = tl.load(e + 6)
         a = tl.maximum(lo, seg_start)
-        z = tl.minimum(see_hi, seg_start + tl.load(e + 6))
-        # element strides are 16-byte multiples and pointers 16-byte aligned (build_table checks),
-        # which lets K/V loads go 128-bit; the pointer hint must follow the int-to-pointer cast
+        z = tl.minimum(see_hi, seg_start + tl.load(e + 5))
+        # element strides are 16-byte multiples and pointers 16-byte aligned (pack checks), which
+        # lets K/V loads go 128-bit; the pointer hint must follow the int-to-pointer cast
         k_base = tl.multiple_of(tl.load(e).to(tl.pointer_type(elt)), 16)
         v_base = tl.multiple_of(tl.load(e + 1).to(tl.pointer_type(elt)), 16)
-        k_base += kvh64 * tl.multiple_of(tl.load(e + 2), 8)
-        v_base += kvh64 * tl.multiple_of(tl.load(e + 4), 8)
-        ksr = tl.multiple_of(tl.load(e + 3), 8)
-        vsr = tl.multiple_of(tl.load(e + 5), 8)
+        offset = LAYER * tl.multiple_of(tl.load(e + 2), 8) + kvh64 * tl.multiple_of(tl.load(e + 3), 8)
+        k_base += offset
+        v_base += offset
+        ksr = tl.multiple_of(tl.load(e + 4), 8)
+        vsr = ksr
         # whole tiles every row sees without a mask, then the rest (view end, causal edge)
         full_end = a + tl.maximum(tl.minimum(z, full_hi) - a, 0) // BLOCK_N * BLOCK_N
         acc, m_i, l_i = _tiles(
@@ -319,16 +199,14 @@ def _segment_attn_kernel(
             offs_d, qk_scale, BLOCK_N, True, INTERP,
         )  # fmt: skip
 
-    l_i = tl.where(row_i < q_len, l_i, 0.0)  # batch padding rows: as if they saw nothing
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     o = tl.where((l_i > 0)[:, None], o, 0.0)
-    head = kvh * GQA + g
-    o_rows = Out + b * sob + head * soh + row_i * som  # [BM] row pointers; [BM, D] only at a store
+    o_rows = Out + qrow * som + head * soh  # [BM] row pointers; [BM, D] only at a store
     if DIRECT:
         tl.store(
             o_rows[:, None] + offs_d[None, :],
-            _downcast(o, Out.dtype.element_ty, INTERP),
+            downcast(o, Out.dtype.element_ty, INTERP),
             mask=row_ok[:, None],
         )
     else:
@@ -340,14 +218,17 @@ def _segment_attn_kernel(
 
 @triton.jit
 def _combine_kernel(
-    PartO, PartL, Out, HQ, M, NPART, sob, soh, som,
-    HEAD_DIM: tl.constexpr, NP2: tl.constexpr, INTERP: tl.constexpr,
+    PartO, PartL, Out, Table, HQ, M, NPART, NGROUPS, som, soh,
+    HEAD_DIM: tl.constexpr, NP2: tl.constexpr, MAX_SEG: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """One output row: the exact log-sum-exp merge of its partials, rounded once."""
     row = tl.program_id(0)  # (b * HQ + h) * M + i
     b = row // (HQ * M)
     h = (row // M) % HQ
     i = row % M
+    hdr = Table + (b * NGROUPS * (MAX_SEG + 1)).to(tl.int64) * 8
+    q_len = tl.load(hdr + 4)
+    q_start = tl.load(hdr + 5)
     offs_p = tl.arange(0, NP2)
     offs_d = tl.arange(0, HEAD_DIM)
     pm = offs_p < NPART
@@ -360,7 +241,8 @@ def _combine_kernel(
     num = tl.sum(w[:, None] * o, 0)  # [D]
     den = tl.sum(w, 0)
     res = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
-    tl.store(Out + b * sob + h * soh + i * som + offs_d, _downcast(res, Out.dtype.element_ty, INTERP))
+    out = Out + (q_start + i) * som + h * soh + offs_d
+    tl.store(out, downcast(res, Out.dtype.element_ty, INTERP), mask=(offs_d * 0 + i) < q_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,123 +279,97 @@ _TUNED = {
 }  # fmt: skip
 
 
-def pick_config(
-    batch: int, hkv: int, gqa: int, m: int, head_dim: int, max_keys: int, groups: int, device: torch.device
-) -> LaunchConfig:
+def pick_config(meta: TableMeta, gqa: int, device: torch.device, max_keys: int | None = None) -> LaunchConfig:
     """Default tiles and splits for a launch: ``_TUNED`` for the tiles, enough programs for the
-    tuned number of waves, and at least 4 key tiles per split."""
-    rows = gqa * m
-    cap = 64 if head_dim > 128 else 128
+    tuned number of waves, and at least 4 key tiles per split.
+
+    Decode launches (one-row windows) size the split count for the padded batch and the key bucket
+    a CUDA graph of this step would be captured at (``segment_table.padded_batch``/``key_bucket``),
+    so an eager step and a replay split the keys alike and agree bit for bit. ``max_keys``
+    overrides the table's (a graph passes its bucket)."""
+    rows = gqa * max(meta.max_q, 1)
+    d = meta.head_dim
+    cap = 64 if d > 128 else 128
     block_m = min(cap, max(16, triton.next_power_of_2(rows)))
-    block_n, num_warps, num_stages, waves = _TUNED[(block_m, head_dim)]
-    base = batch * hkv * triton.cdiv(rows, block_m) * groups
+    block_n, num_warps, num_stages, waves = _TUNED[(block_m, d)]
+    decode = meta.max_q == 1
+    batch = padded_batch(meta.batch) if decode else meta.batch
+    base = batch * meta.kv_heads * triton.cdiv(rows, block_m) * meta.groups
     want = triton.cdiv(waves * _num_sms(device), base)
-    by_len = max(1, max_keys // (groups * 4 * block_n))
+    keys = meta.max_keys if max_keys is None else max_keys
+    keys = key_bucket(keys) if decode else keys
+    by_len = max(1, keys // (meta.groups * 4 * block_n))
     return LaunchConfig(block_m, block_n, num_warps, num_stages, max(1, min(want, by_len, 128)))
+
+
+def check_shape(hq: int, hkv: int, d: int) -> None:
+    gqa = hq // hkv
+    if hq % hkv or not 1 <= gqa <= MAX_GQA or d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{hq} query heads over {hkv} kv heads at head_dim {d} do not fit the kernel")
 
 
 def segment_attention(
     q: torch.Tensor,
-    table: SegmentTable,
+    packed: torch.Tensor,
+    meta: TableMeta,
+    layer: int,
     scale: float,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q ``[B, Hq, M, D]`` (last dim contiguous) over ``table`` -> ``[B, Hq, M, D]`` in q's dtype.
-
-    With a fixed ``config`` and a prebuilt table this is CUDA-graph capturable (see module doc).
-    """
-    bsz, hq, m, d = q.shape
-    hkv = table.kv_heads
+    """q ``[N, Hq, D]`` (last dim contiguous) over the views of ``packed`` at ``layer`` ->
+    ``[N, Hq, D]`` in q's dtype. Rows of padding sequences are left as they were in ``out``."""
+    _, hq, d = q.shape
+    hkv = meta.kv_heads
     gqa = hq // hkv
-    if hq % hkv or not 1 <= gqa <= MAX_GQA or d not in SUPPORTED_HEAD_DIMS or bsz != table.batch:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a table of {table.batch} x {hkv} kv heads")
+    m = max(meta.max_q, 1)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    cfg = config or pick_config(bsz, hkv, gqa, m, d, table.max_keys, table.groups, q.device)
     if out is None:
-        out = torch.empty(bsz, hq, m, d, device=q.device, dtype=q.dtype)
-    npart = table.groups * cfg.splits
+        out = torch.empty_like(q)
+    npart = meta.groups * config.splits
     direct = npart == 1
     if direct:
         part_o = part_l = out  # unused
     else:
-        part_o = torch.empty(bsz * hq * m * npart * d, device=q.device, dtype=torch.float32)
-        part_l = torch.empty(bsz * hq * m * npart, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(gqa * m, cfg.block_m), npart, bsz * hkv)
+        part_o = torch.empty(meta.batch * hq * m * npart * d, device=q.device, dtype=torch.float32)
+        part_l = torch.empty(meta.batch * hq * m * npart, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(gqa * m, config.block_m), npart, meta.batch * hkv)
     _segment_attn_kernel[grid](
-        q, out, part_o, part_l, table.packed,
-        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hkv, gqa, m, cfg.splits, table.groups, npart,
+        q, out, part_o, part_l, packed, layer,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        hkv, gqa, m, config.splits, meta.groups, npart,
         scale * LOG2E,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MAX_SEG=MAX_SEGMENTS,
-        SEG_P2=triton.next_power_of_2(MAX_SEGMENTS), DIRECT=direct, INTERP=_INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEAD_DIM=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MAX_SEG=MAX_SEGMENTS,
+        SEG_P2=triton.next_power_of_2(MAX_SEGMENTS), DIRECT=direct, INTERP=INTERPRET,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if not direct:
-        _combine_kernel[(bsz * hq * m,)](
-            part_o, part_l, out, hq, m, npart, out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=d, NP2=max(2, triton.next_power_of_2(npart)), INTERP=_INTERPRET,
-            num_warps=4 if d <= 128 else 8,
+        _combine_kernel[(meta.batch * hq * m,)](
+            part_o, part_l, out, packed, hq, m, npart, meta.groups, out.stride(0), out.stride(1),
+            HEAD_DIM=d, NP2=max(2, triton.next_power_of_2(npart)), MAX_SEG=MAX_SEGMENTS,
+            INTERP=INTERPRET, num_warps=4 if d <= 128 else 8,
         )  # fmt: skip
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The router's callable (batch 1)
-# ---------------------------------------------------------------------------------------------
-
-
-def _attend_views(q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        # A captured upload would replay from a pinned host block that the allocator hands to the
-        # next table once the capture is over: another layer's pointers, silently. Graphs take a
-        # SegmentTable built outside the capture and rewritten with update_ before each replay.
-        raise RuntimeError(
-            "fused_attention builds its segment table on the host and cannot run inside a CUDA graph "
-            "capture; capture segment_attention over a SegmentTable (see turnkv.attention.triton_segments)"
-        )
-    if not views:
-        return torch.zeros_like(q)
-    try:
-        table = build_table([views], q.shape[1])
-    except UnsupportedViews as exc:
-        _warn_once(str(exc))
-        return lse_attention(q, views, scale)
-    return segment_attention(q.unsqueeze(0), table, scale)[0]
-
-
-# cudagraph_unsafe: torch.compile's CUDA graphs (mode="reduce-overhead") leave this op outside
-# the graph instead of capturing its host-built table (see _attend_views)
-_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-
-
-@torch.library.custom_op("turnkv::segment_attention", mutates_args=(), tags=_UNSAFE)
-def _segment_attention_op(
-    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+def fused_attention(
+    q: torch.Tensor,
+    views: list[tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    window_start: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    return _attend_views(q, list(zip(ks, vs, strict=True)), scale)
-
-
-@_segment_attention_op.register_fake
-def _segment_attention_fake(q, ks, vs, scale):
-    return torch.empty_like(q)
-
-
-@functools.lru_cache(maxsize=8)
-def _warn_once(why: str) -> None:
-    # a safety net only: the KV layouts hand out aligned views, so this should never fire
-    log.warning("fused attention fell back to the lse route: %s", why)
-
-
-def fused_attention(q: torch.Tensor, views: Views, scale: float) -> torch.Tensor:
-    """The router's ``FusedFn``: q ``[Hq, M, D]`` over one sequence's views -> ``[Hq, M, D]``.
-
-    Window-causal as in ``reference.py``; one table upload, one launch (plus a combine pass for
-    large row blocks). Views the kernel cannot read in place go to the lse route (logged once).
-    Under ``torch.compile`` it is the opaque custom op ``turnkv::segment_attention``; eagerly it
-    skips the op dispatcher (tens of microseconds per call, once per layer per token).
-    """
-    if torch.compiler.is_compiling():
-        return torch.ops.turnkv.segment_attention(q, [k for k, _ in views], [v for _, v in views], scale)
-    return _attend_views(q, views, scale)
+    """One sequence: q ``[Hq, M, D]`` over one layer's views ``[(k, v)]`` each ``[Hkv, T_i, D]`` ->
+    ``[Hq, M, D]``. For the load-time self-check and tests; the engine runs ``segment_attention``
+    over a step's table. ``splits`` forces the split count (to exercise the combine pass)."""
+    hq, m, d = q.shape
+    views4 = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in views]  # a one-layer table
+    check_shape(hq, views4[0][0].shape[1], d)
+    words, meta = pack([views4], [m], None if window_start is None else [window_start])
+    packed = upload(words, q.device)
+    cfg = pick_config(meta, hq // meta.kv_heads, q.device)
+    if splits is not None:
+        cfg = cfg._replace(splits=splits)
+    flat = q.transpose(0, 1)  # [M, Hq, D], a view
+    return segment_attention(flat, packed, meta, 0, scale, cfg).transpose(0, 1)

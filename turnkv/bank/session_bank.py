@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from turnkv.bank.detach import DetachPlan, held_segment_ids, plan_detach
 from turnkv.bank.sessions import SessionGuard
@@ -57,6 +58,27 @@ Measure = Callable[[Iterable[object]], int]
 LOOKUP_CANDIDATES = 16  # entries weighed when several share the longest prefix
 SESSION_TTL_S = 600.0  # default protection of a session's newest entry after its last turn
 SESSION_SHARE = 0.5  # default share of the budget all protected entries together may hold
+
+
+class LowerTier(Protocol):
+    """A slower store of KV rows behind the bank (``turnkv.bank.disk.DiskTier``).
+
+    ``extend`` returns a snapshot of more leading rows of ``tokens`` than ``prefix`` holds (``prefix``
+    possibly cut shorter, plus rows it loaded), or None; it never returns rows it did not verify.
+    ``write_behind`` queues a finished turn's rows and returns at once. ``held`` lists the
+    snapshots its queued writes keep alive. ``health`` is ``/health.disk``; ``close`` finishes the
+    queued writes.
+    """
+
+    def extend(self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None) -> Snapshot | None: ...
+
+    def write_behind(self, namespace: str, snapshot: Snapshot) -> None: ...
+
+    def held(self) -> list[Snapshot]: ...
+
+    def health(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class Refused(Exception):
@@ -146,6 +168,9 @@ class SessionBank:
     ``unique_bytes``); ``bytes_per_row`` is one token across all layers; ``copy_on_restore`` makes
     admission price the restored history (the contiguous layout copies it). ``session_ttl_s`` and
     ``session_share`` bound session protection (``bank.sessions``); ``clock`` is its time source.
+    ``tier`` (optional): admission asks it to extend the memory hit (rows it loads are held by the
+    lease and priced like the rest of the restored prefix), every finished turn is written behind
+    to it, and the snapshots its queue holds count as used memory.
     """
 
     budget_bytes: int
@@ -156,6 +181,7 @@ class SessionBank:
     session_share: float = SESSION_SHARE
     clock: Callable[[], float] = time.monotonic
     stats: BankStats = field(default_factory=BankStats)
+    tier: LowerTier | None = None
 
     def __post_init__(self) -> None:
         self._entries: dict[int, BankEntry] = {}
@@ -173,6 +199,11 @@ class SessionBank:
     def entries(self) -> list[BankEntry]:
         with self._lock:
             return list(self._entries.values())
+
+    def view(self) -> tuple[list[BankEntry], list[Lease], set[int]]:
+        """One consistent read for status pages: (entries, live leases, protected entry ids)."""
+        with self._lock:
+            return list(self._entries.values()), list(self._leases), self._kept_ids()
 
     def unique_bytes(self, live: bool = True) -> int:
         """Unique KV bytes of every banked snapshot (and, with ``live``, every live cache)."""
@@ -239,6 +270,8 @@ class SessionBank:
             if entry is not None and cached == 0:
                 entry = None
             prefix = entry.snapshot.prefix(cached) if entry is not None else None
+            if self.tier is not None:
+                prefix, cached = self._extend(namespace, tokens, prefix, cached)
             whole = entry is not None and cached == len(entry.tokens)
 
             def price(copied: int) -> int:
@@ -335,6 +368,8 @@ class SessionBank:
             lease.snapshot = None
             if eid is not None:
                 self._drop_superseded(lease.namespace, eid)
+                if self.tier is not None:
+                    self.tier.write_behind(lease.namespace, snapshot)
             self._fit_budget()
             return eid
 
@@ -347,6 +382,16 @@ class SessionBank:
             return eid
 
     # -- internals ----------------------------------------------------------------------------
+    def _extend(
+        self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None, cached: int
+    ) -> tuple[Snapshot | None, int]:
+        """The memory prefix, or the tier's longer one (at most ``len(tokens) - 1`` rows)."""
+        assert self.tier is not None
+        longer = self.tier.extend(namespace, tokens[: max(len(tokens) - 1, 0)], prefix)
+        if longer is None or longer.num_tokens <= cached:
+            return prefix, cached
+        return longer, longer.num_tokens
+
     def _touch(self, entry: BankEntry) -> None:
         self._clock += 1
         entry.last_used = self._clock
@@ -386,6 +431,8 @@ class SessionBank:
     def _lease_held(self) -> list[object]:
         """What live turns keep alive: their restored prefixes and their caches."""
         held: list[object] = [ls.snapshot for ls in self._leases if ls.snapshot is not None]
+        if self.tier is not None:
+            held += self.tier.held()
         return held + [ls.live for ls in self._leases if ls.live is not None]
 
     def _used(self, keep: Iterable[BankEntry], extra: object | None = None) -> int:

@@ -1,89 +1,90 @@
-"""The generation loop: restore, chunked prefill, decode windows, stop conditions.
+"""The engine: the model, the KV layout and the attention backend, and one forward per step.
 
-One ``Engine`` owns the model, the KV layout and the attention router. It serves one request at a
-time (the server queues the rest). ``generate`` takes a cache that already holds a prefix of the
-prompt (from the bank, or empty), prefills the rows the cache lacks in chunks, then decodes. It
-never seals: the caller decides when a turn ends (``cache.seal()``) and what to bank.
-
-Every forward is a *window* of query rows over the cache (``forward_window``): a prefill chunk, a
-single decode row, or a verify window of up to 32 rows for speculation, which may commit fewer
-rows than it computed.
+``Engine.run_step(windows)`` is the only way the model runs: a plan is built once for the step
+(``step.plan_step``), the model runs every layer once over all rows of every window, and the
+logits of the rows that asked for them come back. Decode-only steps on CUDA replay a captured
+graph when ``--cuda-graphs auto`` allows (``graphs.py``). Turns (``turn.py``) decide what goes
+into a step and what to do with its logits; the scheduler (``scheduler.py``) decides which turns
+share a step.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from turnkv.config import EngineConfig
-from turnkv.engine.sampling import Sampler, SamplingParams
+from turnkv.attention.route import Verdict
+from turnkv.bank.budget import auto_budget_bytes
+from turnkv.bank.session_bank import SessionBank
+from turnkv.config import EngineConfig, parse_size
+from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
-from turnkv.kv.cache import KVCache, KVShape, Snapshot, common_prefix_len
-from turnkv.models.load import LoadedModel
-from turnkv.tokenizer import StreamDecoder
+from turnkv.kv.cache import KVCache, KVShape, Snapshot
+from turnkv.kv.segments import unique_bytes
+from turnkv.models.load import LoadedModel, cache_fingerprint
 
 
-class ContextTooLong(ValueError):
-    """The prompt (plus at least one generated token) does not fit the context window."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server reports about the engine (``/health``, ``/v1/models``, metrics)."""
 
-    def __init__(self, prompt_tokens: int, max_context: int) -> None:
-        super().__init__(
-            f"the prompt has {prompt_tokens} tokens but the context window is {max_context} tokens "
-            f"(at least one token must be left to generate); shorten the prompt or raise --max-context"
-        )
-        self.prompt_tokens = prompt_tokens
-        self.max_context = max_context
-
-
-@dataclass
-class TurnStats:
-    """Figures of one ``generate`` call (reported by ``turnkv generate --json`` and the server)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt rows the cache already held
-    prefilled_tokens: int = 0  # prompt rows computed by this call
-    completion_tokens: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    decode_tok_s: float = 0.0
-    forwards: int = 0
-    route_counts: dict[str, int] = field(default_factory=dict)
+    model_name: str
+    fingerprint: str  # what cache keys (the disk tier's blocks) are derived from
+    device: str
+    dtype: str
+    kv_layout: str
+    max_context: int
+    verdict: Verdict
+    graphs: str  # "on", or why decode steps run eagerly
 
 
 @dataclass
-class GenEvent:
-    """One step of a generation: a token and the text it made final; the last event carries the end."""
+class StepResult:
+    """The logits of one step, per window: ``logits[off_i : off_i + windows[i].logits]``."""
 
-    token_id: int | None
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
-    stats: TurnStats | None = None
+    plan: StepPlan
+    logits: torch.Tensor  # [R, V] fp32, device
+
+    def of(self, i: int) -> torch.Tensor:
+        off = self.plan.logit_offsets[i]
+        return self.logits[off : off + self.plan.windows[i].logits]
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
-        from turnkv.attention.selfcheck import make_router
+        from turnkv.attention.selfcheck import make_backend
 
         self.loaded = loaded
         self.cfg = cfg
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
-        self.fingerprint = loaded.fingerprint
         mc = loaded.config
         self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, loaded.device)
         self.layout = make_layout(cfg.kv_layout, self.shape)
-        self.router = make_router(
+        self.backend = make_backend(
             cfg.attention, loaded.device, mc.head_dim, mc.num_heads, mc.num_kv_heads, loaded.dtype
         )
         self.max_context = (
             min(cfg.max_context or mc.max_position, mc.max_position) if mc.max_position else cfg.max_context
         )
         self.prefill_chunk = max(1, cfg.prefill_chunk)
+        # RoPE tables for every position a turn may reach, built once: steps (and graphs) only index
+        self.model.rope.ensure(self.max_context or mc.max_position or 8192)
+        from turnkv.engine.graphs import make_graphs
+
+        self.graphs = make_graphs(self, cfg.cuda_graphs)
+        self.info = EngineInfo(
+            loaded.name,
+            cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
+            str(loaded.device),
+            str(loaded.dtype).removeprefix("torch."),
+            cfg.kv_layout,
+            self.max_context,
+            self.backend.verdict,
+            self.graphs.status,
+        )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, progress: bool = True) -> Engine:
@@ -102,159 +103,69 @@ class Engine:
     def restore(self, snapshot: Snapshot) -> KVCache:
         return self.layout.restore(snapshot)
 
+    def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
+        """A session bank of ``budget`` bytes (``auto``: see ``auto_budget_bytes``; default the
+        ``--bank-bytes`` flag) for this engine's caches; with ``disk``, over the disk tier in
+        ``--disk-dir`` unless ``--no-disk`` (or the directory is unusable)."""
+        budget = self.cfg.bank_bytes if budget is None else budget
+        size = auto_budget_bytes(self.shape.device) if budget == "auto" else parse_size(budget)
+        tier = None
+        if disk and not self.cfg.no_disk:
+            from turnkv.bank.disk import open_tier
+
+            tier = open_tier(
+                self.cfg.disk_dir, self.info.fingerprint, self.shape, parse_size(self.cfg.disk_bytes)
+            )
+        return SessionBank(
+            budget_bytes=size,
+            bytes_per_row=self.shape.bytes_per_row,
+            measure=lambda held: unique_bytes(*held),
+            copy_on_restore=self.layout.copies_on_restore,
+            session_ttl_s=self.cfg.session_ttl,
+            session_share=self.cfg.session_share,
+            tier=tier,
+        )
+
     def activation_bytes(self, rows: int, history: int = 0) -> int:
         """Transient memory of one prefill chunk of ``rows`` rows over ``history`` cached rows.
 
-        Counts the hidden states and MLP of the chunk and, for the lse route, the fp32 score and
-        probability matrices of the largest segment (bounded by the whole history).
+        Counts the hidden states and MLP of the chunk and, for the portable route, the fp32 score
+        and probability matrices of the largest segment (bounded by the whole history); the fused
+        kernels keep scores in registers (flash) and need only their fp32 split partials.
         """
         mc = self.loaded.config
         rows = min(rows, self.prefill_chunk)
         item = self.shape.dtype.itemsize
         hidden = rows * (6 * mc.hidden_size + 3 * mc.intermediate_size) * item
-        scores = 2 * mc.num_heads * rows * (history + rows) * 4
+        if self.backend.name == "fused":
+            scores = mc.num_heads * rows * (mc.head_dim + 1) * 4 * 2  # a few partials per row
+        else:
+            scores = 2 * mc.num_heads * rows * (history + rows) * 4
         logits = mc.vocab_size * 4
         return hidden + scores + logits
 
-    def counters(self) -> dict:
-        out = dict(self.layout.counters())
-        out["route_counts"] = dict(self.router.route_counts)
-        return out
-
-    # -- forward ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward_window(self, cache: KVCache, tokens: Sequence[int], last_only: bool = False) -> torch.Tensor:
-        """Run one window of query rows over the cache; fp32 logits ``[M, V]`` (``[1, V]`` if last_only).
-
-        The caller commits the rows it keeps with ``cache.commit(tokens[:k])``.
-        """
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.shape.device)  # [M]
-        return self.model(ids, cache, self.router, last_only=last_only)
+    def counters(self) -> dict[str, int]:
+        """``seals``, ``merges``, ``max_segments`` of the layout (``/health.segments``)."""
+        return self.layout.counters()
 
     def prefill(self, cache: KVCache, tokens: Sequence[int]) -> torch.Tensor:
-        """Append ``tokens`` in chunks; returns the last row's logits ``[V]``."""
+        """Append ``tokens`` to ``cache`` in steps of ``prefill_chunk`` rows (committed); the last
+        row's fp32 logits ``[V]``. For benches and tests: turns prefill through the scheduler."""
         logits = None
         for start in range(0, len(tokens), self.prefill_chunk):
-            chunk = tokens[start : start + self.prefill_chunk]
-            logits = self.forward_window(cache, chunk, last_only=True)
+            chunk = list(tokens[start : start + self.prefill_chunk])
+            last = start + len(chunk) == len(tokens)
+            res = self.run_step([Window(cache, chunk, logits=1 if last else 0)])
             cache.commit(chunk)
-        assert logits is not None, "prefill needs at least one token"
-        return logits[-1]
+            logits = res.logits[-1] if last else logits
+        if logits is None:
+            raise ValueError("prefill needs at least one token")
+        return logits
 
-    # -- generation ---------------------------------------------------------------------------
-    def check_context(self, prompt_tokens: int) -> None:
-        if self.max_context and prompt_tokens + 1 > self.max_context:
-            raise ContextTooLong(prompt_tokens, self.max_context)
-
-    def generate(
-        self,
-        cache: KVCache,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[GenEvent]:
-        """Prefill what the cache lacks of ``prompt_ids``, then decode; see the module docstring."""
-        prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        self.check_context(len(prompt_ids))
-        routes_before = dict(self.router.route_counts)
-        stats = TurnStats(prompt_tokens=len(prompt_ids))
-        t0 = time.perf_counter()
-
-        keep = common_prefix_len(cache.tokens, prompt_ids)
-        keep = min(keep, len(prompt_ids) - 1)  # the last prompt row is recomputed for its logits
-        if keep < cache.num_tokens:
-            cache.trim(keep)
-        stats.cached_tokens = keep
-        todo = prompt_ids[keep:]
-        budget = (
-            min(params.max_tokens, self.max_context - len(prompt_ids))
-            if self.max_context
-            else params.max_tokens
-        )
-        cache.plan(len(todo) + budget)
-        logits = self.prefill(cache, todo)
-        stats.prefilled_tokens = len(todo)
-        stats.forwards = -(-len(todo) // self.prefill_chunk)
-        stats.prefill_s = time.perf_counter() - t0
-
-        sampler = Sampler(params, self.shape.device)
-        decoder = StreamDecoder(self.tokenizer)
-        stops = StopMatcher(params.stop)
-        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
-        t_first = None
-        finish = "length"
-        stopped_by_string = False
-        n = 0
-        while n < budget:
-            if should_stop is not None and should_stop():
-                finish = "cancelled"
-                break
-            tok = sampler(logits)
-            n += 1
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_s = t_first - t0
-            if tok in eos:
-                finish = "stop"
-                yield GenEvent(tok, "")
-                break
-            text, hit = stops.push(decoder.push(tok))
-            yield GenEvent(tok, text)
-            if hit:
-                finish = "stop"
-                stopped_by_string = True
-                break
-            if n >= budget:
-                break
-            logits = self.forward_window(cache, [tok])[-1]
-            cache.commit([tok])
-            stats.forwards += 1
-        stats.completion_tokens = n
-        t_end = time.perf_counter()
-        if t_first is not None:
-            stats.decode_s = t_end - t_first
-            stats.decode_tok_s = (n - 1) / stats.decode_s if n > 1 and stats.decode_s > 0 else 0.0
-        stats.route_counts = {
-            k: v - routes_before.get(k, 0)
-            for k, v in self.router.route_counts.items()
-            if v != routes_before.get(k, 0)
-        }
-        tail = ""
-        if not stopped_by_string:  # text held back for a stop string or a half character is final now
-            tail, hit = stops.push(decoder.flush())
-            tail += "" if hit else stops.flush()
-            finish = "stop" if hit else finish
-        yield GenEvent(None, tail, finish_reason=finish, stats=stats)
-
-
-class StopMatcher:
-    """Holds back text that could be the start of a stop string; cuts at the first stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Returns (text that is final now, whether a stop string was hit)."""
-        if not self.stops:
-            return text, False
-        self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending = self.pending[:cut], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(out) :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+    # -- one step -----------------------------------------------------------------------------
+    def run_step(self, windows: Sequence[Window]) -> StepResult:
+        """One forward over ``windows`` (each a different cache); the caller commits afterwards."""
+        replay = self.graphs.run(windows)
+        if replay is not None:
+            return replay
+        return StepResult(*forward(self.model, windows, self.backend))

@@ -36,14 +36,14 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks of the sampler and of the decode loop.
+    """What a request asks of the sampler and of the stop checks (the answer's length is the turn's
+    ``max_tokens``, one fact in one place).
 
     Invariants (checked by the HTTP schema, enforced here with :class:`SamplingError`):
-    ``0 <= temperature < inf``, ``0 < top_p <= 1``, ``top_k >= 0`` (0 = off), ``max_tokens >= 1``,
-    ``seed`` in ``[-2**63, 2**64)``, ``logit_bias`` pairs ``(token id >= 0, |bias| <= 100)``.
+    ``0 <= temperature < inf``, ``0 < top_p <= 1``, ``top_k >= 0`` (0 = off), ``seed`` in
+    ``[-2**63, 2**64)``, ``logit_bias`` pairs ``(token id >= 0, |bias| <= 100)``.
     """
 
-    max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -59,8 +59,6 @@ class SamplingParams:
             raise SamplingError("top_p", f"must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise SamplingError("top_k", f"must be >= 0, 0 meaning off (got {self.top_k})")
-        if self.max_tokens < 1:
-            raise SamplingError("max_tokens", f"must be >= 1 (got {self.max_tokens})")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise SamplingError("seed", f"must be in [-2**63, 2**64) (got {self.seed})")
         for tid, bias in self.logit_bias:

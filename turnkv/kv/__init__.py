@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from turnkv.kv.cache import KVCache, KVShape, Layout, Snapshot
+from turnkv.kv.cache import KVCache, KVShape, KVWindow, Layout, Snapshot, Views
 from turnkv.kv.contiguous import ContiguousKV, ContiguousLayout
 from turnkv.kv.segments import (
     MAX_SEGMENTS,
@@ -13,7 +13,6 @@ from turnkv.kv.segments import (
     SegmentedSnapshot,
     SegmentRef,
     SegmentStats,
-    live_bytes,
     unique_bytes,
 )
 
@@ -36,6 +35,7 @@ __all__ = [
     "ConversationKV",
     "KVCache",
     "KVShape",
+    "KVWindow",
     "Layout",
     "MergePolicy",
     "Segment",
@@ -44,7 +44,7 @@ __all__ = [
     "SegmentedLayout",
     "SegmentedSnapshot",
     "Snapshot",
-    "live_bytes",
+    "Views",
     "make_layout",
     "unique_bytes",
 ]

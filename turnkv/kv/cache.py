@@ -1,17 +1,20 @@
 """The contract every KV layout honours, so the model and the engine never know which one they hold.
 
 A cache holds the K and V rows of every layer of one conversation, plus the token id of each row.
-One forward pass over a *window* of ``m`` query rows goes:
+One forward step over a *window* of ``m`` query rows goes:
 
-    cache.reserve(m)                    # room for rows [n, n+m), n = cache.num_tokens
-    for layer in layers:
-        cache.write(layer, k, v)        # k, v: [Hkv, m, D] -> rows [n, n+m) of this layer
-        views = cache.views(layer)      # [(k_i, v_i)], each [Hkv, T_i, D]; sum(T_i) == n + m
-        ...attention of the window over views (causal only inside the window)...
+    win = cache.open_window(m)          # room for rows [n, n+m), n = cache.num_tokens
+    ...the step's attention backend writes each layer's k, v into rows [n, n+m) of the window's
+    last view (``win.write`` on any device, a store kernel on CUDA) and attends over
+    ``win.views`` (causal only inside the window)...
     cache.commit(tokens)                # len(tokens) <= m; rows past n+len(tokens) are dropped
 
+The window is built once per step for all layers: ``win.views`` are ``[L, Hkv, T_i, D]`` views of
+every layer at once, so a backend reads layer ``l`` at a fixed stride from the same pointers.
+
 Invariants (pinned by tests):
-- ``views`` returns zero-copy views, in row order; the last view ends with the window's rows.
+- ``views`` are zero-copy, in row order; the last one is the only writable buffer and ends with
+  the window's rows; nothing but the open window's rows is ever written.
 - ``snapshot()`` is immutable: nothing done to the cache afterwards changes what it holds.
 - ``trim(n)`` keeps the first ``n`` rows (rollback); it never copies rows.
 - ``seal()`` ends a turn. For the segmented layout it freezes the tail into a segment.
@@ -42,6 +45,37 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
+Views = list[tuple[torch.Tensor, torch.Tensor]]  # [(k, v)] of one layer, each [Hkv, T_i, D]
+
+
+@dataclass(frozen=True)
+class KVWindow:
+    """An open window of rows ``[start, start + rows)`` of one cache, described for all layers.
+
+    ``views``: ``(k, v)`` pairs, each ``[L, Hkv, T_i, D]``, zero-copy, in row order, covering rows
+    ``[0, start + rows)``; the last pair is the cache's writable buffer and its last ``rows`` rows
+    are the window. Valid until the cache is committed, trimmed or sealed.
+    """
+
+    views: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    start: int
+    rows: int
+
+    def layer_views(self, layer: int) -> Views:
+        """``[(k, v)]`` of one layer, each ``[Hkv, T_i, D]`` (views, no copy)."""
+        return [(k[layer], v[layer]) for k, v in self.views]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's window rows; ``k``, ``v``: ``[Hkv, rows, D]`` (any strides)."""
+        tk, tv = self.views[-1]
+        t = tk.shape[2]
+        want = (tk.shape[1], self.rows, tk.shape[3])
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"write expects k, v of {list(want)}; got {list(k.shape)}, {list(v.shape)}")
+        tk[layer, :, t - self.rows :].copy_(k)
+        tv[layer, :, t - self.rows :].copy_(v)
+
+
 @runtime_checkable
 class Snapshot(Protocol):
     """An immutable picture of a cache: token ids plus the rows behind them."""
@@ -67,15 +101,17 @@ class KVCache(Protocol):
     @property
     def tokens(self) -> list[int]: ...
 
-    def plan(self, rows: int) -> None:
+    def presize(self, rows: int) -> None:
         """Hint: about ``rows`` more rows will come this turn; pre-size so growth does not copy."""
         ...
 
-    def reserve(self, m: int) -> None: ...
+    def open_window(self, m: int) -> KVWindow:
+        """Reserve rows ``[n, n + m)`` (``m >= 1``) and describe them with every view (see ``KVWindow``)."""
+        ...
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
-
-    def views(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The committed rows' ``[L, Hkv, T_i, D]`` views in row order (for readers; no window)."""
+        ...
 
     def commit(self, tokens: Sequence[int]) -> None: ...
 
@@ -91,6 +127,7 @@ class Layout(Protocol):
 
     name: str
     shape: KVShape
+    copies_on_restore: bool  # a restore copies the snapshot's rows (admission prices them)
 
     def new(self) -> KVCache: ...
 
@@ -110,12 +147,3 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> i
     while i < n and a[i] == b[start_b + i]:
         i += 1
     return i
-
-
-def check_window_rows(shape: KVShape, m: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise unless a window is open (``m > 0``) and ``k``, ``v`` are its rows: ``[Hkv, m, D]``."""
-    if m == 0:
-        raise RuntimeError("write() without an open window (call reserve first)")
-    want = (shape.num_kv_heads, m, shape.head_dim)
-    if tuple(k.shape) != want or tuple(v.shape) != want:
-        raise ValueError(f"write expects k, v of {list(want)}; got {list(k.shape)}, {list(v.shape)}")

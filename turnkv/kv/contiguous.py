@@ -5,7 +5,7 @@ against it in the same run (``--kv-layout contiguous``):
 
 - one buffer ``[L, Hkv, cap, D]`` per cache with amortised growth (a growth copies every row);
 - ``snapshot()`` copies the rows into a private segment, so each snapshot costs its full bytes;
-- ``restore(snapshot)`` copies the rows into a fresh buffer (on first use, sized by ``plan``, so a
+- ``restore(snapshot)`` copies the rows into a fresh buffer (on first use, sized by ``presize``, so a
   restore followed by a turn pays one copy, not two);
 - ``trim`` moves the end (O(1)); ``seal`` only counts.
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from turnkv.kv.cache import KVShape, check_window_rows
+from turnkv.kv.cache import KVShape, KVWindow
 from turnkv.kv.segments import (
     Segment,
     SegmentedSnapshot,
@@ -30,7 +30,7 @@ from turnkv.kv.segments import (
 
 
 class ContiguousKV:
-    """A live cache in one buffer (implements ``KVCache``); ``views`` is exactly one view.
+    """A live cache in one buffer (implements ``KVCache``); a window has exactly one view.
 
     Rows ``[0, n)`` are committed, ``[n, n + m)`` the open window. Until the first access that needs
     the buffer, a restored cache reads its rows from ``source`` (a snapshot it will copy).
@@ -76,31 +76,27 @@ class ContiguousKV:
     def private_bytes(self) -> int:
         return self.capacity * self.shape.bytes_per_row
 
-    def plan(self, rows: int) -> None:
+    def presize(self, rows: int) -> None:
         """At most ``rows`` more rows come this turn: the next allocation holds exactly them."""
         self._planned = max(self._planned, self._n + max(rows, 0))
 
-    def reserve(self, m: int) -> None:
+    def open_window(self, m: int) -> KVWindow:
+        """Open rows ``[n, n + m)``: one view ``[L, Hkv, n + m, D]`` of the buffer (grown if needed)."""
         if m < 1:
-            raise ValueError(f"reserve({m})")
-        self._ensure(self._n + m)
-        self._m = m
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows of the open window for one layer; ``k``, ``v``: ``[Hkv, m, D]``."""
-        check_window_rows(self.shape, self._m, k, v)
-        assert self._k is not None and self._v is not None
-        self._k[layer, :, self._n : self._n + self._m].copy_(k)
-        self._v[layer, :, self._n : self._n + self._m].copy_(v)
-
-    def views(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(k, v)]``: one zero-copy view ``[Hkv, n + m, D]`` (none while the cache is empty)."""
-        rows = self._n + self._m
-        if rows == 0:
-            return []
+            raise ValueError(f"open_window({m})")
+        rows = self._n + m
         self._ensure(rows)
+        self._m = m
         assert self._k is not None and self._v is not None
-        return [(self._k[layer, :, :rows], self._v[layer, :, :rows])]
+        return KVWindow(((self._k[:, :, :rows], self._v[:, :, :rows]),), self._n, m)
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(k, v)]``: one zero-copy view ``[L, Hkv, n, D]`` of the committed rows (none if empty)."""
+        if self._n == 0:
+            return []
+        self._ensure(self._n)
+        assert self._k is not None and self._v is not None
+        return [(self._k[:, :, : self._n], self._v[:, :, : self._n])]
 
     def commit(self, tokens: Sequence[int]) -> None:
         if len(tokens) > self._m:
@@ -168,6 +164,7 @@ class ContiguousLayout:
     """Makes contiguous caches of one shape; ``stats`` has the same keys as the segmented layout's."""
 
     name = "contiguous"
+    copies_on_restore = True  # admission prices a restore's rows when the layout copies them
 
     def __init__(self, shape: KVShape) -> None:
         self.shape = shape

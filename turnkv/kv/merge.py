@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MAX_SEGMENTS = 12  # the fused kernel reads at most this many views (segments + tail) per launch
+from turnkv.limits import MAX_SEGMENTS  # the fused kernel reads at most this many views per launch
+
 SOFT_SEGMENTS = 8  # the default policy keeps at most this many sealed segments (+1 tail <= MAX_SEGMENTS)
 ANCHOR_ROWS = 512  # by default a first segment this long is never rewritten by a merge
 MERGE_RATIO = 2  # by default cascade while newest * MERGE_RATIO >= the segment before it

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from turnkv.kv.cache import KVShape, check_window_rows
+from turnkv.kv.cache import KVShape, KVWindow
 from turnkv.kv.merge import (  # noqa: F401  (re-exported: the layout's public names)
     ANCHOR_ROWS,
     DEFAULT_POLICY,
@@ -101,12 +101,12 @@ class SegmentRef:
         if not 0 <= self.n <= self.segment.num_rows:
             raise ValueError(f"ref of {self.n} rows into a segment of {self.segment.num_rows}")
 
-    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v)`` of one layer, each ``[Hkv, n, D]``, views into the segment."""
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)`` of all layers, each ``[L, Hkv, n, D]``, views into the segment."""
         seg = self.segment
         if self.n == seg.num_rows:
-            return seg.k[layer], seg.v[layer]
-        return seg.k[layer, :, : self.n], seg.v[layer, :, : self.n]
+            return seg.k, seg.v
+        return seg.k[:, :, : self.n], seg.v[:, :, : self.n]
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -230,7 +230,7 @@ class ConversationKV:
     State: ``refs`` (sealed rows ``[0, R)``), a tail buffer ``[L, Hkv, cap, D]`` whose first ``n_tail``
     rows are the committed rows ``[R, R + n_tail)`` of this turn, and an open window of ``m`` reserved
     rows after them. ``tokens`` has one id per committed row. Only the tail is ever written.
-    The tail is allocated on the first ``reserve`` (sized by ``plan``) and released by ``seal``.
+    The tail is allocated by the first ``open_window`` (sized by ``presize``) and released by ``seal``.
     """
 
     def __init__(
@@ -257,9 +257,9 @@ class ConversationKV:
         self._tv: torch.Tensor | None = None
         self._n_tail = 0
         self._m = 0  # rows reserved by the open window
-        self._written: list[bool] = []  # per layer: written in the open window
         self._planned = 0  # tail rows the engine announced for this turn
-        self._ref_views: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * shape.num_layers
+        # [L, Hkv, n_i, D] views of every ref, rebuilt only when the refs change
+        self._ref_kv = tuple(r.kv() for r in self._refs)
         if len(self._refs) > policy.soft_limit:  # only a hand-built snapshot can get here
             self._compact()
         self._note_count()
@@ -297,46 +297,34 @@ class ConversationKV:
         """The tail's allocated capacity, in bytes (never shared)."""
         return self.tail_capacity * self.shape.bytes_per_row
 
-    def views(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zero-copy ``(k, v)`` views ``[Hkv, T_i, D]`` in row order covering ``[0, n + m)``."""
-        if self._m and not self._written[layer]:
-            raise RuntimeError(f"views({layer}) before write({layer}) in the open window")
-        cached = self._ref_views[layer]
-        if cached is None:
-            cached = self._ref_views[layer] = [r.layer_view(layer) for r in self._refs]
-        rows = self._n_tail + self._m
-        if rows == 0:
-            return list(cached)
-        assert self._tk is not None and self._tv is not None
-        return [*cached, (self._tk[layer, :, :rows], self._tv[layer, :, :rows])]
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zero-copy ``[L, Hkv, T_i, D]`` views of the committed rows ``[0, n)``, in row order."""
+        out = list(self._ref_kv)
+        if self._n_tail:
+            assert self._tk is not None and self._tv is not None
+            out.append((self._tk[:, :, : self._n_tail], self._tv[:, :, : self._n_tail]))
+        return out
 
     # -- one window ------------------------------------------------------------------------------
-    def plan(self, rows: int) -> None:
+    def presize(self, rows: int) -> None:
         """At most ``rows`` more rows come this turn: the tail is then allocated for exactly that many.
 
         The admission prices the same number, so the caller includes any verify window that may
-        reach past the last kept row; a window past the plan still works but regrows (a copy).
+        reach past the last kept row; a window past this size still works but regrows (a copy).
         """
         self._planned = max(self._planned, self._n_tail + max(rows, 0))
 
-    def reserve(self, m: int) -> None:
-        """Open a window of ``m`` rows ``[n, n + m)``; grows the tail (copying its committed rows)."""
+    def open_window(self, m: int) -> KVWindow:
+        """Open rows ``[n, n + m)``; grows the tail if needed (copying only its committed rows)."""
         if m < 1:
-            raise ValueError(f"reserve({m})")
+            raise ValueError(f"open_window({m})")
         need = self._n_tail + m
         if need > self.tail_capacity:
             self._grow(grown_capacity(need, self.tail_capacity, self._planned))
         self._m = m
-        self._written = [False] * self.shape.num_layers
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Rows of the open window for one layer; ``k``, ``v``: ``[Hkv, m, D]``."""
-        check_window_rows(self.shape, self._m, k, v)
         assert self._tk is not None and self._tv is not None
-        lo, hi = self._n_tail, self._n_tail + self._m
-        self._tk[layer, :, lo:hi].copy_(k)
-        self._tv[layer, :, lo:hi].copy_(v)
-        self._written[layer] = True
+        tail = (self._tk[:, :, :need], self._tv[:, :, :need])
+        return KVWindow((*self._ref_kv, tail), self.num_tokens, m)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Keep the first ``len(tokens)`` rows of the window as those ids; drop the rest; close it."""
@@ -408,7 +396,7 @@ class ConversationKV:
     def _set_refs(self, refs: list[SegmentRef]) -> None:
         self._refs = refs
         self._ref_rows = sum(r.n for r in refs)
-        self._ref_views = [None] * self.shape.num_layers
+        self._ref_kv = tuple(r.kv() for r in refs)
 
     def _compact(self) -> None:
         refs = list(self._refs)
@@ -427,6 +415,7 @@ class SegmentedLayout:
     """Makes segmented caches of one shape; ``stats`` counts seals and merges over all of them."""
 
     name = "segmented"
+    copies_on_restore = False  # admission prices a restore's rows when the layout copies them
 
     def __init__(self, shape: KVShape, policy: MergePolicy = DEFAULT_POLICY) -> None:
         self.shape = shape
@@ -459,8 +448,3 @@ def unique_bytes(*items: HoldsKV | Segment) -> int:
             seen[id(seg)] = seg
         private += item.private_bytes()
     return private + sum(seg.nbytes for seg in seen.values())
-
-
-def live_bytes(cache: HoldsKV) -> int:
-    """Bytes one live cache keeps alive (its segments and its tail), as if it were alone."""
-    return unique_bytes(cache)

@@ -1,15 +1,16 @@
 """One decoder for the Llama family: Llama (incl. 3.x rope scaling), Mistral, Qwen2, Qwen3, SmolLM2.
 
-The model runs one sequence at a time over a *window* of ``M`` new rows whose positions start at
-``cache.num_tokens``. Everything a family member adds is a flag on ``ModelConfig``:
+The model runs one *step*: the flat rows of any number of conversations' windows (prefill chunks,
+decode rows, verify windows), with their positions; every linear layer runs once over all rows,
+and attention goes through the step's ``StepAttention`` (``turnkv.attention.backend``), which
+knows each window's KV views. Everything a family member adds is a flag on ``ModelConfig``:
 ``attention_bias`` (q/k/v bias, Qwen2), ``qk_norm`` (per-head RMSNorm on q and k before RoPE,
 Qwen3), ``tie_embeddings`` (the LM head is the embedding matrix), ``rope_scaling`` (``llama3``,
 ``linear``).
 
 Weights are kept fused (q|k|v in one matrix, gate|up in another) so a layer costs four matmuls
-(qkv, o, gate|up, down; the residual adds ride in the last two). ``load_hf_tensor`` takes
-tensors named as in a Hugging Face checkpoint and writes them into the right slice; every
-loader speaks that one naming.
+(qkv, o, gate|up, down; the residual adds ride in the last two). ``hf_slot`` maps tensors named as
+in a Hugging Face checkpoint onto the right slice; every loader speaks that one naming.
 
 Numerics follow transformers' Llama so logits match it: RMSNorm in fp32 then cast back, RoPE
 tables computed in fp32, residual stream in the model dtype, logits returned in fp32.
@@ -23,15 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turnkv.attention.route import AttentionRouter
+from turnkv.attention.backend import StepAttention
 from turnkv.config import ModelConfig, RopeScaling
-from turnkv.kv.cache import KVCache
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: statistics in fp32, normalized value rounded to x's dtype, then
-    times the weight (transformers' order). ``F.rms_norm`` does the first part in one kernel."""
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+from turnkv.models.pointwise import rms_norm, silu_mul
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -78,28 +73,21 @@ class Rope(nn.Module):
         self._cos = self._cos[:0]
         self._sin = self._sin[:0]
 
-    def tables(self, start: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin ``[m, D]`` for positions ``[start, start+m)`` in the model dtype.
-
-        The sin table's first half is negated so ``apply_rope`` needs a roll, not a cat and a neg.
-        """
-        end = start + m
-        if end > self._cos.shape[0]:
-            size = max(end, 2 * self._cos.shape[0], 256)
+    def ensure(self, positions: int) -> None:
+        """Grow the tables to cover positions ``[0, positions)`` (host work; before a step, never
+        inside a CUDA graph capture, which would bake in the old tables)."""
+        if positions > self._cos.shape[0]:
+            size = max(positions, 2 * self._cos.shape[0], 256)
             pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.int64).float()
             freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
             emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
             self._cos = emb.cos().to(self.dtype)
+            # the sin table's first half is negated so apply_rope needs a roll, not a cat and a neg
             self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
-        return self._cos[start:end], self._sin[start:end]
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x ``[H, M, D]``: rotate-half RoPE (the Hugging Face weight layout) with ``Rope.tables``.
-
-    ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``, so this is three kernels.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin ``[N, D]`` for device ``positions`` ``[N]`` (covered by ``ensure``)."""
+        return self._cos[positions], self._sin[positions]
 
 
 def _residual_linear(
@@ -138,11 +126,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder. Batch size 1: ``forward`` takes one window of ``M`` token ids.
+    """The decoder over one step's flat rows (see the module docstring).
 
-    Invariants: parameters never require grad; ``forward`` runs under ``torch.no_grad`` (not
-    ``inference_mode``, so tensors it hands the cache stay ordinary tensors that other code may
-    update in place later).
+    Invariants: parameters never require grad; ``forward`` runs under ``torch.inference_mode`` and
+    writes KV rows only through the step's ``StepAttention.store``; its only host work is launching
+    kernels, so a step of fixed shape can be captured in a CUDA graph.
     """
 
     def __init__(self, cfg: ModelConfig, device, dtype):
@@ -184,19 +172,6 @@ class LlamaModel(nn.Module):
             if layer.q_norm is not None:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return names
-
-    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (Hugging Face name and layout) into its parameter slice.
-
-        Raises KeyError for a name this model has no place for, ValueError on a shape mismatch.
-        """
-        dst = self.hf_slot(name)
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}"
-            )
-        with torch.no_grad():
-            dst.copy_(tensor)
 
     def hf_slot(self, name: str) -> torch.Tensor:
         """The parameter (or fused slice of one) that the checkpoint tensor ``name`` fills, for
@@ -251,48 +226,38 @@ class LlamaModel(nn.Module):
                     p.normal_(0.0, std, generator=gen)
 
     # ---- forward -------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache, router: AttentionRouter, last_only: bool = False
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        logit_rows: torch.Tensor,
+        attention: StepAttention,
     ) -> torch.Tensor:
-        """Run the window ``tokens`` ``[M]`` at positions ``[n, n+M)``, ``n = cache.num_tokens``.
-
-        Calls ``cache.reserve(M)``, then per layer ``cache.write(layer, k, v)`` (``[Hkv, M, D]``
-        after RoPE and k-norm, in the cache dtype) and ``router.attend(q, cache.views(layer), scale)``.
-        Never commits. Returns fp32 logits ``[M, V]`` (``[1, V]`` for the last row if ``last_only``).
-        """
+        """One step: token ``ids`` ``[N]`` at ``positions`` ``[N]`` (device tensors; the step's
+        windows back to back, as ``attention`` was planned) -> fp32 logits ``[R, V]`` of the rows
+        ``logit_rows`` ``[R]``. Positions must be covered by ``rope.ensure``. Never commits."""
         cfg = self.cfg
-        m = tokens.shape[0]
+        n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        kv_dtype = cache.shape.dtype
-        start = cache.num_tokens
-        cache.reserve(m)
-        cos, sin = self.rope.tables(start, m)  # [M, D]
-        x = F.embedding(tokens, self.embed)  # [M, hidden]
+        eps = cfg.rms_norm_eps
+        cos, sin = self.rope.at(positions)  # [N, D]
+        x = F.embedding(ids, self.embed)  # [N, hidden]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [M, (Hq+2Hkv)*D]
-            qk = qkv[:, : (hq + hkv) * d].view(m, hq + hkv, d).transpose(0, 1)  # [Hq+Hkv, M, D]
-            v = qkv[:, (hq + hkv) * d :].view(m, hkv, d).transpose(0, 1)  # [Hkv, M, D]
+            h = rms_norm(x, layer.attn_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
+            qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]  # [N, Hq+Hkv, D], [N, Hkv, D]
             if layer.q_norm is not None:
                 qk = torch.cat(
-                    [
-                        rms_norm(qk[:hq], layer.q_norm, cfg.rms_norm_eps),
-                        rms_norm(qk[hq:], layer.k_norm, cfg.rms_norm_eps),
-                    ]
+                    [rms_norm(qk[:, :hq], layer.q_norm, eps), rms_norm(qk[:, hq:], layer.k_norm, eps)], 1
                 )
-            qk = apply_rope(qk, cos, sin)  # q and k heads in one pass; contiguous
-            q, k = qk[:hq], qk[hq:]  # [Hq, M, D], [Hkv, M, D]
-            cache.write(i, k.to(kv_dtype), v.to(kv_dtype))
-            # q goes in the cache dtype so the router never has to gather mixed-dtype views.
-            o = router.attend(q.to(kv_dtype), cache.views(i), self.scale)  # [Hq, M, D]
-            o = o.transpose(0, 1).reshape(m, hq * d).to(x.dtype)  # [M, Hq*D]
-            x = _residual_linear(x, o, layer.o, layer.o_bias)
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [M, I] each
-            x = _residual_linear(x, F.silu(gate) * up, layer.down, None)
-        if last_only:
-            x = x[-1:]
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+            q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
+            o = attention.attend(i, q, self.scale)  # [N, Hq, D]
+            x = _residual_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
+            h = rms_norm(x, layer.mlp_norm, eps)
+            x = _residual_linear(
+                x, silu_mul(F.linear(h, layer.gate_up)), layer.down, None
+            )  # [N, 2I] -> [N, I]
+        x = rms_norm(x.index_select(0, logit_rows), self.norm, eps)  # [R, hidden]
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [M or 1, V]
+        return F.linear(x, head).float()  # [R, V]

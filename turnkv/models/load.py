@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from turnkv.config import ModelConfig, RopeScaling
+from turnkv.kv.cache import KVShape
 from turnkv.models import gguf as gg
 from turnkv.models.llama import LlamaModel
 from turnkv.tokenizer import Tokenizer, byte_level
@@ -111,7 +112,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     name: str  # what /v1/models reports
-    fingerprint: str  # content-derived id of the weights, for cache keys
+    fingerprint: str  # content-derived id of the weights (see cache_fingerprint for KV cache keys)
     device: torch.device
     dtype: torch.dtype
 
@@ -160,6 +161,19 @@ def file_fingerprint(path: Path, h=None, samples: int = 16, chunk: int = 1 << 16
             f.seek(max(0, (size - chunk) * i // max(1, samples - 1)))
             h.update(f.read(chunk))
     return h.hexdigest()[:24]
+
+
+def cache_fingerprint(weights: str, shape: KVShape) -> str:
+    """The identity of a model's KV rows: its weights' fingerprint plus the KV dtype and geometry.
+
+    Keys of cached KV rows (the disk tier's blocks) must differ whenever the rows would: the same
+    GGUF served in bf16 and in fp32 has one weights fingerprint but rows of another dtype. (A file
+    fingerprint samples 16 x 64 KiB of each file; two checkpoints that differ only outside those
+    samples, with the same size, would share it.)
+    """
+    dtype = str(shape.dtype).removeprefix("torch.")
+    facts = f"{weights}|{dtype}|L{shape.num_layers}|Hkv{shape.num_kv_heads}|D{shape.head_dim}"
+    return hashlib.sha256(facts.encode()).hexdigest()[:24]
 
 
 def default_model_path() -> Path:

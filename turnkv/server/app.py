@@ -3,7 +3,8 @@
 ``create_app(engine, cfg)`` builds the FastAPI app around one engine (``turnkv.server.run`` serves
 it under uvicorn). A handler reads the body under ``--max-body-bytes``, validates it, renders and
 tokenizes the prompt in a worker thread (``server.prompts``), then submits token ids to the one
-:class:`EngineWorker` (one thread, one turn at a time) and awaits its events. The first event
+:class:`EngineWorker` (one thread running the scheduler: many turns per step) and awaits its
+events. The first event
 decides the status (200, or 400/507 before any work); a client that goes away sets the turn's
 cancel flag, and the worker still seals and banks what it computed.
 
@@ -26,12 +27,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from turnkv.bank.budget import auto_budget_bytes
 from turnkv.bank.session_bank import SessionBank
-from turnkv.config import EngineConfig, parse_size
+from turnkv.config import EngineConfig
+from turnkv.engine.turn import Admitted, Failed, TurnRequest
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
-from turnkv.server.health import health
+from turnkv.server.dashboard import register_dashboard
+from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.prompts import Prompts
 from turnkv.server.responses import failed_error, respond, route_label
@@ -42,28 +44,11 @@ from turnkv.server.schemas import (
     bad_request,
     parse_body,
 )
-from turnkv.server.worker import Admitted, EngineWorker, Failed, Turn, TurnService
+from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-
-
-def make_bank(engine, cfg: EngineConfig) -> SessionBank:
-    """The session bank of ``cfg.bank_bytes`` (``auto``: see ``auto_budget_bytes``) for ``engine``."""
-    from turnkv.kv.segments import unique_bytes
-
-    budget = (
-        auto_budget_bytes(engine.shape.device) if cfg.bank_bytes == "auto" else parse_size(cfg.bank_bytes)
-    )
-    return SessionBank(
-        budget_bytes=budget,
-        bytes_per_row=engine.shape.bytes_per_row,
-        measure=lambda held: unique_bytes(*held),
-        copy_on_restore=cfg.kv_layout == "contiguous",
-        session_ttl_s=cfg.session_ttl,
-        session_share=cfg.session_share,
-    )
 
 
 class _Stream:
@@ -87,13 +72,12 @@ class Server:
     def __init__(self, engine, cfg: EngineConfig, bank: SessionBank | None = None) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.bank = bank if bank is not None else make_bank(engine, cfg)
-        self.service = TurnService(engine, self.bank)
-        self.worker = EngineWorker(self.service)
-        self.metrics = Metrics(engine, self.bank)
+        self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes, disk=True)
+        self.worker = EngineWorker(engine, self.bank, cfg.max_running, cfg.max_batch_tokens)
+        self.metrics = Metrics(engine, self.bank, lambda: self.worker.scheduler.snapshot)
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
-        self.model_names = {engine.model_name, cfg.model}
+        self.model_names = {engine.info.model_name, cfg.model}
         self.prompts = Prompts(engine.tokenizer, engine.max_context)
         self.max_body_bytes = body_limit(cfg.max_body_bytes, engine.max_context)
         self.vocab_size = engine.loaded.config.vocab_size  # logits per row: what logit_bias may name
@@ -121,7 +105,7 @@ class Server:
         if model is not None and model not in self.model_names:
             raise ApiError(
                 404,
-                f"The model `{model[:200]}` does not exist. This server serves `{self.engine.model_name}`.",
+                f"The model `{model[:200]}` does not exist. This server serves `{self.engine.info.model_name}`.",
                 "invalid_request_error",
                 code="model_not_found",
                 param="model",
@@ -129,14 +113,14 @@ class Server:
 
     def model_card(self) -> dict:
         return {
-            "id": self.engine.model_name,
+            "id": self.engine.info.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "turnkv",
             "max_model_len": self.engine.max_context,
         }
 
-    async def start(self, turn: Turn, request: Request) -> tuple[_Stream, Admitted]:
+    async def start(self, turn: TurnRequest, request: Request) -> tuple[_Stream, Admitted]:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
         stream = _Stream(asyncio.get_running_loop())
         self.worker.submit(turn, stream.emit)
@@ -146,7 +130,7 @@ class Server:
         assert isinstance(first, Admitted), first
         return stream, first
 
-    async def _next(self, stream: _Stream, turn: Turn, request: Request) -> object:
+    async def _next(self, stream: _Stream, turn: TurnRequest, request: Request) -> object:
         """The next worker event; cancels the turn if the client disconnects while we wait."""
         get = asyncio.ensure_future(stream.next())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -186,6 +170,8 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
         yield
         # cancel what still runs (it banks what it computed); never block the event loop
         await asyncio.to_thread(srv.worker.stop, cfg.shutdown_timeout)
+        if srv.bank.tier is not None:
+            await asyncio.to_thread(srv.bank.tier.close)  # finishes the queued block writes
 
     app = FastAPI(title="turnkv", lifespan=lifespan)
     app.state.server = srv
@@ -215,9 +201,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
 
     @app.get("/health")
     async def _health() -> dict:
-        return health(
-            engine, srv.bank, cfg.kv_layout, {"busy": srv.worker.busy, "waiting": srv.worker.waiting}
-        )
+        return server_health(srv)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
@@ -245,7 +229,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             ids, history = await asyncio.to_thread(srv.prompts.chat, req.template_messages())
         else:
             ids, history = await asyncio.to_thread(srv.prompts.completion, req.single_prompt())
-        turn = Turn(
+        turn = TurnRequest(
             ids,
             params,
             max_tokens=req.requested_max_tokens(),
@@ -263,7 +247,8 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     async def _completions(request: Request) -> Response:
         return await _serve(request, CompletionRequest, chat=False)
 
+    register_dashboard(app, srv)
     return app
 
 
-__all__ = ["Server", "create_app", "make_bank"]
+__all__ = ["Server", "create_app"]

@@ -3,23 +3,28 @@
 Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``attention``
 (``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,
 ``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
-``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (the disk tier is not built yet:
-``enabled: false`` and zeros), ``speculation`` (zeros until speculation lands).
+``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
+``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (zeros until speculation
+lands), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
+from typing import TYPE_CHECKING
 
+from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
 
-DISK_KEYS = ("blocks", "bytes", "writes", "hits", "misses", "corrupt", "evictions")
+if TYPE_CHECKING:
+    from turnkv.engine.engine import Engine
 SPECULATION_KEYS = ("drafted", "accepted", "windows")
 
 
-def health(engine, bank: SessionBank, kv_layout: str, queue: dict | None = None) -> dict:
-    """The /health document. ``queue`` (optional) adds the worker's ``busy``/``waiting``."""
-    verdict = engine.router.verdict
+def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
+    """The /health document; ``scheduler`` is the scheduler's latest ``snapshot``."""
+    info = engine.info
+    verdict = info.verdict
     counters = engine.counters()
     selfcheck = verdict.selfcheck
     if is_dataclass(selfcheck) and not isinstance(selfcheck, type):
@@ -27,9 +32,9 @@ def health(engine, bank: SessionBank, kv_layout: str, queue: dict | None = None)
     s = bank.stats
     doc = {
         "status": "ok",
-        "model": engine.model_name,
-        "device": str(engine.shape.device),
-        "kv_layout": kv_layout,
+        "model": info.model_name,
+        "device": info.device,
+        "kv_layout": info.kv_layout,
         "attention": {
             "route": verdict.route,
             "verdict": verdict.verdict,
@@ -40,7 +45,7 @@ def health(engine, bank: SessionBank, kv_layout: str, queue: dict | None = None)
             "seals": int(counters.get("seals", 0)),
             "merges": int(counters.get("merges", 0)),
             "max_segments": int(counters.get("max_segments", 0)),
-            "route_counts": dict(counters.get("route_counts", {})),
+            "route_counts": dict(scheduler.get("route_counts", {})),
         },
         "bank": {
             "entries": len(bank),
@@ -51,9 +56,14 @@ def health(engine, bank: SessionBank, kv_layout: str, queue: dict | None = None)
             "evictions": s.evictions,
             "refusals": s.refusals,
         },
-        "disk": {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)},
+        "disk": bank.tier.health() if bank.tier is not None else disabled_health(),
         "speculation": dict.fromkeys(SPECULATION_KEYS, 0),
+        "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
     }
-    if queue is not None:
-        doc["queue"] = queue
     return doc
+
+
+def server_health(srv) -> dict:
+    """The ``/health`` document of a running ``Server``: the one builder that the route and the
+    dashboard share, so their counts always match."""
+    return health(srv.engine, srv.bank, srv.worker.scheduler.snapshot)

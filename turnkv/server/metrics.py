@@ -7,10 +7,13 @@ engine at scrape time, so they can never drift from ``/health``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -20,9 +23,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class _StateCollector(Collector):
-    def __init__(self, engine, bank: SessionBank) -> None:
-        self.engine = engine
+    def __init__(self, bank: SessionBank, scheduler: Callable[[], dict]) -> None:
         self.bank = bank
+        self.scheduler = scheduler
 
     def collect(self):
         bank = self.bank
@@ -52,18 +55,45 @@ class _StateCollector(Collector):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        yield from _disk_metrics(bank)
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
         )
-        for label, n in sorted(self.engine.counters().get("route_counts", {}).items()):
+        for label, n in sorted(self.scheduler().get("route_counts", {}).items()):
             c.add_metric([label], n)
+        yield c
+
+
+_DISK_GAUGES = {"blocks": "Blocks in the KV disk tier", "bytes": "Bytes of the KV disk tier's files"}
+_DISK_COUNTERS = {
+    "writes": "Blocks written to the KV disk tier",
+    "write_failures": "Block writes that failed (disk full, I/O error)",
+    "dropped_writes": "Blocks not written because the write queue was full",
+    "hits": "Admitted turns extended with rows loaded from disk",
+    "misses": "Admitted turns the disk tier could not extend",
+    "corrupt": "Bad blocks found (checksum, truncated, foreign, missing) and removed",
+    "evictions": "Blocks evicted for the disk budget",
+    "dedupe_hits": "Blocks not written because the disk tier already held them",
+}
+
+
+def _disk_metrics(bank: SessionBank):
+    """``turnkv_disk_*``: the numbers of ``/health.disk`` (zeros without a tier)."""
+    h = bank.tier.health() if bank.tier is not None else disabled_health()
+    for key, doc in _DISK_GAUGES.items():
+        g = GaugeMetricFamily(f"turnkv_disk_{key}", doc)
+        g.add_metric([], h[key])
+        yield g
+    for key, doc in _DISK_COUNTERS.items():
+        c = CounterMetricFamily(f"turnkv_disk_{key}", doc)
+        c.add_metric([], h[key])
         yield c
 
 
 class Metrics:
     """The registry of one app and the event metrics the routes record."""
 
-    def __init__(self, engine, bank: SessionBank) -> None:
+    def __init__(self, engine, bank: SessionBank, scheduler: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -89,7 +119,7 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
-        r.register(_StateCollector(engine, bank))
+        r.register(_StateCollector(bank, scheduler))
 
     def turn(self, stats) -> None:
         """Record one finished turn's ``TurnStats``."""

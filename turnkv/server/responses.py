@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from turnkv.engine.engine import GenEvent
+from turnkv.engine.turn import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.server.schemas import ApiError
-from turnkv.server.worker import Admitted, Failed, Turn
 
 if TYPE_CHECKING:
     from turnkv.server.app import Server, _Stream
@@ -47,8 +46,20 @@ def note_usage(request: Request, admitted: Admitted, completion: int, finish: st
     }
 
 
+# what a turn's failure code answers with
+STATUS = {
+    "invalid_request_error": 400,
+    "context_length_exceeded": 400,
+    "kv_memory_exhausted": 507,
+    "cancelled": 499,
+    "queue_timeout": 503,
+    "internal_error": 500,
+}
+
+
 def failed_error(f: Failed) -> ApiError:
-    if f.status == 507:
+    status = STATUS.get(f.code, 500)
+    if status == 507:
         return ApiError(
             507,
             f.message,
@@ -57,8 +68,9 @@ def failed_error(f: Failed) -> ApiError:
             needed_bytes=f.needed_bytes,
             available_bytes=f.available_bytes,
         )
-    type_ = "invalid_request_error" if f.status < 500 else "server_error"
-    return ApiError(f.status, f.message, type_, code=f.code)
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    code = None if f.code == "invalid_request_error" else f.code
+    return ApiError(status, f.message, type_, code=code)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -75,15 +87,15 @@ def _sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def respond(srv: Server, request: Request, turn: Turn, req, chat: bool) -> Response:
+async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: bool) -> Response:
     stream, admitted = await srv.start(turn, request)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
-        "model": srv.engine.model_name,
-        "system_fingerprint": srv.engine.fingerprint,
+        "model": srv.engine.info.model_name,
+        "system_fingerprint": srv.engine.info.fingerprint,
     }
     route = route_label(request)
     if req.stream:
@@ -124,7 +136,7 @@ async def respond(srv: Server, request: Request, turn: Turn, req, chat: bool) ->
 async def _sse_events(
     srv: Server,
     stream: _Stream,
-    turn: Turn,
+    turn: TurnRequest,
     request: Request,
     base: dict,
     admitted: Admitted,

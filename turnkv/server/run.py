@@ -49,6 +49,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
+    from turnkv.bank.disk import default_disk_dir
     from turnkv.engine.engine import Engine
     from turnkv.server.app import Server, create_app
 
@@ -65,10 +66,13 @@ def serve(cfg: EngineConfig) -> None:
         )
         server = _Uvicorn(config, srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
+        info, tier = engine.info, srv.bank.tier
+        where = cfg.disk_dir or default_disk_dir()
+        disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
         print(
-            f"turnkv: serving {engine.model_name} on http://{cfg.host}:{port}/v1 "
-            f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, "
-            f"attention {engine.router.verdict.route}: {engine.router.verdict.verdict})",
+            f"turnkv: serving {info.model_name} on http://{cfg.host}:{port}/v1 "
+            f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
+            f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs})",
             file=sys.stderr,
             flush=True,
         )
@@ -87,7 +91,7 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
-            running = int(self.srv.worker.busy) + self.srv.worker.waiting
+            running = self.srv.worker.running + self.srv.worker.waiting
             timeout = self.timeout
             timer = threading.Timer(timeout, self.srv.worker.cancel_all)
             timer.daemon = True

@@ -152,8 +152,8 @@ class _Sampling(_Body):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling(self, vocab_size: int) -> SamplingParams:
-        """The sampler's parameters (``max_tokens`` is set at admission); a ``logit_bias`` id outside
-        the model's ``vocab_size`` logits is a 400."""
+        """The sampler's parameters; a ``logit_bias`` id outside the model's ``vocab_size`` logits is
+        a 400."""
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
         for tid, _ in bias:
             if tid >= vocab_size:
@@ -162,7 +162,6 @@ class _Sampling(_Body):
                     param="logit_bias",
                 )
         return SamplingParams(
-            max_tokens=1,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),

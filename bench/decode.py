@@ -1,0 +1,308 @@
+"""Decode (and first-turn prefill) speed of the step engine against its roof, in one process.
+
+Decode: ``B`` conversations each continue a segmented history of ``--context`` tokens (three sealed
+segments, 72/19/9 %, so four views with the tail) with a follow-up of ``--new`` prompt tokens and
+``--gen`` greedy tokens, all through the real turn path (bank restore by reference, scheduler,
+steps, sampling). The contiguous layout runs the same conversations beside it (its restore copies
+each history into one buffer). Histories are random K/V rows built directly on the device: decode
+reads the same bytes whatever they hold, and no prefill of B x context tokens is needed.
+
+Per run: ``tok_s`` (aggregate decode tokens/s over steps where all B turns decode), ``step_ms``
+(wall per step), ``host_ms`` (wall per step minus the time the scheduler waits for the GPU),
+``gpu_ms`` (kernel time per step, from torch.profiler; CUDA only) and the roof: weight bytes read
+per step (every weight but an untied embedding table) + KV bytes of all B contexts, over the copy
+bandwidth measured in this run (``roof_tok_s``; null on a CPU).
+
+``--prefill 32768,65536``: a first turn of that many tokens through the same path, in chunks of
+``--chunk`` rows, against the FLOP floor (linear 2 x params x tokens + causal attention
+4 x L x Hq x D x N^2 / 2) at the bf16 matmul rate measured in this run.
+
+    python bench/decode.py --model default --device cpu --batch 1,8 --context 1024 --gen 32
+    python bench/decode.py --shape llama3-8b --device cuda --batch 1,8,32 --context 8192 --gen 128 --json
+    python bench/decode.py --shape llama3-8b --device cuda --batch 1 --context 8192 --prefill 32768,65536
+
+Prints a table, then (``--json``) one JSON object as its last line; writes bench/out/<tag>.json/.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from report import save
+
+from turnkv.config import EngineConfig
+from turnkv.engine.engine import Engine
+from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.scheduler import Scheduler
+from turnkv.engine.turn import Failed, TurnRequest
+from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
+
+SPLITS = (0.72, 0.19, 0.09)  # sizes that the merge policy keeps as three segments
+
+
+# -- ceilings -----------------------------------------------------------------------------------
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of a large device-to-device copy (read + written), or None on a CPU."""
+    if device.type != "cuda":
+        return None
+    x = torch.empty(1 << 31, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float | None:
+    """FLOP/s of an 8192^3 matmul in ``dtype`` on random data, or None on a CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def weight_bytes_per_step(engine: Engine) -> int:
+    """Bytes of weights one decode step reads: all parameters but an untied embedding table."""
+    model = engine.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:  # untied: the embedding table is only gathered, a few rows
+        total -= model.embed.numel() * model.embed.element_size()
+    return total
+
+
+# -- histories ----------------------------------------------------------------------------------
+def synthetic_history(engine: Engine, context: int, seed: int) -> SegmentedSnapshot:
+    """``context`` rows of random K/V in three segments (random token ids, no prefill)."""
+    s = engine.shape
+    g = torch.Generator(device=s.device).manual_seed(seed)
+    vocab = engine.loaded.config.vocab_size
+    eos = set(engine.tokenizer.eos_token_ids)
+    refs = []
+    sizes = [int(context * f) for f in SPLITS[:-1]]
+    sizes.append(context - sum(sizes))
+    for n in sizes:
+        kv = torch.randn((2, s.num_layers, s.num_kv_heads, n, s.head_dim), generator=g, device=s.device)
+        kv = kv.to(s.dtype)
+        ids = torch.randint(0, vocab, (n,), generator=g, device=s.device).tolist()
+        seg = Segment(kv[0], kv[1], tuple(t if t not in eos else (t + 1) % vocab for t in ids))
+        refs.append(SegmentRef(seg, n))
+    return SegmentedSnapshot(refs)
+
+
+# -- decode -------------------------------------------------------------------------------------
+def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict:
+    b = len(histories)
+    device = engine.shape.device
+    # room for the histories, a contiguous copy of each, and the turns' own rows
+    held = sum(seg.nbytes for h in histories for seg in h.segments())
+    bank = engine.new_bank(2 * held + b * (args.new + args.gen + 64) * engine.shape.bytes_per_row + (1 << 30))
+    g = torch.Generator().manual_seed(7)
+    vocab = engine.loaded.config.vocab_size
+    eos = set(engine.tokenizer.eos_token_ids)
+    sched = Scheduler(engine, bank, max_running=b, max_batch_tokens=b * args.new)
+    for i, snap in enumerate(histories):
+        bank.insert(f"c{i}", snap)
+        new = [
+            t if t not in eos else (t + 1) % vocab
+            for t in torch.randint(0, vocab, (args.new,), generator=g).tolist()
+        ]
+        req = TurnRequest([*snap.tokens, *new], SamplingParams(ignore_eos=True),
+                          max_tokens=args.gen, namespace=f"c{i}")  # fmt: skip
+        sched.submit(req, lambda ev: None)
+    while not (sched.running and all(e.turn.phase == "decode" for e in sched.running)) and sched.busy:
+        sched.step()  # admission, restore and the follow-ups' prefill
+    for _ in range(min(args.warmup, args.gen // 4)):  # graph captures, contiguous first-use copies
+        sched.step()
+    cached = sum(e.turn.stats.cached_tokens for e in sched.running)
+    steps, t_all, waited0 = 0, 0.0, sched.wait_s
+    gpu_ms = None
+    while (
+        sched.running
+        and all(e.turn.phase == "decode" for e in sched.running)
+        and steps < args.gen - args.warmup - 8
+    ):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sched.step()
+        t_all += time.perf_counter() - t0
+        steps += 1
+    host = t_all - (sched.wait_s - waited0)
+    if device.type == "cuda" and sched.running:
+        gpu_ms = profile_gpu_ms(sched, 4, args.profile_top)
+    while sched.busy:
+        sched.step()
+    return {"steps": steps, "wall_s": t_all, "host_s": host, "gpu_ms": gpu_ms, "cached": cached,
+            "graph_replays": engine.graphs.replays}  # fmt: skip
+
+
+def profile_gpu_ms(sched: Scheduler, n: int, top: int = 0) -> float:
+    """Kernel time per step over ``n`` steps, from torch.profiler's device times; prints the
+    ``top`` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            if not sched.running:
+                break
+            sched.step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    for e in events[:top]:
+        print(f"    {e.self_device_time_total / n:>9.1f} us/step {e.count // n:>5}x  {e.key[:90]}")
+    return sum(e.self_device_time_total for e in events) / 1e3 / n
+
+
+# -- prefill ------------------------------------------------------------------------------------
+def run_prefill(engine: Engine, n: int, chunk: int, flops_rate: float | None, args) -> dict:
+    mc = engine.loaded.config
+    engine.prefill_chunk = chunk
+    bank = engine.new_bank(2 * n * engine.shape.bytes_per_row + (4 << 30))
+    sched = Scheduler(engine, bank, max_running=1, max_batch_tokens=chunk)
+    ids = torch.randint(0, mc.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    eos = set(engine.tokenizer.eos_token_ids)
+    ids = [t if t not in eos else (t + 1) % mc.vocab_size for t in ids]
+    done = []
+    sched.submit(TurnRequest(ids, SamplingParams(ignore_eos=True), max_tokens=1),
+                 lambda ev: done.append(ev))  # fmt: skip
+    if engine.shape.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while sched.busy:
+        sched.step()
+    if engine.shape.device.type == "cuda":
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    failed = [ev for ev in done if isinstance(ev, Failed)]
+    if failed:
+        raise RuntimeError(f"the prefill turn failed: {failed[0]}")
+    params = weight_bytes_per_step(engine) // engine.shape.dtype.itemsize - mc.vocab_size * mc.hidden_size
+    flops = 2 * params * n + 2 * mc.vocab_size * mc.hidden_size  # the LM head on the last row only
+    flops += 4 * mc.num_layers * mc.num_heads * mc.head_dim * n * (n + 1) / 2
+    floor = flops / flops_rate if flops_rate else None
+    return {"tokens": n, "chunk": chunk, "seconds": secs, "tflop": flops / 1e12,
+            "floor_s": floor, "floor_pct": 100 * floor / secs if floor else None}  # fmt: skip
+
+
+# -- main ---------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--shape", help="random weights: llama3-8b | qwen3-8b | qwen3-32b | test")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--layouts", default="segmented,contiguous")
+    ap.add_argument("--cuda-graphs", default="auto")
+    ap.add_argument("--prefill", default="", help="first-turn sizes to time against the FLOP floor")
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill rows per step (--prefill)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--profile-top", type=int, default=0, help="print the N costliest kernels per run")
+    ap.add_argument("--tag", default="decode")
+    args = ap.parse_args()
+
+    model = f"random:{args.shape}" if args.shape else args.model
+    base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs)
+    first = Engine.from_config(replace(base, kv_layout=args.layouts.split(",")[0]), progress=False)
+    engines = {first.cfg.kv_layout: first}
+    for name in args.layouts.split(",")[1:]:
+        engines[name] = Engine(first.loaded, replace(base, kv_layout=name))
+    device = first.shape.device
+    bw = copy_bandwidth(device)
+    rate = matmul_rate(device, first.shape.dtype)
+    wbytes = weight_bytes_per_step(first)
+    info = first.info
+    ceilings = f"copy {bw / 1e12:.2f} TB/s; matmul {rate / 1e12:.0f} TFLOP/s; " if bw and rate else ""
+    print(f"# {info.model_name} on {info.device} {info.dtype}; attention {info.verdict.route} "
+          f"({info.verdict.verdict}); graphs {info.graphs}; {ceilings}"
+          f"weights read per step {wbytes / 1e9:.3f} GB")  # fmt: skip
+    runs = []
+    for b in [int(x) for x in args.batch.split(",") if x]:
+        histories = [synthetic_history(first, args.context, seed=i) for i in range(b)]
+        for name, engine in engines.items():
+            try:
+                r = run_decode(engine, histories, args)
+            except Exception as exc:  # one failed run must not lose the others' figures
+                import traceback
+
+                traceback.print_exc()
+                runs.append({"layout": name, "batch": b, "context": args.context, "error": repr(exc)})
+                continue
+            ctx = args.context + args.new + args.gen // 2
+            kv = b * ctx * engine.shape.bytes_per_row
+            roof = b / ((wbytes + kv) / bw) if bw else None
+            tok_s = b * r["steps"] / r["wall_s"] if r["wall_s"] else 0.0
+            runs.append({
+                "layout": name, "batch": b, "context": args.context, "tok_s": round(tok_s, 2),
+                "step_ms": round(1e3 * r["wall_s"] / max(r["steps"], 1), 3),
+                "host_ms": round(1e3 * r["host_s"] / max(r["steps"], 1), 3),
+                "gpu_ms": r["gpu_ms"] and round(r["gpu_ms"], 3),
+                "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
+                "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
+            })  # fmt: skip
+            x = runs[-1]
+            print(f"{name:>10} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
+                  f"  host {x['host_ms']:>7.3f} ms  gpu {x['gpu_ms']} ms  roof {x['roof_tok_s']} tok/s ({x['roof_pct']} %)",
+                  flush=True)  # fmt: skip
+        del histories
+    prefills = []
+    for n in [int(x) for x in args.prefill.split(",") if x]:
+        try:
+            p = run_prefill(first, n, args.chunk, rate, args)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            prefills.append({"tokens": n, "error": repr(exc)})
+            continue
+        prefills.append(p)
+        print(f"prefill {n:>6} tokens in chunks of {args.chunk}: {p['seconds']:.2f} s, floor "
+              f"{p['floor_s'] and round(p['floor_s'], 2)} s ({p['floor_pct'] and round(p['floor_pct'], 1)} %)", flush=True)  # fmt: skip
+    results = {"device": info.device, "model": info.model_name, "dtype": info.dtype,
+               "attention": info.verdict.route, "graphs": info.graphs, "copy_bytes_s": bw,
+               "matmul_flop_s": rate, "weight_bytes_per_step": wbytes, "runs": runs, "prefill": prefills}  # fmt: skip
+    save(dict(results), args.tag, _plot)
+    if args.json:
+        print(json.dumps(results))
+
+
+def _plot(results: dict, plt, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layout in sorted({r["layout"] for r in results["runs"]}):
+        rs = [r for r in results["runs"] if r["layout"] == layout and "tok_s" in r]
+        ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "-o", label=f"{layout} tok/s")
+        if rs and rs[0]["roof_tok_s"]:
+            ax.plot([r["batch"] for r in rs], [r["roof_tok_s"] for r in rs], ":", label=f"{layout} roof")
+    ax.set(xscale="log", yscale="log", xlabel="conversations per step", ylabel="decode tokens/s",
+           title=f"{results['model']} on {results['device']}")  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Restoring a conversation's history from the disk tier against recomputing it, in one process.
+
+For each history size N (a multiple of 256 tokens): the history is prefilled once (the recompute
+baseline, timed), sealed, and written to a fresh disk tier as N/256 blocks (timed). Then a fresh
+session bank (memory empty, as after a restart) admits the follow-up prompt, history + ``--new``
+tokens: the tier loads the N stored rows into one segment (each block read and checksummed),
+and the engine prefills the ``--new`` rows. *Restore* is that whole path, admission to the
+logits of the last prompt row; *recompute* is the prefill of all N + ``--new`` rows. Both end in
+the same logits (the table shows the largest difference). The restore runs with the page cache
+warm (the blocks were just written) and cold (every block file dropped from the page cache with
+``POSIX_FADV_DONTNEED``; ``--drop-caches`` also drops the whole machine's page cache, root only).
+
+Dedupe: ``--convs`` conversations share a ``--shared``-token prefix and add ``--own`` tokens each;
+their snapshots are written to one namespace (shared blocks stored once) and, for comparison, each
+to its own namespace (no sharing); the table shows the bytes on disk of both.
+
+    python bench/disk_restore.py                                       # default model, CPU
+    python bench/disk_restore.py --shape llama3-8b --device cuda --tokens 4096,8192,32768
+
+Imports nothing of the server (runs where fastapi is missing). Blocks go under ``--dir`` (default:
+a temp folder in ``bench/out``, i.e. this checkout's disk; the filesystem type is reported).
+Prints a table, writes ``bench/out/<tag>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from report import OUT, save
+
+from turnkv.bank.disk import DiskTier
+from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.session_bank import SessionBank
+from turnkv.config import EngineConfig
+from turnkv.engine.engine import Engine
+from turnkv.kv.segments import unique_bytes
+
+NO_LIMIT = 1 << 50
+
+
+def sync(engine: Engine) -> None:
+    if engine.shape.device.type == "cuda":
+        torch.cuda.synchronize(engine.shape.device)
+
+
+def random_ids(engine: Engine, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.loaded.config.vocab_size
+    special = set(engine.tokenizer.eos_token_ids) | {engine.loaded.config.bos_token_id}
+    return [
+        t if t not in special else (t + 1) % vocab
+        for t in torch.randint(0, vocab, (n,), generator=g).tolist()
+    ]
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (from /proc/mounts; 'unknown' elsewhere)."""
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _dev, mount, fs = line.split()[:3]
+            if str(path.resolve()).startswith(mount) and len(mount) > len(best):
+                best, kind = mount, fs
+    except OSError:
+        pass
+    return kind
+
+
+def drop_page_cache(root: Path, everything: bool) -> str:
+    """Evict the block files from the page cache; returns how."""
+    for f in root.rglob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if everything:
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+            return "fadvise+drop_caches"
+        except OSError:
+            pass
+    return "fadvise"
+
+
+def prefill_timed(engine: Engine, cache, ids: list[int]) -> tuple[torch.Tensor, float]:
+    sync(engine)
+    t0 = time.perf_counter()
+    cache.presize(len(ids))
+    logits = engine.prefill(cache, ids)
+    sync(engine)
+    return logits, time.perf_counter() - t0
+
+
+def restore_timed(engine: Engine, tier: DiskTier, ids: list[int]) -> dict:
+    """Admission (tier lookup + load) then the prefill of the rest, as a server after a restart."""
+    bank = SessionBank(NO_LIMIT, engine.shape.bytes_per_row, lambda held: unique_bytes(*held), tier=tier)
+    sync(engine)
+    t0 = time.perf_counter()
+    lease = bank.admit("bench", ids, 1)
+    sync(engine)
+    t_load = time.perf_counter() - t0
+    cache = engine.restore(lease.snapshot) if lease.snapshot is not None else engine.new_cache()
+    logits, t_rest = prefill_timed(engine, cache, ids[lease.cached :])
+    bank.finish(lease, None)
+    return {
+        "cached": lease.cached,
+        "load_s": t_load,
+        "rest_s": t_rest,
+        "total_s": t_load + t_rest,
+        "logits": logits,
+    }
+
+
+def run_size(engine: Engine, n: int, args, root: Path) -> dict:
+    ids = random_ids(engine, n + args.new, seed=n)
+    recompute = [prefill_timed(engine, engine.new_cache(), ids) for _ in range(args.recompute_repeat)]
+    ref, t_re = recompute[-1][0], statistics.median(t for _, t in recompute)
+    cache = engine.new_cache()
+    engine.prefill(cache, ids[:n])
+    cache.seal()
+    snap = cache.snapshot()
+    del cache
+    folder = Path(tempfile.mkdtemp(prefix=f"disk{n}-", dir=root))
+    tier = DiskTier.open(folder, engine.info.fingerprint, engine.shape, NO_LIMIT)
+    t0 = time.perf_counter()
+    tier.write_behind("bench", snap)
+    tier.flush()
+    t_write = time.perf_counter() - t0
+    nbytes = tier.store.nbytes
+    del snap
+    row = {"tokens": n, "new": args.new, "recompute_s": t_re, "write_s": t_write, "bytes_on_disk": nbytes}
+    for mode in ("warm", "cold"):
+        runs = []
+        for _ in range(args.repeat):
+            how = drop_page_cache(folder, args.drop_caches) if mode == "cold" else "warm"
+            runs.append(restore_timed(engine, tier, ids))
+        assert all(r["cached"] == n for r in runs), [r["cached"] for r in runs]
+        best = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
+        diff = (best["logits"] - ref).abs().max().item()
+        row[mode] = {k: best[k] for k in ("load_s", "rest_s", "total_s")} | {
+            "load_gb_s": nbytes / best["load_s"] / 1e9,
+            "speedup": t_re / best["total_s"],
+            "max_abs_logit_diff": diff,
+            "same_argmax": bool(best["logits"].argmax() == ref.argmax()),
+            "page_cache": how,
+        }
+    row["corrupt"] = tier.stats.corrupt
+    tier.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return row
+
+
+def run_dedupe(engine: Engine, args, root: Path) -> dict:
+    """Bytes on disk of ``--convs`` conversations sharing a prefix: one namespace vs one each."""
+    shared = engine.new_cache()
+    engine.prefill(shared, random_ids(engine, args.shared, seed=1))
+    shared.seal()
+    base = shared.snapshot()
+    snaps = []
+    for c in range(args.convs):
+        cache = engine.restore(base)
+        engine.prefill(cache, random_ids(engine, args.own, seed=100 + c))
+        cache.seal()
+        snaps.append(cache.snapshot())
+    out = {"convs": args.convs, "shared_tokens": args.shared, "own_tokens": args.own}
+    for name, namespace in (("dedupe", lambda c: "bench"), ("no_dedupe", lambda c: f"conversation-{c}")):
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+        tier = DiskTier.open(folder, engine.info.fingerprint, engine.shape, NO_LIMIT, queue_blocks=1 << 20)
+        for c, snap in enumerate(snaps):
+            tier.write_behind(namespace(c), snap)
+        tier.flush()
+        out[name] = {
+            "bytes": tier.store.nbytes,
+            "blocks": tier.store.count,
+            "dedupe_hits": tier.stats.dedupe_hits,
+        }
+        tier.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--shape", help="random weights of llama3-8b | qwen3-8b | qwen3-32b (speed only)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk)
+    ap.add_argument("--tokens", default="4096,8192,32768", help="history sizes (multiples of 256)")
+    ap.add_argument("--new", type=int, default=1, help="prompt tokens after the history")
+    ap.add_argument("--repeat", type=int, default=3, help="restores per measurement (the median is kept)")
+    ap.add_argument("--recompute-repeat", type=int, default=1, help="full recomputes per size (median)")
+    ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's own)")
+    ap.add_argument("--convs", type=int, default=8)
+    ap.add_argument("--shared", type=int, default=4096)
+    ap.add_argument("--own", type=int, default=1024)
+    ap.add_argument("--dir", help="where the blocks go (default: a temp folder in bench/out)")
+    ap.add_argument("--drop-caches", action="store_true", help="cold runs also drop the page cache (root)")
+    ap.add_argument("--tag", default="disk_restore")
+    args = ap.parse_args()
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    model = f"random:{args.shape}" if args.shape else args.model
+    cfg = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        attention=args.attention,
+        prefill_chunk=args.prefill_chunk,
+    )
+    engine = Engine.from_config(cfg, progress=False)
+    OUT.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="disk-bench-", dir=args.dir or OUT))
+    sizes = [int(t) for t in args.tokens.split(",")]
+    if any(n % BLOCK_TOKENS for n in sizes):
+        raise SystemExit(f"history sizes must be multiples of {BLOCK_TOKENS}")
+    limit = engine.max_context
+    if limit:  # a history the context cannot hold shrinks to the largest that fits (by whole blocks)
+        fit = (limit - args.new) // BLOCK_TOKENS * BLOCK_TOKENS
+        clipped = {n: fit for n in sizes if n > fit}
+        sizes = sorted({min(n, fit) for n in sizes})
+    else:
+        clipped = {}
+    print(
+        f"# {engine.info.model_name}{' (random weights)' if args.shape else ''} on {engine.shape.device} "
+        f"{engine.shape.dtype}, attention={engine.info.verdict.route}, prefill chunk {engine.prefill_chunk}, "
+        f"blocks in {root} ({filesystem(root)}), {engine.shape.bytes_per_row} bytes per row, "
+        f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
+    )
+    for n, fit in clipped.items():
+        print(f"# {n} tokens run as {fit}: the model's context is {limit} tokens ({args.new} more follow)")
+    prefill_timed(
+        engine, engine.new_cache(), random_ids(engine, 2 * engine.prefill_chunk + 3, seed=7)
+    )  # warm-up
+    results = {
+        "model": engine.info.model_name,
+        "random_weights": bool(args.shape),
+        "device": str(engine.shape.device),
+        "dtype": str(engine.shape.dtype),
+        "attention": engine.info.verdict.route,
+        "prefill_chunk": engine.prefill_chunk,
+        "filesystem": filesystem(root),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "bytes_per_row": engine.shape.bytes_per_row,
+        "clipped": clipped,
+        "sizes": [],
+    }
+    print(
+        f"{'tokens':>7} {'recompute s':>11} | {'load s':>7} {'GB/s':>5} {'total s':>7} {'x':>6} | "
+        f"{'cold load':>9} {'GB/s':>5} {'total s':>7} {'x':>6} | {'|dlogit|':>8} {'MiB':>7} {'write s':>7}"
+    )
+    for n in sizes:
+        r = run_size(engine, n, args, root)
+        results["sizes"].append(r)
+        w, c = r["warm"], r["cold"]
+        print(
+            f"{n:>7} {r['recompute_s']:>11.3f} | {w['load_s']:>7.3f} {w['load_gb_s']:>5.2f} {w['total_s']:>7.3f} "
+            f"{w['speedup']:>5.1f}x | {c['load_s']:>9.3f} {c['load_gb_s']:>5.2f} {c['total_s']:>7.3f} "
+            f"{c['speedup']:>5.1f}x | {w['max_abs_logit_diff']:>8.1e} {r['bytes_on_disk'] / 2**20:>7.1f} "
+            f"{r['write_s']:>7.2f}"
+        )
+    d = results["dedupe"] = run_dedupe(engine, args, root)
+    print(
+        f"dedupe: {d['convs']} conversations of {d['shared_tokens']} shared + {d['own_tokens']} own tokens: "
+        f"{d['dedupe']['bytes'] / 2**20:.1f} MiB ({d['dedupe']['blocks']} blocks) with dedupe, "
+        f"{d['no_dedupe']['bytes'] / 2**20:.1f} MiB ({d['no_dedupe']['blocks']} blocks) without: "
+        f"{d['no_dedupe']['bytes'] / max(1, d['dedupe']['bytes']):.2f}x"
+    )
+    shutil.rmtree(root, ignore_errors=True)
+    save(results, args.tag, _plot)
+
+
+def _plot(results: dict, plt, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sizes = results["sizes"]
+    x = range(len(sizes))
+    width = 0.27
+    for i, (label, get) in enumerate(
+        (
+            ("recompute", lambda r: r["recompute_s"]),
+            ("restore (warm)", lambda r: r["warm"]["total_s"]),
+            ("restore (cold)", lambda r: r["cold"]["total_s"]),
+        )
+    ):
+        axes[0].bar([j + (i - 1) * width for j in x], [get(r) for r in sizes], width, label=label)
+    axes[0].set_xticks(list(x), [str(r["tokens"]) for r in sizes])
+    axes[0].set(
+        xlabel="history tokens",
+        ylabel="seconds to the first logits",
+        yscale="log",
+        title="restore vs recompute",
+    )
+    d = results["dedupe"]
+    axes[1].bar(["with dedupe", "without"], [d["dedupe"]["bytes"] / 2**20, d["no_dedupe"]["bytes"] / 2**20])
+    axes[1].set(ylabel="MiB on disk", title=f"{d['convs']} conversations sharing {d['shared_tokens']} tokens")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{results['model']} on {results['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

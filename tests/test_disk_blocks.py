@@ -1,0 +1,206 @@
+"""Block keys and block files: what a key depends on, and that a file is read back exactly or refused.
+
+Pins: keys chain over (parent, model fingerprint, KV dtype and geometry, namespace, token ids);
+a round trip is bit-exact for every KV dtype; any flipped byte or truncation of a block file is
+either refused (``BlockError``) or leaves exactly the block that was written (hypothesis); a
+foreign safetensors file, an older format version and a file holding another key are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save
+
+from turnkv.bank.disk_blocks import (
+    BLOCK_TOKENS,
+    ROOT_KEY,
+    Block,
+    BlockError,
+    block_context,
+    block_keys,
+    decode_block,
+    encode_block,
+    metadata,
+)
+from turnkv.kv.cache import KVShape
+from turnkv.models.load import cache_fingerprint
+
+CPU = torch.device("cpu")
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=CPU)
+TOKENS = [(i * 7) % 500 for i in range(3 * BLOCK_TOKENS + 17)]
+
+
+def _block(shape: KVShape = SHAPE, seed: int = 0, depth: int = 0) -> Block:
+    g = torch.Generator().manual_seed(seed)
+    dims = (shape.num_layers, shape.num_kv_heads, BLOCK_TOKENS, shape.head_dim)
+    k = torch.randn(dims, generator=g).to(shape.dtype)
+    v = torch.randn(dims, generator=g).to(shape.dtype)
+    ctx = block_context("fp", shape)
+    tokens = TOKENS[depth * BLOCK_TOKENS : (depth + 1) * BLOCK_TOKENS]
+    key = block_keys(ctx, "ns", TOKENS, depth + 1)[depth]
+    return Block(key, ROOT_KEY, ctx, depth, tuple(tokens), k, v)
+
+
+def _same(a: Block, b: Block) -> bool:
+    return (
+        (a.key, a.parent, a.context, a.depth, a.tokens) == (b.key, b.parent, b.context, b.depth, b.tokens)
+        and a.k.dtype == b.k.dtype
+        and torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
+        and torch.equal(a.v.view(torch.uint8), b.v.view(torch.uint8))
+    )
+
+
+# -- keys -------------------------------------------------------------------------------------
+
+
+def test_keys_chain_over_every_earlier_token():
+    ctx = block_context("fp", SHAPE)
+    keys = block_keys(ctx, "ns", TOKENS)
+    assert len(keys) == 3 and len(set(keys)) == 3  # whole blocks only
+    changed = list(TOKENS)
+    changed[5] += 1  # a token of block 0 changes every later key
+    assert all(a != b for a, b in zip(keys, block_keys(ctx, "ns", changed), strict=True))
+    later = list(TOKENS)
+    later[2 * BLOCK_TOKENS + 3] += 1  # a token of block 2 changes only block 2
+    assert block_keys(ctx, "ns", later)[:2] == keys[:2] and block_keys(ctx, "ns", later)[2] != keys[2]
+    assert block_keys(ctx, "ns", TOKENS[: 2 * BLOCK_TOKENS + 5]) == keys[:2]  # a prefix shares blocks
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"namespace": "other"},
+        {"fingerprint": "other-weights"},
+        {"dtype": torch.bfloat16},
+        {"dtype": torch.float16},
+        {"num_layers": 3},
+        {"num_kv_heads": 1},
+        {"head_dim": 16},
+    ],
+)
+def test_keys_differ_by_namespace_model_dtype_and_geometry(other):
+    base = block_keys(block_context("fp", SHAPE), "ns", TOKENS)
+    fields = {k: v for k, v in other.items() if k not in ("namespace", "fingerprint")}
+    shape = dataclasses.replace(SHAPE, **fields)
+    ctx = block_context(other.get("fingerprint", "fp"), shape)
+    assert not set(base) & set(block_keys(ctx, other.get("namespace", "ns"), TOKENS))
+
+
+def test_model_fingerprint_includes_kv_dtype_and_geometry():
+    """One GGUF served in bf16 and in fp32 has one weights fingerprint but two cache fingerprints."""
+    fp32 = cache_fingerprint("weights", SHAPE)
+    assert fp32 == cache_fingerprint("weights", SHAPE)
+    assert fp32 != cache_fingerprint("weights", dataclasses.replace(SHAPE, dtype=torch.bfloat16))
+    assert fp32 != cache_fingerprint("weights", dataclasses.replace(SHAPE, num_kv_heads=1))
+    assert fp32 != cache_fingerprint("other", SHAPE)
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    block = _block(dataclasses.replace(SHAPE, dtype=dtype))
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(encode_block(block))
+    assert _same(decode_block(str(path), block.key), block)
+
+
+def test_a_file_of_another_key_is_refused(tmp_path):
+    block = _block()
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(encode_block(block))
+    with pytest.raises(BlockError, match="key"):
+        decode_block(str(path), "f" * 64)
+
+
+def test_foreign_and_older_files_are_refused(tmp_path):
+    block = _block()
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(save({"weight": torch.zeros(4)}))  # somebody else's safetensors
+    with pytest.raises(BlockError, match="format"):
+        decode_block(str(path), block.key)
+    tokens = torch.tensor(block.tokens)
+    older = metadata(block, tokens) | {"version": "0"}
+    path.write_bytes(save({"k": block.k, "v": block.v, "tokens": tokens}, metadata=older))
+    with pytest.raises(BlockError, match="version"):
+        decode_block(str(path), block.key)
+    path.write_bytes(b"not safetensors at all")
+    with pytest.raises(BlockError):
+        decode_block(str(path), block.key)
+    with pytest.raises(BlockError):
+        decode_block(str(tmp_path / "missing.safetensors"), block.key)
+
+
+def test_payload_with_a_wrong_checksum_is_refused(tmp_path):
+    block = _block()
+    tokens = torch.tensor(block.tokens)
+    md = metadata(block, tokens)
+    k = block.k.clone()
+    k[1, 0, 7, 3] += 1.0
+    (tmp_path / "b").write_bytes(save({"k": k, "v": block.v, "tokens": tokens}, metadata=md))
+    with pytest.raises(BlockError, match="checksum"):
+        decode_block(str(tmp_path / "b"), block.key)
+
+
+ENCODED = {
+    dt: encode_block(_block(dataclasses.replace(SHAPE, dtype=dt))) for dt in (torch.float32, torch.bfloat16)
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dtype=st.sampled_from(sorted(ENCODED, key=str)),
+    flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(1, 255)), min_size=1, max_size=3),
+)
+def test_flipped_bytes_are_refused_or_harmless(tmp_path, dtype, flips):
+    """Every corruption is detected, except one that changes nothing read back (JSON whitespace)."""
+    data = bytearray(ENCODED[dtype])
+    for pos, mask in flips:
+        data[pos % len(data)] ^= mask
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(bytes(data))
+    want = _block(dataclasses.replace(SHAPE, dtype=dtype))
+    try:
+        got = decode_block(str(path), want.key)
+    except BlockError:
+        return
+    assert _same(got, want)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=0), extra=st.binary(max_size=64))
+def test_truncated_or_extended_files_are_refused(tmp_path, cut, extra):
+    data = ENCODED[torch.float32]
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(data[: cut % len(data)])
+    with pytest.raises(BlockError):
+        decode_block(str(path), _block().key)
+    if extra:
+        path.write_bytes(data + extra)
+        try:
+            got = decode_block(str(path), _block().key)
+        except BlockError:
+            return
+        assert _same(got, _block())
+
+
+def test_decode_into_rows_of_a_longer_segment(tmp_path):
+    """The loader reads a block straight into its rows of the segment it assembles."""
+    block = _block(dataclasses.replace(SHAPE, dtype=torch.bfloat16))
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(encode_block(block))
+    seg_k = torch.zeros(2, 2, 3 * BLOCK_TOKENS, 8, dtype=torch.bfloat16)
+    seg_v = torch.zeros_like(seg_k)
+    rows = slice(BLOCK_TOKENS, 2 * BLOCK_TOKENS)
+    got = decode_block(str(path), block.key, into=(seg_k[:, :, rows], seg_v[:, :, rows]))
+    assert _same(got, block) and got.k.data_ptr() == seg_k[:, :, rows].data_ptr()
+    assert torch.equal(seg_k[:, :, rows], block.k) and not seg_k[:, :, :BLOCK_TOKENS].any()
+    wrong = torch.zeros(2, 2, BLOCK_TOKENS, 8)  # a float32 segment cannot take bf16 rows
+    with pytest.raises(BlockError, match="bfloat16"):
+        decode_block(str(path), block.key, into=(wrong, wrong.clone()))

@@ -1,0 +1,186 @@
+"""The local-directory block store: the BlockStore contract, durability order, reconcile, LRU, lock.
+
+Pins: put/get/has/delete/iterate agree with one another and with the byte and block counts; a
+failed write (injected at write, fsync or rename) leaves no row, no block file and no temp file;
+reconcile removes temp files and files without rows and drops rows without files (or of the wrong
+size); eviction frees least recently used blocks and, among one chain's, the deepest first; one
+process per directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, Block, BlockError, block_context, block_keys
+from turnkv.bank.disk_store import LocalDirStore, StoreBusy
+from turnkv.kv.cache import KVShape
+
+SHAPE = KVShape(2, 1, 4, torch.float32, torch.device("cpu"))
+CTX = block_context("fp", SHAPE)
+TOKENS = list(range(6 * BLOCK_TOKENS))
+KEYS = block_keys(CTX, "ns", TOKENS)
+
+
+def chain_block(depth: int) -> Block:
+    k = torch.full((2, 1, BLOCK_TOKENS, 4), float(depth))
+    parent = KEYS[depth - 1] if depth else ROOT_KEY
+    tokens = tuple(TOKENS[depth * BLOCK_TOKENS : (depth + 1) * BLOCK_TOKENS])
+    return Block(KEYS[depth], parent, CTX, depth, tokens, k, -k)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = LocalDirStore(tmp_path / "kv")
+    yield s
+    s.close()
+
+
+def files(store: LocalDirStore) -> list[str]:
+    return sorted(p.name for p in store.blocks.rglob("*") if p.is_file())
+
+
+def test_put_get_has_delete_iterate(store):
+    b = chain_block(0)
+    assert not store.has(b.key) and store.count == 0
+    size = store.put(b)
+    assert size > b.nbytes and store.has(b.key)
+    assert store.put(b) == 0  # already there: nothing written
+    got = store.get(b.key)
+    assert torch.equal(got.k, b.k) and torch.equal(got.v, b.v) and got.tokens == b.tokens
+    [info] = list(store.iterate())
+    assert (info.key, info.parent, info.depth, info.nbytes) == (b.key, ROOT_KEY, 0, size)
+    assert (store.count, store.nbytes) == (1, size) and store.path(b.key).stat().st_size == size
+    store.delete(b.key)
+    store.delete(b.key)  # absent: a no-op
+    assert not store.has(b.key) and files(store) == [] and (store.count, store.nbytes) == (0, 0)
+    with pytest.raises(BlockError):
+        store.get(b.key)
+
+
+def test_a_row_whose_file_is_missing_is_an_error_not_a_crash(store):
+    b = chain_block(0)
+    store.put(b)
+    store.path(b.key).unlink()
+    with pytest.raises(BlockError, match="missing"):
+        store.get(b.key)
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "replace"])
+def test_a_failed_write_leaves_nothing_behind(store, monkeypatch, where):
+    def fail(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "write":
+        monkeypatch.setattr("turnkv.bank.disk_store.open", lambda *a, **kw: _FullFile(*a), raising=False)
+    else:
+        monkeypatch.setattr(f"turnkv.bank.disk_store.os.{where}", fail)
+    with pytest.raises(OSError):
+        store.put(chain_block(0))
+    monkeypatch.undo()
+    assert not store.has(KEYS[0]) and files(store) == [] and store.count == 0
+    store.put(chain_block(0))  # and the store still works
+    assert store.has(KEYS[0])
+
+
+class _FullFile:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, path, mode="r") -> None:
+        self._f = open(path, mode)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_reconcile_removes_orphans_and_temp_files_and_drops_rows_without_files(tmp_path):
+    s = LocalDirStore(tmp_path / "kv")
+    for d in range(4):
+        s.put(chain_block(d))
+    orphan = s.path("ab" * 32)  # a file whose index row never made it (a crash before the row)
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(s.path(KEYS[0]).read_bytes())
+    temp = s.path(KEYS[0]).parent / f".{KEYS[0]}.123.0.tmp"  # a crash mid-write
+    temp.write_bytes(b"half a blo")
+    s.path(KEYS[1]).unlink()  # a row whose file is gone
+    with open(s.path(KEYS[2]), "ab") as f:  # a file of the wrong size
+        f.write(b"x")
+    s.close()
+    s = LocalDirStore(tmp_path / "kv")
+    assert s.count == 4  # rows are not trusted until reconciled
+    fixed = s.reconcile()
+    assert fixed == {"temp_files": 1, "orphan_files": 1, "missing_files": 1, "bad_size": 1}
+    assert {i.key for i in s.iterate()} == {KEYS[0], KEYS[3]}
+    assert files(s) == sorted(k + ".safetensors" for k in (KEYS[0], KEYS[3]))
+    assert s.count == 2 and s.nbytes == sum(s.path(k).stat().st_size for k in (KEYS[0], KEYS[3]))
+    assert s.reconcile() == dict.fromkeys(fixed, 0)
+    s.close()
+
+
+def test_eviction_is_lru_and_keeps_the_head_of_a_chain(store):
+    for d in range(4):
+        store.put(chain_block(d), at=100.0)  # one turn's chain: used at the same moment
+    size = store.nbytes // 4
+    assert store.evict(store.nbytes) == 0
+    assert store.evict(3 * size) == 1
+    assert {i.key for i in store.iterate()} == set(KEYS[:3])  # the deepest went first
+    store.touch([KEYS[2]], at=200.0)
+    assert store.evict(size) == 2
+    assert {i.key for i in store.iterate()} == {KEYS[2]}  # the recently used one stayed
+    assert store.count == 1 and store.nbytes == size and len(files(store)) == 1
+
+
+def test_one_process_per_directory(tmp_path):
+    a = LocalDirStore(tmp_path / "kv")
+    with pytest.raises(StoreBusy, match="--disk-dir"):
+        LocalDirStore(tmp_path / "kv")
+    a.close()
+    LocalDirStore(tmp_path / "kv").close()
+
+
+def test_an_index_of_another_schema_is_rebuilt(tmp_path):
+    s = LocalDirStore(tmp_path / "kv")
+    s.put(chain_block(0))
+    s._db.execute("PRAGMA user_version=99")
+    s.close()
+    s = LocalDirStore(tmp_path / "kv")
+    assert s.count == 0
+    assert s.reconcile()["orphan_files"] == 1 and files(s) == []
+    s.close()
+
+
+def test_a_block_directory_that_is_not_a_directory_is_a_missing_block(store):
+    b = chain_block(0)
+    store.put(b)
+    sub = store.path(b.key).parent
+    for f in sub.iterdir():
+        f.unlink()
+    sub.rmdir()
+    sub.write_bytes(b"not a directory")
+    with pytest.raises(BlockError):
+        store.get(b.key)
+    store.delete(b.key)
+    assert not store.has(b.key)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+def test_an_unreadable_block_directory_is_a_missing_block(store):
+    b = chain_block(0)
+    store.put(b)
+    store.path(b.key).parent.chmod(0)
+    try:
+        with pytest.raises(BlockError):
+            store.get(b.key)
+        store.delete(b.key)  # the row goes even if the file cannot
+        assert not store.has(b.key)
+    finally:
+        store.path(b.key).parent.chmod(0o755)

@@ -1,0 +1,113 @@
+"""Attention backends: a *plan* built once per step, then a *run* per layer (store, attend).
+
+The model never sees caches. Each step the engine opens one ``KVWindow`` per conversation and hands
+the list to ``backend.plan(windows)``; the returned ``StepAttention`` is what every layer calls:
+
+    att = backend.plan(windows)           # once per step: host work, one upload at most
+    for layer in layers:
+        q = att.rope_store(layer, qk, v, cos, sin)  # RoPE on q and k; k, v -> each window's rows
+        o = att.attend(layer, q, scale)   # q [N, Hq, D] -> [N, Hq, D], window-causal per sequence
+
+Rows are flat: window ``b`` owns rows ``[q_start_b, q_start_b + rows_b)`` of ``N``, in the order
+of ``windows``. ``att.labels`` names the route each window took (``fused_q1``, ``lse_prefill``...),
+so a turn counts its own routes.
+
+Invariants: nothing a layer calls touches the host beyond launching work (the fused backend's
+plan is one table upload for all layers); a backend never reads or writes a row outside the
+windows it was planned for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from turnkv.attention.lse import lse_attention
+from turnkv.attention.rope import apply_rope
+from turnkv.attention.route import Verdict, single_attention, window_label
+from turnkv.kv.cache import KVWindow
+
+
+class StepAttention(Protocol):
+    """One step's attention, planned for its windows; called once per layer."""
+
+    labels: list[str]
+
+    def rope_store(
+        self, layer: int, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """RoPE on ``qk`` ``[N, Hq + Hkv, D]`` (q heads, then k heads; any row stride) at the rows'
+        ``cos``, signed ``sin`` ``[N, D]``; stores k and ``v`` ``[N, Hkv, D]`` into every window of
+        ``layer``; returns q ``[N, Hq, D]`` after RoPE."""
+        ...
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the step's new rows ``k``, ``v`` ``[N, Hkv, D]`` into every window of ``layer``."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q ``[N, Hq, D]`` over each window's views of ``layer`` -> ``[N, Hq, D]`` in q's dtype."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    """Chosen once at load (``selfcheck.make_backend``); ``verdict`` is what ``/health`` reports."""
+
+    name: str
+    verdict: Verdict
+
+    def plan(self, windows: Sequence[KVWindow]) -> StepAttention: ...
+
+
+def row_starts(windows: Sequence[KVWindow]) -> list[int]:
+    """The first flat row of each window (windows back to back)."""
+    out, n = [], 0
+    for w in windows:
+        out.append(n)
+        n += w.rows
+    return out
+
+
+class PortableStep:
+    """Per-window loops over torch ops: ``single_attention`` for one view, ``lse_attention`` else."""
+
+    def __init__(self, windows: Sequence[KVWindow]) -> None:
+        self.windows = list(windows)
+        self.starts = row_starts(self.windows)
+        self.labels = [window_label("single" if len(w.views) == 1 else "lse", w.rows) for w in self.windows]
+
+    def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
+        hq = qk.shape[1] - v.shape[1]
+        qk = apply_rope(qk, cos[:, None], sin[:, None])  # q and k heads in one pass
+        self.store(layer, qk[:, hq:], v)
+        return qk[:, :hq]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for s, w in zip(self.starts, self.windows, strict=True):
+            w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        outs = []
+        for s, w in zip(self.starts, self.windows, strict=True):
+            qs = q[s : s + w.rows].transpose(0, 1)  # [Hq, m, D], a view
+            views = w.layer_views(layer)
+            if len(views) == 1:
+                o = single_attention(qs, views[0][0], views[0][1], scale)
+            else:
+                o = lse_attention(qs, views, scale)
+            outs.append(o.transpose(0, 1))  # [m, Hq, D]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class PortableBackend:
+    """The portable route on any torch device (``single`` / ``lse``)."""
+
+    name = "portable"
+
+    def __init__(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+
+    def plan(self, windows: Sequence[KVWindow]) -> PortableStep:
+        return PortableStep(windows)

@@ -1,0 +1,415 @@
+"""The disk tier behind the session bank: finished turns written behind, restored after a restart.
+
+The bank calls two methods (see ``SessionBank.tier``):
+
+- ``write_behind(namespace, snapshot)`` at the end of every turn. The snapshot's whole blocks of
+  256 tokens that the store lacks are queued for one writer thread, which copies their rows to
+  the host (a side stream on CUDA; segments are immutable, so reading them from another thread
+  is safe), writes each durably and adds its index row. It never blocks: when the bounded queue
+  is full the blocks that do not fit are dropped and counted (``dropped_writes``). Blocks the
+  store already holds are not written again (``dedupe_hits``).
+- ``extend(namespace, tokens, prefix)`` at admission, after the memory lookup. When the store
+  holds a longer run of this namespace's blocks for ``tokens`` than ``prefix`` covers, the run is
+  loaded into one sealed segment (each block verified; a bad one ends the run, is deleted and
+  counted in ``corrupt``) and the bank gets ``prefix`` cut to a block boundary plus that segment.
+
+Block keys (``disk_blocks``) chain the model fingerprint, the KV dtype and geometry, the
+namespace and every token id before a block's end, so a block is found only by a request of the
+same model, dtype and namespace whose tokens agree with it up to the block's last row.
+
+Failures never reach a request: an unusable directory disables the tier at start (logged), a
+write error is counted in ``write_failures`` and logged once, a bad block is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from turnkv.bank.disk_blocks import (
+    BLOCK_TOKENS,
+    ROOT_KEY,
+    Block,
+    BlockError,
+    block_context,
+    block_keys,
+    host_copy,
+)
+from turnkv.bank.disk_store import BlockStore, LocalDirStore
+from turnkv.kv.cache import KVShape
+from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
+
+log = logging.getLogger(__name__)
+
+QUEUE_BLOCKS = 256  # blocks waiting for the writer at most (each keeps its segments alive)
+# readers verifying blocks in parallel (hashing and numpy copies run without the GIL); SHA-256 of
+# one block is one core's work (1.3-1.8 GB/s), so a restore scales with the cores up to here
+LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
+DISK_KEYS = (
+    "blocks",
+    "bytes",
+    "budget_bytes",
+    "queued",
+    "writes",
+    "write_failures",
+    "dropped_writes",
+    "hits",
+    "misses",
+    "hit_tokens",
+    "corrupt",
+    "evictions",
+    "dedupe_hits",
+)
+
+
+def default_disk_dir() -> Path:
+    """``$XDG_CACHE_HOME/turnkv/kv``, else ``~/.cache/turnkv/kv``."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "turnkv" / "kv"
+
+
+def disabled_health() -> dict:
+    """``/health.disk`` without a tier: ``enabled: false`` and zeros."""
+    return {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)}
+
+
+@dataclass
+class DiskStats:
+    writes: int = 0  # blocks written
+    write_failures: int = 0  # blocks whose write failed (disk full, I/O error)
+    dropped_writes: int = 0  # blocks not queued because the queue was full
+    hits: int = 0  # admissions the tier extended
+    misses: int = 0  # admissions with whole blocks beyond memory that the tier could not extend
+    hit_tokens: int = 0  # rows loaded from disk into admitted turns
+    corrupt: int = 0  # blocks found bad (checksum, truncated, foreign, missing file) and removed
+    evictions: int = 0  # blocks removed for the byte budget
+    dedupe_hits: int = 0  # blocks not written because the store already held them
+
+
+@dataclass
+class _Job:
+    snapshot: SegmentedSnapshot | None
+    blocks: list[tuple[int, str, str]]  # (depth, key, parent key)
+    at: float  # when the turn finished: the blocks' last access
+    ready: object | None = None  # a CUDA event recorded after the rows were made
+
+
+@dataclass
+class DiskTier:
+    """Write-behind and restore of 256-token blocks in a :class:`BlockStore`; thread-safe."""
+
+    store: BlockStore
+    fingerprint: str
+    shape: KVShape
+    budget_bytes: int
+    queue_blocks: int = QUEUE_BLOCKS
+    load_threads: int = LOAD_THREADS
+    stats: DiskStats = field(default_factory=DiskStats)
+
+    def __post_init__(self) -> None:
+        self.context = block_context(self.fingerprint, self.shape)
+        self._cv = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._current: _Job | None = None
+        self._queued = 0  # blocks queued or being written
+        self._pending: set[str] = set()  # their keys
+        self._closing = False
+        self._abandon = False  # close() timed out: drop what is still queued
+        self._warned: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._writer = threading.Thread(target=self._write_loop, name="turnkv-disk-writer", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, fingerprint: str, shape: KVShape, budget_bytes: int, **kw):
+        """A tier over ``LocalDirStore(directory)``, reconciled and fitted to ``budget_bytes``.
+        Raises ``StoreBusy`` or ``OSError``/``sqlite3.Error`` for a directory it cannot use."""
+        store = LocalDirStore(directory)
+        fixed = store.reconcile()
+        tier = cls(store, fingerprint, shape, budget_bytes, **kw)
+        tier.stats.corrupt += fixed["missing_files"] + fixed["bad_size"]
+        tier.stats.evictions += store.evict(budget_bytes)
+        if any(fixed.values()):
+            log.warning("KV disk cache %s reconciled at start: %s", directory, fixed)
+        return tier
+
+    # -- restore ----------------------------------------------------------------------------------
+    def extend(
+        self, namespace: str, tokens: Sequence[int], prefix: SegmentedSnapshot | None
+    ) -> SegmentedSnapshot | None:
+        """``prefix`` (cut to a block boundary) plus the longest run of stored blocks of ``tokens``
+        after it, when that covers more rows than ``prefix``; otherwise None.
+
+        ``tokens`` are the rows that may be restored (the bank passes the prompt without its last
+        token); ``prefix`` holds the first rows of ``tokens`` (from memory) or is None.
+        """
+        have = prefix.num_tokens if prefix is not None else 0
+        whole = len(tokens) // BLOCK_TOKENS
+        if whole * BLOCK_TOKENS <= have:
+            return None  # memory already holds every whole block
+        first = have // BLOCK_TOKENS
+        keys = block_keys(self.context, namespace, tokens, whole)
+        run = 0
+        while first + run < whole and self.store.has(keys[first + run]):
+            run += 1
+        seg = None
+        if (first + run) * BLOCK_TOKENS > have:
+            parent = keys[first - 1] if first else ROOT_KEY
+            try:
+                seg = self.load(keys[first : first + run], parent, tokens, first)
+            except Exception as exc:  # out of memory for the rows, a broken index: recompute
+                self._warn_once("load", f"KV disk cache: a restore failed ({type(exc).__name__}: {exc})")
+        if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.hit_tokens += seg.num_rows
+        base = prefix.prefix(first * BLOCK_TOKENS).refs if prefix is not None else ()
+        return SegmentedSnapshot((*base, SegmentRef(seg, seg.num_rows)))
+
+    def load(self, keys: Sequence[str], parent: str, tokens: Sequence[int], first: int) -> Segment | None:
+        """Blocks ``keys`` (depths ``first``, ``first + 1``, ...) as one segment on the KV device,
+        each verified against its file's checksum and against ``tokens``; stops before the first
+        bad block (deleted, counted). None when not even the first block is good."""
+        s = self.shape
+        n = len(keys)
+        if n == 0:
+            return None
+        rows = n * BLOCK_TOKENS
+        k = torch.empty((s.num_layers, s.num_kv_heads, rows, s.head_dim), dtype=s.dtype, device=s.device)
+        v = torch.empty_like(k)  # [L, Hkv, rows, D]
+        cuda = torch.device(s.device).type == "cuda"
+        pool = self._readers()
+        window = max(2, 2 * self.load_threads)  # blocks read ahead of the copy (bounded memory)
+        futures: dict[int, Future] = {}
+        good = 0
+
+        def rows(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            lo = i * BLOCK_TOKENS
+            return k[:, :, lo : lo + BLOCK_TOKENS], v[:, :, lo : lo + BLOCK_TOKENS]  # [L, Hkv, 256, D]
+
+        for i in range(n):
+            for j in range(i, min(n, i + window)):
+                if j not in futures:  # on a CPU device straight into the segment, else pinned memory
+                    futures[j] = pool.submit(self.store.get, keys[j], cuda, None if cuda else rows(j))
+            try:
+                block = futures.pop(i).result()
+                self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
+            except BlockError as exc:
+                self._corrupt(keys[i], exc)
+                break
+            if cuda:
+                dst_k, dst_v = rows(i)
+                dst_k.copy_(block.k, non_blocking=True)  # pinned host -> device
+                dst_v.copy_(block.v, non_blocking=True)
+            good += 1
+        for fut in futures.values():  # reads still running write rows past the good ones: let them end
+            if not fut.cancel():
+                fut.exception()
+        if good == 0:
+            return None
+        self.store.touch(keys[:good])
+        if good < n:  # keep only the good rows' memory
+            k = k[:, :, : good * BLOCK_TOKENS].clone()
+            v = v[:, :, : good * BLOCK_TOKENS].clone()
+        lo = first * BLOCK_TOKENS
+        return Segment(k, v, tuple(tokens[lo : lo + good * BLOCK_TOKENS]))
+
+    def _check(self, block: Block, key: str, parent: str, depth: int, tokens: Sequence[int]) -> None:
+        """What the file's own checksum cannot vouch for: that it is this request's block."""
+        s = self.shape
+        lo = depth * BLOCK_TOKENS
+        want_shape = (s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
+        if block.context != self.context or block.parent != parent or block.depth != depth:
+            raise BlockError(f"block {key[:12]} belongs to another chain or model")
+        if block.k.dtype != s.dtype or tuple(block.k.shape) != want_shape:
+            raise BlockError(f"block {key[:12]} holds {block.k.dtype} {list(block.k.shape)}")
+        if list(block.tokens) != list(tokens[lo : lo + BLOCK_TOKENS]):
+            raise BlockError(f"block {key[:12]} holds other token ids")
+
+    def _corrupt(self, key: str, exc: BlockError) -> None:
+        self.stats.corrupt += 1
+        log.warning("KV disk cache: dropped a bad block (%s); recomputing its rows", exc)
+        try:
+            self.store.delete(key)
+        except Exception as err:  # the index itself failing: the block stays a miss
+            self._warn_once("delete", f"KV disk cache: could not delete a bad block: {err}")
+
+    def _readers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.load_threads, thread_name_prefix="turnkv-disk-read")
+        return self._pool
+
+    # -- write-behind -----------------------------------------------------------------------------
+    def write_behind(self, namespace: str, snapshot: SegmentedSnapshot) -> None:
+        """Queue the whole blocks of ``snapshot`` that the store lacks; never waits for the disk."""
+        whole = snapshot.num_tokens // BLOCK_TOKENS
+        if whole == 0 or self._closing:
+            return
+        keys = block_keys(self.context, namespace, snapshot.tokens, whole)
+        now = time.time()
+        todo, present = [], []
+        with self._cv:
+            for depth, key in enumerate(keys):
+                if key in self._pending or self.store.has(key):
+                    present.append(key)
+                else:
+                    todo.append((depth, key, keys[depth - 1] if depth else ROOT_KEY))
+            self.stats.dedupe_hits += len(present)
+            room = max(self.queue_blocks - self._queued, 0)
+            if len(todo) > room:  # keep the chain's head: later blocks need it
+                self.stats.dropped_writes += len(todo) - room
+                self._warn_once("queue", f"KV disk cache: write queue full ({self.queue_blocks} blocks)")
+                todo = todo[:room]
+            if todo:
+                job = _Job(snapshot, todo, now, self._cuda_event())
+                self._jobs.append(job)
+                self._queued += len(todo)
+                self._pending.update(key for _, key, _ in todo)
+                self._cv.notify_all()
+        if present:
+            self.store.touch(present, now)
+
+    def held(self) -> list[SegmentedSnapshot]:
+        """Snapshots that queued writes keep alive (the bank counts their memory)."""
+        with self._cv:
+            jobs = [*self._jobs, *([self._current] if self._current is not None else [])]
+            return [j.snapshot for j in jobs if j.snapshot is not None]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is written (or failed); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._queued == 0, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the queued writes (up to ``timeout`` seconds), stop the threads, close the store."""
+        done = self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            self._abandon = not done
+            self._cv.notify_all()
+        self._writer.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.store.close()
+
+    def _cuda_event(self):
+        if torch.device(self.shape.device).type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()  # after the kernels that made these rows, on the caller's stream
+        return ev
+
+    def _write_loop(self) -> None:
+        stream = None
+        device = torch.device(self.shape.device)
+        if device.type == "cuda":
+            try:
+                if device.index is not None:
+                    torch.cuda.set_device(device)
+                stream = torch.cuda.Stream()  # device -> host copies beside, not behind, decode
+            except Exception as exc:  # every write will then fail and be counted; none hangs
+                self._warn_once("stream", f"KV disk cache: no CUDA stream for writes: {exc}")
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closing)
+                if not self._jobs:
+                    return
+                job = self._current = self._jobs.popleft()
+            try:
+                self._write_job(job, stream)
+            finally:
+                with self._cv:
+                    job.snapshot = None
+                    self._current = None
+                    self._cv.notify_all()
+
+    def _write_job(self, job: _Job, stream) -> None:
+        assert job.snapshot is not None
+        last = job.blocks[-1][1]
+        for depth, key, parent in job.blocks:
+            outcome = "dedupe_hits"
+            try:
+                if self._abandon:
+                    outcome = "dropped_writes"
+                elif not self.store.has(key):  # else an earlier job wrote it meanwhile
+                    k, v = self._host_rows(job, depth, stream)
+                    lo = depth * BLOCK_TOKENS
+                    tokens = job.snapshot.tokens[lo : lo + BLOCK_TOKENS]
+                    self.store.put(Block(key, parent, self.context, depth, tokens, k, v), job.at)
+                    outcome = "writes"
+                    evicted = self.store.evict(self.budget_bytes)
+                    with self._cv:
+                        self.stats.evictions += evicted
+            except Exception as exc:  # disk full, I/O error, a closed store: serving goes on
+                outcome = "write_failures"
+                self._warn_once(
+                    "write",
+                    f"KV disk cache: a block write failed ({type(exc).__name__}: {exc}); turns are "
+                    f"still served, later failures are only counted (disk.write_failures)",
+                )
+            finally:
+                with self._cv:
+                    setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+                    self._queued -= 1
+                    self._pending.discard(key)
+                    if key == last:  # release the rows before anyone sees an empty queue
+                        job.snapshot = None
+                        self._current = None
+                    self._cv.notify_all()
+
+    def _host_rows(self, job: _Job, depth: int, stream) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of block ``depth`` as contiguous CPU tensors ``[L, Hkv, 256, D]``."""
+        assert job.snapshot is not None
+        lo = depth * BLOCK_TOKENS
+        if stream is None:
+            k, v = job.snapshot.read_rows(lo, lo + BLOCK_TOKENS)
+            hk, hv = torch.empty(k.shape, dtype=k.dtype), torch.empty(v.shape, dtype=v.dtype)
+            host_copy(hk, k)  # not torch's copy: its thread pool would compete with decode
+            host_copy(hv, v)
+            return hk, hv
+        with torch.cuda.stream(stream):
+            stream.wait_event(job.ready)
+            k, v = job.snapshot.read_rows(lo, lo + BLOCK_TOKENS)
+            hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+            hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            hk.copy_(k, non_blocking=True)
+            hv.copy_(v, non_blocking=True)
+            stream.synchronize()
+        return hk, hv
+
+    # -- reporting --------------------------------------------------------------------------------
+    def health(self) -> dict:
+        """``/health.disk``: ``enabled`` and the counters of ``DISK_KEYS``."""
+        with self._cv:
+            facts = asdict(self.stats) | {"queued": self._queued}
+        facts |= {"blocks": self.store.count, "bytes": self.store.nbytes, "budget_bytes": self.budget_bytes}
+        return {"enabled": True, **{k: int(facts[k]) for k in DISK_KEYS}}
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind in self._warned:
+            log.debug(message)
+            return
+        self._warned.add(kind)
+        log.warning(message)
+
+
+def open_tier(
+    directory: str | os.PathLike | None, fingerprint: str, shape: KVShape, budget_bytes: int
+) -> DiskTier | None:
+    """``DiskTier.open`` for the server: a directory it cannot use disables the tier (one warning)."""
+    path = Path(directory).expanduser() if directory else default_disk_dir()
+    try:
+        return DiskTier.open(path, fingerprint, shape, budget_bytes)
+    except Exception as exc:  # busy, unwritable, not a directory, a broken index
+        log.warning("KV disk cache disabled: %s (%s)", exc, type(exc).__name__)
+        return None

@@ -1,0 +1,128 @@
+"""CUDA graphs for decode steps: one capture per padded batch size and context bucket.
+
+A decode step (every window one row) is a pure function of a few device buffers: the step's ids,
+positions and logit rows, and the segment table (``attention/fused.py``). ``DecodeGraphs``
+captures the whole forward once per (padded batch size, key bucket) into a shared memory pool,
+then each step only writes those buffers (two uploads) and replays. Padding sequences have
+``q_len`` 0 and are neither read nor written by the kernels. The split count of the attention
+launch is fixed by the key bucket (the next power of two of the longest context), and the eager
+fused path picks its splits the same way (``triton_segments.pick_config``), so a replay equals an
+eager step of the same batch bit for bit.
+
+``--cuda-graphs auto`` captures where it can: CUDA, the fused route, windows of one row, at most
+``MAX_GRAPH_BATCH`` of them, each with at most ``MAX_SEGMENTS`` views; everything else runs
+eagerly, and ``status`` says why graphs are off altogether (``/health.scheduler.graphs``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
+from turnkv.engine.step import StepPlan, Window, host_inputs
+from turnkv.limits import MAX_SEGMENTS
+
+if TYPE_CHECKING:
+    from turnkv.engine.engine import Engine, StepResult
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = GRAPH_BATCHES[-1]
+
+
+class NoGraphs:
+    """Every step runs eagerly; ``status`` says why."""
+
+    def __init__(self, status: str) -> None:
+        self.status = status
+        self.replays = 0
+        self.captures = 0
+
+    def run(self, windows: Sequence[Window]) -> StepResult | None:
+        return None
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [3 * bs] int64: ids | positions | logit rows
+    table: torch.Tensor  # the segment table's words
+    logits: torch.Tensor  # [bs, V]
+
+
+class DecodeGraphs:
+    """Captured decode steps of one engine (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.status = "on"
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.replays = 0
+        self.captures = 0
+
+    def run(self, windows: Sequence[Window]) -> StepResult | None:
+        from turnkv.engine.engine import StepResult
+
+        b = len(windows)
+        if b > MAX_GRAPH_BATCH or any(len(w.tokens) != 1 or w.logits != 1 for w in windows):
+            return None
+        kv = [w.cache.open_window(1) for w in windows]
+        if any(len(k.views) > MAX_SEGMENTS for k in kv):
+            return None
+        bs = padded_batch(b)
+        bucket = key_bucket(max(k.start + 1 for k in kv))  # the splits pick_config picks eagerly too
+        words, _, _ = host_inputs(windows, kv)
+        pad = bs - b
+        inputs = words[:b] + [0] * pad + words[b : 2 * b] + [0] * pad + list(range(bs))
+        host = torch.tensor(inputs, dtype=torch.int64, pin_memory=True)
+        captured = self.graphs.get((bs, bucket))
+        fresh = captured is None
+        if fresh:
+            captured = self._new_buffers(bs, windows, kv, bucket)
+        captured.inputs.copy_(host, non_blocking=True)
+        step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
+        ids, pos, rows = captured.inputs[:bs], captured.inputs[bs : 2 * bs], captured.inputs[2 * bs :]
+        if fresh:
+            self._capture(captured, ids, pos, rows, step)
+            self.graphs[(bs, bucket)] = captured
+        captured.graph.replay()
+        self.replays += 1
+        plan = StepPlan(list(windows), kv, ids[:b], pos[:b], rows[:b], list(range(b)), step)
+        return StepResult(plan, captured.logits[:b])
+
+    def _new_buffers(self, bs, windows, kv, bucket) -> _Captured:
+        device = self.engine.shape.device
+        inputs = torch.zeros(3 * bs, dtype=torch.int64, device=device)
+        # the table's size for bs sequences of one group (decode windows: one narrow launch)
+        words = bs * (1 + MAX_SEGMENTS) * FIELDS + bs * FIELDS
+        table = torch.zeros(words, dtype=torch.int64, device=device)
+        return _Captured(torch.cuda.CUDAGraph(), inputs, table, torch.empty(0))
+
+    def _capture(self, captured: _Captured, ids, pos, rows, step) -> None:
+        model = self.engine.model
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
+            model(ids, pos, rows, step)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(captured.graph, pool=self.pool):
+            captured.logits = model(ids, pos, rows, step)
+        self.captures += 1
+        log.info("captured a decode graph for %d rows", ids.shape[0])
+
+
+def make_graphs(engine: Engine, mode: str) -> DecodeGraphs | NoGraphs:
+    """``--cuda-graphs auto|off``: captured decode where possible, else eager with the reason."""
+    if mode == "off":
+        return NoGraphs("off: --cuda-graphs off")
+    if engine.shape.device.type != "cuda":
+        return NoGraphs(f"off: no CUDA ({engine.shape.device.type})")
+    if engine.backend.name != "fused":
+        return NoGraphs(f"off: the attention route is not fused ({engine.backend.verdict.verdict})")
+    return DecodeGraphs(engine)

@@ -1,0 +1,170 @@
+"""The step loop: a waiting queue, a running set, and one forward per step for all running turns.
+
+Each ``step()`` admits waiting turns while the running set has room (``Turn.begin``: the bank's
+admission), then takes one window from every running turn -- a decode row from each decoding
+turn first, then prefill chunks (and rebase rows) of the others in arrival order within the
+token budget (``max_batch_tokens``) -- runs them as one ``Engine.run_step``, samples every row
+that asked for logits (one batched argmax for the greedy ones) and hands each turn its token.
+A turn's events go to the ``emit`` callback it was submitted with, in order.
+
+``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
+the benches): the same code path as the server, with a running set of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from turnkv.bank.session_bank import SessionBank
+from turnkv.engine.engine import Engine
+from turnkv.engine.turn import Failed, Turn, TurnEvent, TurnRequest, WindowOutput
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[TurnEvent], None]
+
+
+@dataclass
+class _Entry:
+    turn: Turn
+    emit: Emit
+
+
+class Scheduler:
+    """Not thread-safe: ``submit`` and ``step`` run on one thread (the server's engine thread)."""
+
+    def __init__(
+        self, engine: Engine, bank: SessionBank, max_running: int = 64, max_batch_tokens: int = 0
+    ) -> None:
+        self.engine = engine
+        self.bank = bank
+        self.max_running = max(1, max_running)
+        self.max_batch_tokens = max_batch_tokens or engine.prefill_chunk
+        self.waiting: deque[_Entry] = deque()
+        self.running: list[_Entry] = []
+        self.steps = 0
+        self.rows = 0  # rows computed over all steps
+        self.route_counts: Counter = Counter()  # attention calls by route label, over all steps
+        self.wait_s = 0.0  # host time spent waiting for the device's results (the rest is host work)
+        self.step_ms = 0.0  # moving averages over recent steps
+        self.rows_per_step = 0.0
+        self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, request: TurnRequest, emit: Emit) -> Turn:
+        turn = Turn(self.engine, self.bank, request)
+        self.waiting.append(_Entry(turn, emit))
+        return turn
+
+    def step(self) -> None:
+        """Admit what fits, run one forward over every running turn's window, deliver events."""
+        self._admit()
+        budget = self.max_batch_tokens
+        work: list[tuple[_Entry, object]] = []
+        # decode rows first: one row each, they never wait behind a prefill; then prefill chunks
+        # in arrival order while the token budget lasts (a long prompt stalls others one chunk)
+        for e in sorted(self.running, key=lambda e: e.turn.phase != "decode"):
+            decoding = e.turn.phase == "decode"
+            if not decoding and budget <= 0 and work:
+                continue  # waits for a later step
+            w = e.turn.window(1 if decoding else max(budget, 1))
+            if w is None:  # nothing to compute: cancelled, or finishing
+                self._deliver(e, e.turn.advance(None))
+                continue
+            budget -= len(w.tokens)
+            work.append((e, w))
+        if work:
+            self._run(work)
+        self.running = [e for e in self.running if not e.turn.done]
+        self.snapshot = self._info()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            e = self.waiting.popleft()
+            if e.turn.request.cancel.is_set():
+                self._deliver(e, [Failed("cancelled", "the client went away before the turn started")])
+                continue
+            events = e.turn.begin()
+            self._deliver(e, events)
+            if not e.turn.done:
+                self.running.append(e)
+
+    def _run(self, work: list[tuple[_Entry, object]]) -> None:
+        windows = [w for _, w in work]
+        t0 = time.perf_counter()
+        try:
+            result = self.engine.run_step(windows)
+            routes = result.plan.route_counts(self.engine.shape.num_layers)
+            # every logit row's argmax in one op and one host transfer (the step's only sync)
+            t_sync = time.perf_counter()
+            argmax = result.logits.argmax(-1).tolist() if result.logits.shape[0] else []
+            self.wait_s += time.perf_counter() - t_sync
+        except Exception as exc:  # a broken step fails its turns, never the loop
+            log.exception("step failed")
+            for e, _ in work:
+                self._deliver(e, e.turn.fail(exc))
+            return
+        rows = sum(len(w.tokens) for w in windows)
+        self.steps += 1
+        self.rows += rows
+        for c in routes:
+            self.route_counts.update(c)
+        offsets = result.plan.logit_offsets
+        for i, (e, w) in enumerate(work):
+            lo, hi = offsets[i], offsets[i] + w.logits
+            out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], routes[i])
+            try:
+                events = e.turn.advance(out)
+            except Exception as exc:  # e.g. a sampler or detokenizer error: that turn alone fails
+                log.exception("turn failed")
+                events = e.turn.fail(exc)
+            self._deliver(e, events)
+        a = 0.1 if self.steps > 1 else 1.0
+        self.step_ms += a * ((time.perf_counter() - t0) * 1e3 - self.step_ms)
+        self.rows_per_step += a * (rows - self.rows_per_step)
+
+    def _info(self) -> dict:
+        graphs = self.engine.graphs
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "steps": self.steps,
+            "step_ms": round(self.step_ms, 3),
+            "rows_per_step": round(self.rows_per_step, 2),
+            "graphs": {"status": graphs.status, "captures": graphs.captures, "replays": graphs.replays},
+            "route_counts": dict(self.route_counts),
+        }
+
+    @staticmethod
+    def _deliver(e: _Entry, events: list[TurnEvent]) -> None:
+        for ev in events:
+            e.emit(ev)
+
+
+def run_turn(
+    engine: Engine, bank: SessionBank, request: TurnRequest, interruptible: bool = False
+) -> Iterator[TurnEvent]:
+    """Drive one turn to its end on this thread, yielding its events as they happen.
+
+    With ``interruptible``, Ctrl-C (KeyboardInterrupt) cancels the turn instead of ending the
+    program: the answer stops, and what was computed is still sealed and banked.
+    """
+    events: list[TurnEvent] = []
+    sched = Scheduler(engine, bank, max_running=1)
+    sched.submit(request, events.append)
+    while sched.busy:
+        try:
+            sched.step()
+        except KeyboardInterrupt:
+            if not interruptible:
+                raise
+            request.cancel.set()
+        yield from events
+        events.clear()

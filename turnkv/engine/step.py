@@ -1,0 +1,96 @@
+"""The per-step forward plan: the windows of several turns in one forward, built once per step.
+
+A step is a list of ``Window`` s, one per conversation that has work now: a prefill chunk, a
+one-row decode window or a verify window (any mix, ragged). ``plan_step`` opens each cache's KV
+window, lays the rows out back to back and builds, once for the whole step:
+
+- ``ids`` and ``positions`` ``[N]`` and ``logit_rows`` ``[R]`` as device tensors (one upload);
+- the attention backend's plan (``StepAttention``: for the fused backend one segment table for all
+  layers, one upload).
+
+Every linear layer then runs once over the ``N`` rows; each window attends over its own views.
+A window asks for the logits of its last ``logits`` rows only (none for a prefill chunk that is
+not the prompt's last, one for decode, all for a verify window), so the LM head runs on ``R``
+rows, not ``N``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from turnkv.attention.backend import AttentionBackend, StepAttention
+from turnkv.kv.cache import KVCache, KVWindow
+
+
+@dataclass
+class Window:
+    """One conversation's rows in a step: ``tokens`` go to rows ``[n, n + len(tokens))`` of
+    ``cache``; the logits of the last ``logits`` rows come back. The caller commits afterwards."""
+
+    cache: KVCache
+    tokens: Sequence[int]
+    logits: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.tokens or not 0 <= self.logits <= len(self.tokens):
+            raise ValueError(f"a window of {len(self.tokens)} rows asking for {self.logits} logits")
+
+
+@dataclass
+class StepPlan:
+    """What one forward needs, built once: device inputs, KV windows, the attention plan."""
+
+    windows: list[Window]
+    kv: list[KVWindow]
+    ids: torch.Tensor  # [N] int64, device
+    positions: torch.Tensor  # [N] int64, device
+    logit_rows: torch.Tensor  # [R] int64, device
+    logit_offsets: list[int]  # window i's logits are rows [off_i, off_i + windows[i].logits) of R
+    attention: StepAttention
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    def route_counts(self, num_layers: int) -> list[Counter]:
+        """Per window, the attention calls of this step by route label (one per layer)."""
+        return [Counter({label: num_layers}) for label in self.attention.labels]
+
+
+def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list[int], int, list[int]]:
+    """The step's ``ids + positions + logit_rows`` as one list, ``N`` and the logit offsets."""
+    ids: list[int] = []
+    pos: list[int] = []
+    rows: list[int] = []
+    offsets: list[int] = []
+    n = 0
+    for w, k in zip(windows, kv, strict=True):
+        m = len(w.tokens)
+        ids += w.tokens
+        pos += range(k.start, k.start + m)
+        offsets.append(len(rows))
+        rows += range(n + m - w.logits, n + m)
+        n += m
+    return ids + pos + rows, n, offsets
+
+
+def plan_step(windows: Sequence[Window], backend: AttentionBackend, device: torch.device) -> StepPlan:
+    """Open every window's KV rows and build the step's inputs and attention plan (see module doc)."""
+    windows = list(windows)
+    kv = [w.cache.open_window(len(w.tokens)) for w in windows]
+    words, n, offsets = host_inputs(windows, kv)
+    host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
+    dev = host.to(device, non_blocking=True)
+    attention = backend.plan(kv)
+    return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n :], offsets, attention)
+
+
+def forward(model, windows: Sequence[Window], backend: AttentionBackend) -> tuple[StepPlan, torch.Tensor]:
+    """Plan and run one step of ``model`` (a ``LlamaModel``): the plan and fp32 logits ``[R, V]``."""
+    plan = plan_step(windows, backend, model.device)
+    model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
+    return plan, model(plan.ids, plan.positions, plan.logit_rows, plan.attention)

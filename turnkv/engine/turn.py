@@ -1,0 +1,346 @@
+"""One owner per turn: begin (admit, restore, pre-size), steps (prefill, decode), finish (rebase,
+seal, snapshot, bank).
+
+A ``Turn`` is the whole life of one request after its body became token ids. Whoever drives it (the
+scheduler, for the server, ``turnkv chat`` and ``turnkv generate`` alike) asks it for a window each
+step and hands back what the step produced:
+
+    turn = Turn(engine, bank, request)
+    events = turn.begin()                 # [Admitted] or [Failed]; the only admission decision
+    while not turn.done:
+        w = turn.window(budget)           # a prefill chunk, a decode row or the rebase rows
+        ...engine.run_step([w, ...]) ...  # with other turns' windows
+        events += turn.advance(out)       # w's logits rows and their argmax (None: w was not run)
+
+Events, in order: ``Admitted`` or ``Failed`` (refused, nothing done), then ``GenEvent`` s (the last
+carries ``finish_reason`` and ``stats`` and comes once the turn is banked), then ``Banked`` (or
+``Failed`` if the turn broke). The
+context limit, the default ``max_tokens``, the admission price and the tail's size are each
+computed here once. A cancelled turn still seals and banks the rows it computed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from turnkv.bank.session_bank import Refused, SessionBank
+from turnkv.engine.sampling import Sampler, SamplingParams
+from turnkv.engine.step import Window
+from turnkv.engine.stops import StopMatcher
+from turnkv.kv.cache import common_prefix_len
+from turnkv.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from turnkv.engine.engine import Engine
+
+# the most output rows reserved when a request sets no max_tokens (fewer when the context or the
+# bank budget cannot hold them: the answer then ends with finish_reason "length")
+DEFAULT_MAX_TOKENS = 4096
+# rows reserved past the answer for the rebase (the last answer token and the end-of-turn tokens
+# the template adds), so the tail need not regrow -- a copy -- to take them
+REBASE_SLACK_ROWS = 8
+REBASE_MAX_ROWS = 64  # at most this many rows are prefilled to match the re-rendered history
+
+
+@dataclass
+class TurnRequest:
+    """What a request asks once its body is parsed.
+
+    ``max_tokens`` None means as many as the context and the bank budget allow, at most
+    ``DEFAULT_MAX_TOKENS``; an explicit value that does not fit the context is refused
+    (``context_length_exceeded``), as with vLLM.
+    ``render_history`` (optional) returns the token ids the client will send back for this
+    conversation once the answer text is appended (the chat template applied to the history plus
+    the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
+    """
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    namespace: str = ""
+    session: str | None = None
+    render_history: Callable[[str], list[int]] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class TurnStats:
+    """Figures of one turn (reported by ``turnkv generate --json`` and the server's usage)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt rows the bank already held
+    prefilled_tokens: int = 0  # prompt rows computed by this turn
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tok_s: float = 0.0
+    forwards: int = 0  # steps this turn took part in
+    rebase_rows: int = 0
+    route_counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class WindowOutput:
+    """What a step computed for one window: the logits of the rows it asked for and their argmax
+    (taken for the whole step in one batched op and one host transfer), and its attention calls."""
+
+    logits: torch.Tensor  # [k, V] fp32, on the device
+    argmax: list[int]  # k token ids
+    routes: Counter = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prompt_tokens: int
+    cached_tokens: int
+    needed_bytes: int
+
+
+@dataclass
+class GenEvent:
+    """One sampled token and the text it made final; the last event carries the end."""
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    stats: TurnStats | None = None
+
+
+@dataclass(frozen=True)
+class Banked:
+    entry_id: int | None
+    banked_tokens: int
+    rebase_rows: int  # rows recomputed after the answer so the bank matches the re-rendered history
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A turn that ended without an answer. ``code``: ``invalid_request_error``,
+    ``context_length_exceeded``, ``kv_memory_exhausted`` (with the byte counts), ``cancelled`` or
+    ``internal_error``; the server maps it to an HTTP status."""
+
+    code: str
+    message: str
+    needed_bytes: int | None = None
+    available_bytes: int | None = None
+
+
+TurnEvent = Admitted | GenEvent | Banked | Failed
+
+_PREFILL, _DECODE, _REBASE, _DONE = "prefill", "decode", "rebase", "done"
+
+
+class Turn:
+    """The state of one turn (see the module docstring). Not thread-safe: one driver thread."""
+
+    def __init__(self, engine: Engine, bank: SessionBank, request: TurnRequest) -> None:
+        self.engine = engine
+        self.bank = bank
+        self.request = request
+        self.phase = _PREFILL
+        self.cache = None
+        self.lease = None
+        self.stats = TurnStats(prompt_tokens=len(request.prompt))
+        self.routes: Counter = Counter()
+        self._text: list[str] = []
+        self._pending: list[int] = []  # rows of the current phase not yet computed
+        self._next: int | None = None  # the sampled token to feed next (decode)
+        self._open: Window | None = None
+        self._t0 = time.perf_counter()
+        self._t_first: float | None = None
+        self._last: GenEvent | None = None  # the answer's last event, sent once the turn is banked
+
+    @property
+    def done(self) -> bool:
+        return self.phase == _DONE
+
+    # -- begin ----------------------------------------------------------------------------------
+    def begin(self) -> list[TurnEvent]:
+        """Check the context, price and admit the turn, restore its cache; ``[Admitted]`` or ``[Failed]``."""
+        req, engine = self.request, self.engine
+        ids = req.prompt
+        limit = engine.max_context
+        failed = _check_context(ids, req.max_tokens, limit, engine.loaded.config.vocab_size)
+        if failed is not None:
+            self.phase = _DONE
+            return [failed]
+        max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+        if limit:
+            max_tokens = min(max_tokens, limit - len(ids))
+        self.params = req.params
+        self.max_tokens = max_tokens
+        slack = REBASE_SLACK_ROWS if req.render_history is not None else 0
+        try:
+            # without an explicit max_tokens the reservation shrinks to what the budget can hold
+            least = 1 + slack if req.max_tokens is None else None
+            self.lease = self.bank.admit(
+                req.namespace, ids, max_tokens + slack, engine.activation_bytes, req.session, least
+            )
+        except Refused as e:
+            self.phase = _DONE
+            fix = "a shorter prompt" + (" or a smaller max_tokens" if req.max_tokens is not None else "")
+            msg = f"{e}; retry with {fix} (the server's KV budget is --bank-bytes)"
+            return [Failed("kv_memory_exhausted", msg, e.needed_bytes, e.available_bytes)]
+        lease = self.lease
+        max_tokens = self.max_tokens = max(lease.reserve_rows - slack, 1)
+        self.cache = engine.restore(lease.snapshot) if lease.snapshot is not None else engine.new_cache()
+        lease.attach(self.cache)
+        # the tail is sized once for everything admission priced
+        self.cache.presize(len(ids) - lease.cached + max_tokens + slack)
+        self.stats.cached_tokens = lease.cached
+        self._pending = list(ids[lease.cached :])  # the last prompt row is always recomputed
+        self.stats.prefilled_tokens = len(self._pending)
+        self.sampler = Sampler(self.params, engine.shape.device)
+        self.decoder = StreamDecoder(engine.tokenizer)
+        self.stops = StopMatcher(self.params.stop)
+        self.eos = set() if self.params.ignore_eos else set(engine.tokenizer.eos_token_ids)
+        return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
+
+    # -- steps ----------------------------------------------------------------------------------
+    def window(self, budget: int) -> Window | None:
+        """This turn's rows for the next step (at most ``budget`` rows of prefill), or None when it
+        has nothing to compute (finished, or finishing without a rebase)."""
+        if self.phase == _DECODE and self.request.cancel.is_set():
+            self._open = None  # a window of a step that was interrupted (Ctrl-C) is not pending
+            return None
+        if self.phase in (_PREFILL, _REBASE):
+            n = min(len(self._pending), max(1, budget), self.engine.prefill_chunk)
+            last = n == len(self._pending) and self.phase == _PREFILL
+            self._open = Window(self.cache, self._pending[:n], logits=1 if last else 0)
+        elif self.phase == _DECODE:
+            self._open = Window(self.cache, [self._next], logits=1)
+        else:
+            self._open = None
+        return self._open
+
+    def advance(self, out: WindowOutput | None) -> list[TurnEvent]:
+        """After the step that ran ``window``'s rows (``out``; None when ``window`` gave none):
+        commit them, sample the next token from their logits (stop checks, text); may finish."""
+        w = self._open
+        self._open = None
+        if w is None:  # nothing was computed: cancelled before its decode row, or done
+            return self._end("cancelled") if self.phase == _DECODE else []
+        assert out is not None, "a window that ran needs its output"
+        self.cache.commit(w.tokens)
+        self.stats.forwards += 1
+        self.routes.update(out.routes)
+        if self.phase == _REBASE:
+            del self._pending[: len(w.tokens)]
+            return self._finish() if not self._pending else []
+        if self.phase == _PREFILL:
+            del self._pending[: len(w.tokens)]
+            if self._pending:
+                return []
+            self.stats.prefill_s = time.perf_counter() - self._t0
+            self.phase = _DECODE
+        # the step's batched argmax is the greedy token unless a logit_bias changes the row
+        fast = self.params.greedy and not self.params.logit_bias
+        tok = out.argmax[-1] if fast else self.sampler(out.logits[-1])
+        return self._take(tok)
+
+    def fail(self, exc: BaseException) -> list[TurnEvent]:
+        """The step this turn was in broke: bank nothing of it (what was banked before stays)."""
+        if self.lease is not None:
+            self.bank.finish(self.lease, None)
+        self.phase = _DONE
+        return [Failed("internal_error", f"generation failed: {type(exc).__name__}: {exc}")]
+
+    # -- internals ------------------------------------------------------------------------------
+    def _take(self, tok: int) -> list[TurnEvent]:
+        n = self.stats.completion_tokens = self.stats.completion_tokens + 1
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+            self.stats.ttft_s = self._t_first - self._t0
+        if tok in self.eos:
+            return [GenEvent(tok, ""), *self._end("stop")]
+        text, hit = self.stops.push(self.decoder.push(tok))
+        self._text.append(text)
+        events: list[TurnEvent] = [GenEvent(tok, text)]
+        if hit:
+            return events + self._end("stop", flushed=True)
+        if n >= self.max_tokens:
+            return events + self._end("length")
+        if self.request.cancel.is_set():
+            return events + self._end("cancelled")
+        self._next = tok
+        return events
+
+    def _end(self, finish: str, flushed: bool = False) -> list[TurnEvent]:
+        """The answer is over: the last ``GenEvent``, then the rebase rows or the finish."""
+        tail = ""
+        if not flushed:  # text held back for a stop string or a half character is final now
+            tail, hit = self.stops.push(self.decoder.flush())
+            tail += "" if hit else self.stops.flush()
+            finish = "stop" if hit else finish
+        self._text.append(tail)
+        s = self.stats
+        t_end = time.perf_counter()
+        if self._t_first is not None:
+            s.decode_s = t_end - self._t_first
+            s.decode_tok_s = (
+                (s.completion_tokens - 1) / s.decode_s if s.completion_tokens > 1 and s.decode_s else 0.0
+            )
+        # the answer's last event waits until the turn is banked, so a client that has its answer
+        # finds it in the bank when it sends the follow-up
+        self._last = GenEvent(None, tail, finish_reason=finish, stats=s)
+        render = self.request.render_history
+        # a cancelled answer will not come back in the next request: bank it as generated
+        if finish in ("stop", "length") and render is not None:
+            self._pending = self._rebase_rows(render("".join(self._text)))
+            if self._pending:
+                self.phase = _REBASE
+                return []
+        return self._finish()
+
+    def _rebase_rows(self, rendered: list[int]) -> list[int]:
+        """Make the cache a prefix of ``rendered`` (trim at the first difference; a rollback, no
+        copy); the missing rows, if few enough to prefill (else none)."""
+        have = self.cache.tokens
+        d = common_prefix_len(have, rendered)
+        if d < len(have):
+            self.cache.trim(d)
+        todo = list(rendered[d:])
+        limit = self.engine.max_context
+        if len(todo) > REBASE_MAX_ROWS or (limit and len(rendered) >= limit):
+            return []
+        self.stats.rebase_rows = len(todo)
+        return todo
+
+    def _finish(self) -> list[TurnEvent]:
+        self.phase = _DONE
+        self.cache.seal()
+        snap = self.cache.snapshot()
+        eid = self.bank.finish(self.lease, snap)
+        self.stats.route_counts = dict(self.routes)  # the rebase rows' calls included
+        return [self._last, Banked(eid, snap.num_tokens, self.stats.rebase_rows)]
+
+
+def _check_context(ids: list[int], max_tokens: int | None, limit: int, vocab: int) -> Failed | None:
+    """The one context check: ids in the vocabulary, the prompt plus one answer token (or the
+    explicit max_tokens) fit."""
+    if not ids:
+        return Failed("invalid_request_error", "the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+        return Failed("invalid_request_error", f"prompt token ids must be in [0, {vocab})")
+    if limit and len(ids) + 1 > limit:
+        return Failed(
+            "context_length_exceeded",
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{len(ids)} tokens (at least one more is needed to answer). Shorten the messages.",
+        )
+    if max_tokens is not None and limit and len(ids) + max_tokens > limit:
+        return Failed(
+            "context_length_exceeded",
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the "
+            f"completion). Reduce the length of the messages or the completion.",
+        )
+    return None

@@ -1,0 +1,39 @@
+"""Triton kernel behind ``pointwise.silu_mul`` (imported lazily, on CUDA only; tested on the CPU
+through the interpreter)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from turnkv.attention.triton_segments import INTERPRET, downcast
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, n_cols, sxm, som, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(X + row * sxm + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * sxm + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    elt = Out.dtype.element_ty
+    silu = downcast(gate / (1.0 + tl.exp(-gate)), elt, INTERP).to(tl.float32)  # rounded as torch rounds
+    tl.store(Out + row * som + cols, downcast(silu * up, elt, INTERP), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[N, 2I]`` -> ``[N, I]``, rounded where torch rounds."""
+    n, two_i = gate_up.shape
+    inter = two_i // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty(n, inter, device=gate_up.device, dtype=gate_up.dtype)
+    if n == 0:
+        return out
+    block = 1024
+    grid = (n, triton.cdiv(inter, block))
+    _silu_mul_kernel[grid](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, INTERP=INTERPRET
+    )
+    return out
