@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_bank import ROW, SHAPE, _append, _conversation
 
-from turnkv.bank.session_bank import Refused, SessionBank
+from turnkv.bank.session_bank import MustWait, Refused, SessionBank
 from turnkv.kv.segments import SegmentedLayout, unique_bytes
 
 
@@ -207,3 +207,58 @@ def test_a_shrinkable_reservation_takes_what_the_budget_can_hold():
         bank.admit("ns", list(range(30)), reserve_rows=4096)  # an explicit reservation never shrinks
     with pytest.raises(Refused):
         bank.admit("ns", list(range(100)), reserve_rows=4096, min_reserve_rows=1)  # no room for one
+
+
+class WritingTier:
+    """A disk tier whose queued write holds ``snapshot`` until ``flush`` (the bank counts it)."""
+
+    def __init__(self, snapshot) -> None:
+        self.queued = [snapshot]
+        self.flushes = 0
+
+    def extend(self, namespace, tokens, prefix):
+        return None
+
+    def write_behind(self, namespace, snapshot) -> None:
+        pass
+
+    def held(self):
+        return list(self.queued)
+
+    def flush(self, timeout=None) -> bool:
+        self.flushes += 1
+        self.queued.clear()
+        return True
+
+
+def test_admission_waits_for_the_disk_tiers_queued_writes_rather_than_refuse():
+    """A conversation just banked is still held by its disk write for a moment: a turn that fits
+    once the write is done waits for it (it was a 507 right after the merge of the disk tier)."""
+    layout = SegmentedLayout(SHAPE)
+    a = _conversation(layout, [*CHATML, *range(100, 614)]).snapshot()
+    bank = _bank(1100)
+    bank.tier = WritingTier(a)
+    bank.insert("ns", a)
+    lease = bank.admit("ns", [*CHATML, *range(1000, 1444)], reserve_rows=200)
+    assert bank.tier.flushes == 1 and lease.copied_rows == 3 and bank.stats.refusals == 0
+    bank.finish(lease)
+    with pytest.raises(Refused):  # nothing to wait for: refused at once
+        bank.admit("ns", list(range(2000, 3200)), reserve_rows=1)
+    assert bank.tier.flushes == 1 and bank.stats.refusals == 1
+
+
+def test_a_turn_that_fits_once_the_running_turns_finish_waits():
+    """With many turns per step, eight clients arriving together on a 64M bank got 507 while the
+    first one ran; a turn that fits once the live turns finish now waits (the scheduler retries)."""
+    bank = _bank(100)
+    running = bank.admit("ns", list(range(50)), reserve_rows=20)
+    with pytest.raises(MustWait):
+        bank.admit("ns", list(range(100, 150)), reserve_rows=20, wait=True)
+    assert bank.stats.refusals == 0
+    with pytest.raises(Refused):  # a caller that cannot wait gets the 507
+        bank.admit("ns", list(range(100, 150)), reserve_rows=20)
+    with pytest.raises(Refused) as e:  # too large even alone: refused, not told to wait
+        bank.admit("ns", list(range(100, 250)), reserve_rows=20, wait=True)
+    assert not isinstance(e.value, MustWait)
+    bank.finish(running)
+    bank.finish(bank.admit("ns", list(range(100, 150)), reserve_rows=20, wait=True))

@@ -20,8 +20,11 @@ Admission, in order (the first that fits wins):
 2. short references detached (``bank.detach``: a hit using less than half of an otherwise idle
    segment copies its rows instead of pinning the segment), evicting unprotected idle entries;
 3. every partial reference into an evictable segment detached, evicting unprotected idle entries,
-   then session-protected ones. Its floor is what nothing may evict (live turns and entries they
-   continue), so a refusal here means the turn cannot fit at all.
+   then session-protected ones. Its floor is what nothing may evict (live turns, the entries they
+   continue, the disk tier's queued writes), so a refusal here means the turn cannot fit now.
+   If it would fit once the disk tier's writes are done, admission waits for them; if it would
+   fit once the live turns finish, ``admit(wait=True)`` raises :class:`MustWait` (the scheduler
+   keeps the turn queued).
 A turn without an explicit ``max_tokens`` (``min_reserve_rows``) gets the largest reservation the
 budget can hold in plan 3, up to what it asked.
 
@@ -58,6 +61,7 @@ Measure = Callable[[Iterable[object]], int]
 LOOKUP_CANDIDATES = 16  # entries weighed when several share the longest prefix
 SESSION_TTL_S = 600.0  # default protection of a session's newest entry after its last turn
 SESSION_SHARE = 0.5  # default share of the budget all protected entries together may hold
+TIER_WAIT_S = 10.0  # longest admission waits for the disk tier's queued writes to free their rows
 
 
 class LowerTier(Protocol):
@@ -93,6 +97,12 @@ class Refused(Exception):
         )
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
+        self.writes_pending = False  # the disk tier's queued writes hold what would make room
+        self.after_running = False  # it would fit once the live turns have finished
+
+
+class MustWait(Refused):
+    """Not now: the turn fits once the live turns finish (``admit(..., wait=True)``); not a refusal."""
 
 
 @dataclass
@@ -253,6 +263,7 @@ class SessionBank:
         activation_bytes: Callable[[int, int], int] | None = None,
         session: str | None = None,
         min_reserve_rows: int | None = None,
+        wait: bool = False,
     ) -> Lease:
         """Price the turn, evict entries to make room, hold the hit; raise :class:`Refused`.
 
@@ -260,10 +271,40 @@ class SessionBank:
         ``len(tokens) - 1`` rows are restored. ``activation_bytes(new_rows, history_rows)`` is the
         transient prefill memory. With ``min_reserve_rows`` the output reservation may shrink from
         ``reserve_rows`` down to that many rows to fit (``Lease.reserve_rows`` says what was granted).
-        See the module docstring for the order in which admission tries to fit.
+        See the module docstring for the order in which admission tries to fit. When only the rows
+        the disk tier's queued writes still hold stand in the way, admission waits (at most
+        ``TIER_WAIT_S``, the bank unlocked) for those writes and tries once more. With ``wait``, a
+        turn that fits once the live turns have finished raises :class:`MustWait` instead (the
+        scheduler keeps it queued; DESIGN: "if it would fit once running turns finish, it waits").
         """
+        args = (namespace, tokens, reserve_rows, activation_bytes, session, min_reserve_rows)
         with self._lock:
             self.stats.query_tokens += len(tokens)
+        try:
+            return self._admit(*args)
+        except Refused as e:
+            refused = e
+        if wait and refused.after_running:
+            raise MustWait(refused.needed_bytes, refused.available_bytes)
+        if refused.writes_pending and self.tier is not None:
+            self.tier.flush(TIER_WAIT_S)  # written rows are no longer held by the tier
+            try:
+                return self._admit(*args)
+            except Refused as e:
+                refused = e
+        self.stats.refusals += 1
+        raise refused
+
+    def _admit(
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        reserve_rows: int,
+        activation_bytes: Callable[[int, int], int] | None,
+        session: str | None,
+        min_reserve_rows: int | None,
+    ) -> Lease:
+        with self._lock:
             self._sessions.touch(namespace, session)
             n, entry = self.lookup(namespace, tokens)
             cached = min(n, max(len(tokens) - 1, 0))
@@ -285,8 +326,16 @@ class SessionBank:
             least = reserve_rows if min_reserve_rows is None else min(min_reserve_rows, reserve_rows)
             room = (self.budget_bytes - last.floor - last.fixed) // self.bytes_per_row
             if room < least:
-                self.stats.refusals += 1
-                raise Refused(last.fixed + least * self.bytes_per_row, max(self.budget_bytes - last.floor, 0))
+                e = Refused(last.fixed + least * self.bytes_per_row, max(self.budget_bytes - last.floor, 0))
+                # would it fit once the disk tier's queued writes let go of their rows?
+                writing = self.measure(self.tier.held()) if self.tier is not None else 0
+                e.writes_pending = room + writing // self.bytes_per_row >= least and writing > 0
+                # ... or once the live turns (their rows, reservations and the entries they pin)
+                # have finished, everything else evicted?
+                alone = self.measure([last.detach.referenced] if last.detach else [prefix] if prefix else [])
+                free = (self.budget_bytes - alone - last.fixed) // self.bytes_per_row
+                e.after_running = bool(self._leases) and free >= least
+                raise e
             reserve = min(reserve_rows, room)
             needed, plan = 0, last
             for plan in plans:

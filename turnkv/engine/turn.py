@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from turnkv.bank.session_bank import Refused, SessionBank
+from turnkv.bank.session_bank import MustWait, Refused, SessionBank
 from turnkv.engine.sampling import Sampler, SamplingParams
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
@@ -163,8 +163,9 @@ class Turn:
         return self.phase == _DONE
 
     # -- begin ----------------------------------------------------------------------------------
-    def begin(self) -> list[TurnEvent]:
-        """Check the context, price and admit the turn, restore its cache; ``[Admitted]`` or ``[Failed]``."""
+    def begin(self) -> list[TurnEvent] | None:
+        """Check the context, price and admit the turn, restore its cache; ``[Admitted]`` or
+        ``[Failed]``, or None: it fits only once the running turns have finished (call again)."""
         req, engine = self.request, self.engine
         ids = req.prompt
         limit = engine.max_context
@@ -182,8 +183,10 @@ class Turn:
             # without an explicit max_tokens the reservation shrinks to what the budget can hold
             least = 1 + slack if req.max_tokens is None else None
             self.lease = self.bank.admit(
-                req.namespace, ids, max_tokens + slack, engine.activation_bytes, req.session, least
+                req.namespace, ids, max_tokens + slack, engine.activation_bytes, req.session, least, wait=True
             )
+        except MustWait:
+            return None
         except Refused as e:
             self.phase = _DONE
             fix = "a shorter prompt" + (" or a smaller max_tokens" if req.max_tokens is not None else "")
