@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnkv.bank.session_bank import Refused, SessionBank, TokenIndex, auto_budget_bytes
+from turnkv.bank.budget import auto_budget_bytes
+from turnkv.bank.session_bank import Refused, SessionBank, TokenIndex
 from turnkv.kv.cache import KVShape
 from turnkv.kv.contiguous import ContiguousLayout
 from turnkv.kv.segments import SegmentedLayout, segments_created, unique_bytes

@@ -69,3 +69,167 @@ def test_scripted_chat_undo_reuses_segments():
     assert stats["last_turn"]["cached_tokens"] > 0
     assert stats["seals"] >= 3
     assert any(k.startswith("lse_") for k in stats["last_turn"]["route_counts"])  # several segments
+
+
+# -- flags are validated before the model loads (issue 7, items 8 and 9) ---------------------------
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading a model fails the test: every refusal below must come before the load."""
+    from turnkv.engine.engine import Engine
+
+    def refuse(*a, **kw):
+        raise AssertionError("the model was loaded before the flags were validated")
+
+    monkeypatch.setattr(Engine, "from_config", refuse)
+    for var in [v for v in __import__("os").environ if v.startswith("TURNKV_")]:
+        monkeypatch.delenv(var)
+    return monkeypatch
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    from turnkv.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's own exits
+        code = e.code
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["serve", "--port", "99999"], {}, "--port"),
+        (["serve", "--port", "abc"], {}, "--port"),
+        (["serve"], {"TURNKV_PORT": "abc"}, "TURNKV_PORT"),
+        (["serve"], {"TURNKV_PORT": "70000"}, "TURNKV_PORT"),
+        (["serve", "--max-context", "-1"], {}, "--max-context"),
+        (["serve", "--prefill-chunk", "0"], {}, "--prefill-chunk"),
+        (["serve"], {"TURNKV_PREFILL_CHUNK": "0"}, "TURNKV_PREFILL_CHUNK"),
+        (["serve", "--bank-bytes", "lots"], {}, "--bank-bytes"),
+        (["serve", "--device", "bogus"], {}, "--device"),
+        (["serve"], {"TURNKV_KV_LAYOUT": "paged"}, "TURNKV_KV_LAYOUT"),
+        (["serve", "--session-share", "1.5"], {}, "--session-share"),
+        (["serve"], {"TURNKV_ACCESS_LOG": "maybe"}, "TURNKV_ACCESS_LOG"),
+        (["serve", "--shutdown-timeout", "-1"], {}, "--shutdown-timeout"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], {}, "--temperature"),
+        (["generate", "--prompt", "hi", "--top-p", "0"], {}, "--top-p"),
+        (["generate", "--prompt", "hi", "--top-k", "-2"], {}, "--top-k"),
+        (["generate", "--prompt", "hi", "--max-tokens", "0"], {}, "--max-tokens"),
+        (["chat", "--seed", str(2**64)], {}, "--seed"),
+        (["selfcheck", "--device", "bogus"], {}, "--device"),
+    ],
+)
+def test_bad_flags_and_variables_are_one_line_naming_them_before_loading(no_load, capsys, argv, env, needle):
+    for k, v in env.items():
+        no_load.setenv(k, v)
+    code, err = run_main(capsys, *argv)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("turnkv: error:"), err
+    assert needle in lines[0], lines[0]
+
+
+def test_a_port_in_use_fails_before_loading_and_before_serving_on(no_load, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = run_main(capsys, "serve", "--port", str(port))
+    assert code == 2 and "serving on" not in err
+    assert err.strip().splitlines() == [
+        f"turnkv: error: port {port} on 127.0.0.1 is already in use; pick another with --port"
+    ]
+
+
+def test_version_and_help_with_defaults(capsys):
+    from turnkv.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("turnkv 0.")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in (
+        "default: 8000; env TURNKV_PORT",
+        "default: auto; env TURNKV_BANK_BYTES",
+        "--no-access-log",
+    ):
+        assert needle in text, needle
+
+
+def test_selfcheck_on_cuda_without_cuda_says_no_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = turnkv("selfcheck", "--device", "cuda", "--json")
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout)["verdict"] == "no_cuda"
+
+
+class Chat:
+    """``turnkv chat`` in a subprocess, its stdout read as it comes (issue 7, item 10)."""
+
+    def __init__(self, *args: str) -> None:
+        import threading
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "turnkv", "chat", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.out = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while ch := self.proc.stdout.read(1):
+            self.out += ch
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, predicate, timeout: float = 240) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not predicate(self.out):
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert time.monotonic() < deadline, self.out
+            time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_answer_keeps_the_turn_and_ctrl_c_at_the_prompt_exits():
+    import signal
+
+    chat = Chat("--max-tokens", "2000")
+    try:
+        chat.send("Write a very long story about a lighthouse keeper and the sea.")
+        chat.wait_for(lambda out: len(out) > 40)
+        chat.proc.send_signal(signal.SIGINT)
+        chat.wait_for(lambda out: "(stopped)" in out)
+        chat.send("/stats")
+        chat.wait_for(lambda out: out.rstrip().endswith("}"))
+        first = json.loads(chat.out.strip().splitlines()[-1])
+        assert first["turns"] == 1
+        turn = first["last_turn"]
+        assert 0 < turn["completion_tokens"] < 2000
+        # the stopped answer is sealed and banked: the conversation goes on from it
+        assert first["seals"] == 1 and first["bank_entries"] == 1
+        chat.send("/undo")  # the turn is part of the conversation
+        chat.wait_for(lambda out: "(undone)" in out)
+        chat.proc.send_signal(signal.SIGINT)  # at the prompt: the program ends
+        assert chat.proc.wait(timeout=60) in (0, 130)
+    finally:
+        if chat.proc.poll() is None:
+            chat.proc.kill()

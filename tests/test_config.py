@@ -36,6 +36,39 @@ def test_malformed_bank_size_fails_early():
         engine_config(build_parser().parse_args(["serve", "--bank-bytes", "lots"]))
 
 
+def test_new_server_flags_have_typed_env_twins(monkeypatch):
+    monkeypatch.setenv("TURNKV_SESSION_TTL", "90.5")
+    monkeypatch.setenv("TURNKV_ACCESS_LOG", "off")
+    monkeypatch.setenv("TURNKV_MAX_BODY_BYTES", "2M")
+    cfg = engine_config(build_parser().parse_args(["serve", "--shutdown-timeout", "4"]))
+    assert (cfg.session_ttl, cfg.access_log, cfg.max_body_bytes, cfg.shutdown_timeout) == (
+        90.5,
+        False,
+        "2M",
+        4.0,
+    )
+    cfg = engine_config(build_parser().parse_args(["serve", "--access-log"]))
+    assert cfg.access_log is True  # the flag wins over TURNKV_ACCESS_LOG=off
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("port", 65536),
+        ("port", True),
+        ("kv_layout", "paged"),
+        ("max_body_bytes", "0"),
+        ("session_ttl", float("nan")),
+    ],
+)
+def test_engine_config_validates_every_field_in_one_place(field, value):
+    from turnkv.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**{field: value})
+    assert e.value.field == field
+
+
 def test_disk_flags_and_their_env_twins(monkeypatch):
     cfg = engine_config(build_parser().parse_args(["serve"]))
     assert (cfg.disk_dir, cfg.disk_bytes, cfg.no_disk) == ("", "8G", False)  # on by default

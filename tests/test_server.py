@@ -21,7 +21,6 @@ import uvicorn
 from turnkv.bank.disk import DISK_KEYS
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
-from turnkv.models.load import load_model
 from turnkv.server.app import create_app
 
 pytestmark = pytest.mark.slow
@@ -75,11 +74,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    # fp32 dequantized weights: these tests compare greedy text across a cold request and one that
-    # reuses the bank, which is exact only in fp32 (packed weights round activations to bf16 and
-    # can flip a near-tie; see tests/test_quant_default.py for that path's stated tolerance).
-    return load_model("default", "cpu", "auto", progress=False, weights="dequant")
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
@@ -316,15 +312,17 @@ def test_models_health_and_metrics(live):
 
 
 def test_turnkv_serve_process():
-    """``python -m turnkv serve`` as a user starts it: flags, env twins, a request, a clean stop."""
+    """``python -m turnkv serve`` as a user starts it: flags, env twins, a request, the access log,
+    and SIGTERM while a turn runs: it says what it waits for and exits within --shutdown-timeout."""
     import os
+    import signal
     import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "TURNKV_BANK_BYTES": "64M"}
+    env = {**os.environ, "TURNKV_BANK_BYTES": "64M", "TURNKV_SHUTDOWN_TIMEOUT": "2"}
     cmd = [sys.executable, "-m", "turnkv", "serve", "--port", str(port), "--device", "cpu", "--api-key", "k"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -343,6 +341,31 @@ def test_turnkv_serve_process():
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         r = chat(c, [{"role": "user", "content": "Hi"}], max_tokens=2)
         assert r.choices[0].message.content and r.usage.completion_tokens == 2
+        # a long answer is streaming when SIGTERM comes
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "stream": True,
+        }
+        body |= {"max_tokens": 1000, "ignore_eos": True}
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer k"}, timeout=60
+        ) as resp:
+            lines = resp.iter_lines()
+            while '"content":"' not in next(lines):
+                pass
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            waited = time.monotonic() - t0
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    log = proc.stdout.read()
+    assert f"turnkv: serving SmolLM2-135M-Instruct on http://127.0.0.1:{port}/v1" in log
+    assert '"POST /v1/chat/completions" 200 prompt=' in log and "completion=2 finish=length" in log
+    assert "turnkv: shutting down: waiting for 1 running turn (at most 2 s, --shutdown-timeout)" in log
+    assert waited < 2 + 15, waited  # the bound plus the time to cancel the turn and exit
+    assert "finish=cancelled" in log  # the stream ended at a token boundary, not by a killed task
+    assert "Traceback" not in log, log

@@ -12,16 +12,14 @@ import openai
 import pytest
 from test_server import MODEL, SYSTEM, Live, chat
 
-from turnkv.models.load import load_model
-
 pytestmark = pytest.mark.slow
 
 USER = [{"role": "user", "content": "Hello there."}]
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("default", "cpu", "auto", progress=False)
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +215,13 @@ def test_session_header_protects_that_sessions_newest_entry(loaded):
         a = chat(c, a_msgs, max_tokens=3, extra_headers={"X-Session-Id": "session-a"})
         b = chat(c, b_msgs, max_tokens=3)  # more recent than A, but no session
         srv.idle()
-        big = [{"role": "user", "content": "Summarise: " + "copper meadow signal " * 40}]
+        # a raw completion shares no prefix with the chats, so its price does not depend on them
+        big = {"model": MODEL, "prompt": "Summarise: " + "copper meadow signal " * 40, "max_tokens": 3}
         bank.budget_bytes = 1  # learn what the big turn is priced at: a 507 names it
-        needed = _error(srv.post("/v1/chat/completions", _chat_body(messages=big, max_tokens=3)), 507)[
-            "needed_bytes"
-        ]
+        needed = _error(srv.post("/v1/completions", big), 507)["needed_bytes"]
         # room for the big turn beside one of the two entries, not beside both
         bank.budget_bytes = bank.unique_bytes() + needed - 1
-        chat(c, big, max_tokens=3)
+        assert srv.post("/v1/completions", big).status_code == 200
         assert bank.stats.evictions == 1
         assert (
             chat(c, a_msgs, max_tokens=1).usage.prompt_tokens_details.cached_tokens

@@ -3,16 +3,22 @@
 Every turn goes through ``engine.turn`` with a private session bank: the turn is admitted,
 restored from the bank by its tokens (references, no copy), computed, rebased, sealed and banked.
 ``/undo`` drops the last exchange from the messages; the next prompt then matches a shorter
-prefix of what is banked, so nothing is recomputed. Ctrl-C during an answer stops the answer
-(what was computed is kept) and returns to the prompt. When stdin is not a terminal, every input
-line is one user message, so the chat can be scripted.
+prefix of what is banked, so nothing is recomputed. Ctrl-C during an answer stops the answer at
+the next token (what was computed is kept: sealed and banked) and returns to the prompt; the
+first Ctrl-C only sets the turn's cancel flag (``interruptible``), so no step is cut in the
+middle; a second one interrupts (and still cancels the turn). Ctrl-C at the prompt ends the
+program. When stdin is not a terminal, every input line is one user message, so the chat can be
+scripted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict
 
@@ -60,8 +66,9 @@ class ChatSession:
         other.turns = list(self.turns)
         return other
 
-    def ask(self, text: str) -> Iterator[str]:
-        """Streams the answer's text; the turn is banked when the stream ends."""
+    def ask(self, text: str, cancel: threading.Event | None = None) -> Iterator[str]:
+        """Streams the answer's text; the turn is banked when the stream ends (``cancel`` set: the
+        answer stops at the next token)."""
         tok = self.engine.tokenizer
         self.turns.append(len(self.messages))
         self.messages.append({"role": "user", "content": text})
@@ -74,6 +81,7 @@ class ChatSession:
             render_history=lambda answer: tok.apply_chat_template(
                 [*history, {"role": "assistant", "content": answer}], add_generation_prompt=False
             ),
+            cancel=cancel if cancel is not None else threading.Event(),
         )
         pieces = []
         for ev in run_turn(self.engine, self.bank, request, interruptible=True):
@@ -111,6 +119,27 @@ class ChatSession:
         return out
 
 
+@contextlib.contextmanager
+def interruptible() -> Iterator[threading.Event]:
+    """While inside, the first SIGINT sets the yielded event instead of raising KeyboardInterrupt;
+    a second one raises as usual. Only in the main thread (signals cannot be caught elsewhere)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_sigint(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_chat(engine: Engine, args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
     session = ChatSession(engine, params, args.max_tokens, args.system)
@@ -139,7 +168,8 @@ def run_chat(engine: Engine, args: argparse.Namespace) -> int:
         elif line.startswith("/"):
             print(f"(unknown command; {HELP})", flush=True)
         else:
-            for piece in session.ask(line):
-                print(piece, end="", flush=True)
+            with interruptible() as stop:
+                for piece in session.ask(line, cancel=stop):
+                    print(piece, end="", flush=True)
             print(" (stopped)" if session.finish == "cancelled" else "", flush=True)
     return 0

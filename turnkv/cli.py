@@ -1,8 +1,10 @@
 """``turnkv serve | chat | generate | selfcheck | cache``.
 
-Every flag has a ``TURNKV_*`` environment twin (``--kv-layout`` <-> ``TURNKV_KV_LAYOUT``); a flag on
-the command line wins. Expected failures (a missing model, an unsupported architecture, a prompt
-longer than the context) print one line naming the problem and exit with code 2.
+Every flag of the engine and the server has a ``TURNKV_*`` environment twin (``--kv-layout`` <->
+``TURNKV_KV_LAYOUT``); a flag on the command line wins. Every flag and variable is validated
+(``EngineConfig.__post_init__``, ``SamplingParams``) before the model loads. Expected failures (a bad
+flag or variable, a port in use, a missing model, an unsupported architecture, a prompt longer than
+the context) print one line naming the problem -- and the flag or variable -- and exit with code 2.
 """
 
 from __future__ import annotations
@@ -12,77 +14,116 @@ import json
 import logging
 import sys
 from dataclasses import asdict, fields
+from typing import NoReturn
 
-from turnkv.config import EngineConfig, parse_size
+from turnkv.config import ConfigError, EngineConfig, env_name
 
 EXIT_USAGE = 2
+DEFAULTS = EngineConfig()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line ``turnkv: error: ...`` and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"turnkv: error: {message} (see {self.prog} --help)\n")
+
+
+def _flag_help(name: str, text: str) -> str:
+    return f"{text} (default: {getattr(DEFAULTS, name)!s}; env {env_name(name)})"
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or random:SHAPE")
-    p.add_argument("--device", help="auto | cpu | cuda | any torch device")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument(
+
+    def add(flag: str, name: str, text: str, **kw) -> None:
+        p.add_argument(flag, dest=name, help=_flag_help(name, text), **kw)
+
+    add("--model", "model", "HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or random:SHAPE")
+    add("--device", "device", "auto | cpu | cuda | any torch device")
+    add("--dtype", "dtype", "weights and KV dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    add(
+        "--kv-layout",
+        "kv_layout",
+        "KV layout (contiguous: the A/B baseline)",
+        choices=["segmented", "contiguous"],
+    )
+    add("--attention", "attention", "attention route", choices=["auto", "fused", "lse"])
+    add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
+    add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
+    add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA", choices=["auto", "off"])
+    add(
         "--weights",
+        "weights",
+        "GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes",
         choices=["auto", "packed", "dequant"],
-        help="GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes",
     )
-    p.add_argument("--kv-layout", dest="kv_layout", choices=["segmented", "contiguous"])
-    p.add_argument("--attention", choices=["auto", "fused", "lse"])
-    p.add_argument("--max-context", dest="max_context", type=int, help="tokens; 0 = the model's own")
-    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, help="rows per prefill window")
+    add("--threads", "threads", "torch CPU threads; 0 = the cores available to the process", type=int)
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, top: bool) -> None:
     p.add_argument(
-        "--cuda-graphs", dest="cuda_graphs", choices=["auto", "off"], help="captured decode steps on CUDA"
+        "--max-tokens", dest="max_tokens", type=int, default=max_tokens, help="(default: %(default)s)"
     )
-    p.add_argument("--threads", type=int, help="torch CPU threads; 0 = the cores available to the process")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    if top:
+        p.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="(default: %(default)s)")
+        p.add_argument("--top-k", dest="top_k", type=int, default=0, help="0 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="seed of the sampler (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="turnkv", description=__doc__.splitlines()[0])
-    ap.add_argument("-v", "--verbose", action="store_true")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="turnkv", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"turnkv {version()}")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_flags(s)
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
+
+    def add(flag: str, name: str, text: str, **kw) -> None:
+        s.add_argument(flag, dest=name, help=_flag_help(name, text), **kw)
+
+    add("--host", "host", "address to listen on")
+    add("--port", "port", "TCP port; 0 = any free port", type=int)
+    add("--bank-bytes", "bank_bytes", "KV budget of the session bank: N, 512M, 8G or auto")
+    add("--api-key", "api_key", "required bearer key (repeatable; env: comma-separated)", action="append")
+    add("--session-ttl", "session_ttl", "seconds an X-Session-Id protects its newest entry", type=float)
+    add("--session-share", "session_share", "share of the bank budget protected entries may hold", type=float)
+    add("--max-body-bytes", "max_body_bytes", "request body limit (413 past it): N, 1M or auto")
+    add("--shutdown-timeout", "shutdown_timeout", "seconds SIGTERM waits for running turns", type=float)
     s.add_argument(
-        "--bank-bytes", dest="bank_bytes", help="KV budget of the session bank: N, 512M, 8G or auto"
+        "--access-log",
+        dest="access_log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_flag_help("access_log", "one line per request on stderr"),
     )
-    s.add_argument("--api-key", dest="api_key", action="append", help="required bearer key (repeatable)")
-    s.add_argument("--max-running", dest="max_running", type=int, help="turns decoding together per step")
-    s.add_argument(
-        "--max-batch-tokens",
-        dest="max_batch_tokens",
-        type=int,
-        help="prefill rows per step (0: --prefill-chunk)",
-    )
+    add("--max-running", "max_running", "turns decoding together per step", type=int)
+    add("--max-batch-tokens", "max_batch_tokens", "prefill rows per step (0: --prefill-chunk)", type=int)
     _disk_flags(s)
-    s.add_argument("--disk-bytes", dest="disk_bytes", help="byte budget of the KV disk tier: N, 512M, 8G")
+    add("--disk-bytes", "disk_bytes", "byte budget of the KV disk tier: N, 512M, 8G")
     s.add_argument(
-        "--no-disk", dest="no_disk", action="store_true", default=None, help="serve without the KV disk tier"
+        "--no-disk",
+        dest="no_disk",
+        action="store_true",
+        default=None,
+        help=_flag_help("no_disk", "serve without the KV disk tier"),
     )
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--system")
-    g.add_argument("--max-tokens", dest="max_tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", dest="top_p", type=float, default=1.0)
-    g.add_argument("--top-k", dest="top_k", type=int, default=0)
-    g.add_argument("--seed", type=int)
+    _sampling_flags(g, max_tokens=128, top=True)
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
     c = sub.add_parser("chat", help="terminal chat keeping one conversation (/undo, /reset, /stats)")
     _engine_flags(c)
     c.add_argument("--system")
-    c.add_argument("--max-tokens", dest="max_tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=0.0)
-    c.add_argument("--seed", type=int)
+    _sampling_flags(c, max_tokens=256, top=False)
 
     k = sub.add_parser("selfcheck", help="run the fused-attention probe and print the verdict")
-    k.add_argument("--device", default="auto")
+    k.add_argument("--device", default="auto", help="auto | cpu | cuda | any torch device (default: auto)")
     k.add_argument("--json", action="store_true")
 
     d = sub.add_parser("cache", help="the KV disk tier: stats, verify every block, or clear it")
@@ -94,23 +135,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _disk_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--disk-dir", dest="disk_dir", help="KV disk tier directory (default $XDG_CACHE_HOME/turnkv/kv)"
+        "--disk-dir",
+        dest="disk_dir",
+        help=_flag_help("disk_dir", "KV disk tier directory ('': $XDG_CACHE_HOME/turnkv/kv)"),
     )
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("turnkv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Defaults, then TURNKV_* env twins, then flags given on the command line."""
-    values = asdict(EngineConfig())
-    values.update(EngineConfig.env_defaults())
+    """Defaults, then TURNKV_* env twins, then flags given on the command line; validated, with an
+    error naming the flag or the variable a bad value came from."""
+    values = asdict(DEFAULTS)
+    env = EngineConfig.env_defaults()
+    values.update(env)
+    given = set()
     for f in fields(EngineConfig):
-        given = getattr(args, f.name, None)
-        if given is not None:
-            values[f.name] = given
-    cfg = EngineConfig(**values)
-    if cfg.bank_bytes != "auto":
-        parse_size(cfg.bank_bytes)  # fail early on a malformed size
-    parse_size(cfg.disk_bytes)
-    return cfg
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = value
+            given.add(f.name)
+    try:
+        return EngineConfig(**values)
+    except ConfigError as e:
+        if e.field in given:
+            source = "--" + e.field.replace("_", "-")
+        elif e.field in env:
+            source = env_name(e.field)
+        else:
+            source = e.field
+        raise ConfigError(source, e.problem) from None
+
+
+def sampling_params(args: argparse.Namespace, **extra):
+    """The sampler's parameters from ``generate``/``chat`` flags; a bad one names its flag."""
+    from turnkv.engine.sampling import SamplingError, SamplingParams
+
+    if getattr(args, "max_tokens", 1) < 1:
+        raise ConfigError("--max-tokens", f"must be >= 1 (got {args.max_tokens})")
+    values = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "seed") if hasattr(args, k)}
+    try:
+        return SamplingParams(**values, **extra)
+    except SamplingError as e:
+        raise ConfigError("--" + e.field.replace("_", "-"), e.problem) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "selfcheck":
-        from turnkv.attention.selfcheck import cli_main
-
-        return cli_main(args.device, args.json)
+        return _selfcheck(args)
     cfg = engine_config(args)
     if args.command == "cache":
         from turnkv.cache_cli import cache_main
@@ -148,34 +221,38 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     set_threads(cfg.threads)
     if args.command == "serve":
-        from turnkv.server.app import serve
+        from turnkv.server.run import serve
 
         serve(cfg)
         return 0
+    params = sampling_params(args)  # validated before the model loads
     from turnkv.engine.engine import Engine
 
     engine = Engine.from_config(cfg, progress=not getattr(args, "json", False))
     if args.command == "generate":
-        return _generate(engine, args)
+        return _generate(engine, args, params)
     from turnkv.chat import run_chat
 
     return run_chat(engine, args)
 
 
-def _generate(engine, args: argparse.Namespace) -> int:
-    from turnkv.engine.sampling import SamplingParams
+def _selfcheck(args: argparse.Namespace) -> int:
+    try:
+        EngineConfig(device=args.device)
+    except ConfigError as e:
+        raise ConfigError("--device", e.problem) from None
+    from turnkv.attention.selfcheck import cli_main
+
+    return cli_main(args.device, args.json)
+
+
+def _generate(engine, args: argparse.Namespace, params) -> int:
     from turnkv.engine.scheduler import run_turn
     from turnkv.engine.turn import Failed, GenEvent, TurnRequest
 
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
     ids = engine.tokenizer.apply_chat_template(messages)
     request = TurnRequest(ids, params, max_tokens=args.max_tokens)
     pieces, stats = [], None

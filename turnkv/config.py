@@ -3,13 +3,20 @@
 ModelConfig is filled by ``turnkv.models.load`` from a Hugging Face ``config.json`` or from GGUF
 metadata; EngineConfig from CLI flags, each of which has a ``TURNKV_*`` environment twin
 (``--bank-bytes`` <-> ``TURNKV_BANK_BYTES``). A flag given on the command line wins over its env twin.
+
+EngineConfig is validated in one place, its ``__post_init__``: every field's type, range and
+allowed values (``Literal``), so a bad flag or variable fails before the model loads, with a
+:class:`ConfigError` naming the field (the CLI names the flag or the variable it came from).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -65,45 +72,156 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
 
+class ConfigError(ValueError):
+    """A bad EngineConfig value; ``field`` names it, ``problem`` says what is wrong."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+KVLayout = Literal["segmented", "contiguous"]
+AttentionChoice = Literal["auto", "fused", "lse"]
+CudaGraphs = Literal["auto", "off"]
+Weights = Literal["auto", "packed", "dequant"]
+MAX_PORT = 65535
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
 @dataclass
 class EngineConfig:
-    """Flags of ``turnkv serve|chat|generate``; each has a ``TURNKV_<NAME>`` env twin."""
+    """Flags of ``turnkv serve|chat|generate``; each has a ``TURNKV_<NAME>`` env twin.
+
+    Invariants (``__post_init__``): every field has its annotated type; Literal fields hold one of
+    their values; sizes parse (``parse_size``) or are ``auto``; ``device`` is ``auto`` or a torch
+    device string; ``port`` in 0..65535 (0: any free port); counts and seconds in their ranges.
+    """
 
     model: str = "default"
     device: str = "auto"  # auto | cpu | cuda | any torch device string
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    weights: str = "auto"  # auto | packed | dequant: GGUF Q4_0/Q4_1/Q8_0 kept packed on CPU (models/quant.py)
-    kv_layout: str = "segmented"  # segmented | contiguous
-    attention: str = "auto"  # auto | fused | lse
+    dtype: DType = "auto"
+    weights: Weights = "auto"  # GGUF Q4_0/Q4_1/Q8_0 kept packed on CPU (models/quant.py)
+    kv_layout: KVLayout = "segmented"
+    attention: AttentionChoice = "auto"
     bank_bytes: str = "auto"  # N | auto
     disk_dir: str = ""  # the KV disk tier's directory; "": $XDG_CACHE_HOME/turnkv/kv or ~/.cache/turnkv/kv
     disk_bytes: str = "8G"  # byte budget of the disk tier (least recently used blocks go first)
     no_disk: bool = False  # serve without the disk tier
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
-    cuda_graphs: str = "auto"  # auto | off: captured decode steps on CUDA
+    cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)
+    session_ttl: float = 600.0  # seconds an X-Session-Id protects its newest entry after its last turn
+    session_share: float = 0.5  # of the bank budget that protected entries may hold together
+    max_body_bytes: str = "auto"  # N | auto: max(1 MiB, 128 bytes x the context length)
+    access_log: bool = True
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running turns
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        if self.device != "auto":
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ConfigError(
+                    "device",
+                    f"must be auto, cpu, cuda or a torch device such as cuda:1 (got {self.device!r})",
+                ) from None
+        for name, auto in (("bank_bytes", True), ("max_body_bytes", True), ("disk_bytes", False)):
+            value = getattr(self, name)
+            if auto and value == "auto":
+                continue
+            try:
+                if parse_size(value) <= 0:
+                    raise ValueError
+            except ValueError:
+                either = "auto or " if auto else ""
+                raise ConfigError(
+                    name, f"must be {either}a positive size such as 512M or 8G (got {value!r})"
+                ) from None
+        _check_range("max_context", self.max_context, 0, None, "0 means the model's own")
+        _check_range("prefill_chunk", self.prefill_chunk, 1, None)
+        _check_range("max_running", self.max_running, 1, None)
+        _check_range("threads", self.threads, 0, None, "0 means the cores this process may run on")
+        _check_range("max_batch_tokens", self.max_batch_tokens, 0, None, "0 means --prefill-chunk")
+        _check_range("port", self.port, 0, MAX_PORT, "0 means any free port")
+        _check_range("session_ttl", self.session_ttl, 0, None, "seconds; 0 turns session protection off")
+        _check_range("session_share", self.session_share, 0, 1, "a share of the bank budget")
+        _check_range("shutdown_timeout", self.shutdown_timeout, 0, None, "seconds")
+        if not self.host:
+            raise ConfigError("host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
 
     @classmethod
     def env_defaults(cls) -> dict[str, object]:
-        """Values from ``TURNKV_*`` variables, typed like the fields; unknown names are ignored."""
+        """Values from ``TURNKV_*`` variables, typed like the fields; unknown names are ignored.
+
+        A value that does not parse raises :class:`ConfigError` naming the variable."""
         out: dict[str, object] = {}
+        hints = typing.get_type_hints(cls)
         for f in fields(cls):
-            raw = os.environ.get("TURNKV_" + f.name.upper())
-            if raw is None:
-                continue
-            default = getattr(cls(), f.name)
-            if isinstance(default, bool):
-                out[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif isinstance(default, int):
-                out[f.name] = int(raw)
-            elif isinstance(default, list):
-                out[f.name] = [x for x in raw.split(",") if x]
-            else:
-                out[f.name] = raw
+            var = env_name(f.name)
+            raw = os.environ.get(var)
+            if raw is not None:
+                out[f.name] = _parse_env(var, raw, hints[f.name])
         return out
+
+
+def env_name(field_name: str) -> str:
+    return "TURNKV_" + field_name.upper()
+
+
+def _parse_env(var: str, raw: str, hint: object) -> object:
+    text = raw.strip()
+    if hint is bool:
+        if text.lower() in TRUE_WORDS + FALSE_WORDS:
+            return text.lower() in TRUE_WORDS
+        raise ConfigError(var, f"must be one of 1/0, true/false, yes/no, on/off (got {raw!r})")
+    if hint is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(var, f"must be an integer (got {raw!r})") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(var, f"must be a number (got {raw!r})") from None
+    if typing.get_origin(hint) is list:
+        return [x for x in text.split(",") if x]
+    return text
+
+
+def _check_type(name: str, value: object, hint: object) -> None:
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+    if choices is not None:
+        if value not in choices:
+            raise ConfigError(name, f"must be one of {', '.join(map(str, choices))} (got {value!r})")
+        return
+    if typing.get_origin(hint) is list:
+        ok = isinstance(value, list) and all(isinstance(x, str) for x in value)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)  # type: ignore[arg-type]
+    if not ok:
+        raise ConfigError(name, f"must be {getattr(hint, '__name__', hint)} (got {value!r})")
+
+
+def _check_range(name: str, value: float, lo: float, hi: float | None, note: str = "") -> None:
+    if not (math.isfinite(value) and value >= lo and (hi is None or value <= hi)):
+        span = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(name, f"must be {span}{f' ({note})' if note else ''}; got {value!r}")

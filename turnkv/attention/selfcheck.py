@@ -302,7 +302,8 @@ def cli_main(device: str, as_json: bool) -> int:
     dtype = torch.bfloat16
     results: list[ProbeResult] = []
     verdict = Verdict()
-    if dev.type != "cuda" and not (dev.type == "cpu" and interpreting()):
+    cuda = dev.type == "cuda" and torch.cuda.is_available()
+    if not cuda and not (dev.type == "cpu" and interpreting()):
         verdict = Verdict(
             "lse", "no_cuda", f"no CUDA device ({dev}); set TRITON_INTERPRET=1 to check on the CPU"
         )

@@ -10,16 +10,32 @@ restore without copying a row.
 Memory is counted as *unique* bytes over the bank and the live requests (a segment held by many
 snapshots counts once); the layout supplies that measure. Admission prices a turn before it does
 any work: new prompt rows + reserved output rows, times bytes per row, plus prefill activations,
-plus, when the layout copies on restore (``contiguous``), the restored history. It evicts idle
-entries least recently used to make room, and refuses (:class:`Refused`, HTTP 507) when even that
-would not be enough -- in which case nothing is evicted.
+plus, when the layout copies on restore (``contiguous``), the restored history, plus rows a hit
+copies (below). It evicts idle entries least recently used to make room, and refuses
+(:class:`Refused`, HTTP 507) only when evicting every evictable entry would still not be enough --
+in which case nothing is evicted.
+
+Admission, in order (the first that fits wins):
+1. the hit restored by reference (zero-copy), evicting nothing;
+2. short references detached (``bank.detach``: a hit using less than half of an otherwise idle
+   segment copies its rows instead of pinning the segment), evicting unprotected idle entries;
+3. every partial reference into an evictable segment detached, evicting unprotected idle entries,
+   then session-protected ones. Its floor is what nothing may evict (live turns, the entries they
+   continue, the disk tier's queued writes), so a refusal here means the turn cannot fit now.
+   If it would fit once the disk tier's writes are done, admission waits for them; if it would
+   fit once the live turns finish, ``admit(wait=True)`` raises :class:`MustWait` (the scheduler
+   keeps the turn queued).
+A turn without an explicit ``max_tokens`` (``min_reserve_rows``) gets the largest reservation the
+budget can hold in plan 3, up to what it asked.
 
 Invariants:
 - Rows a live request restored are never freed: its :class:`Lease` holds (and the accounting
   counts) the prefix it restored. An entry in use -- one whose every row a live request
-  continues from -- is pinned and never evicted; an entry that shares only a prefix with the
-  request (a fork, a regeneration, a shared system prompt) may lose the rest of its rows.
-- With a session id, a session's newest entry is never evicted (its older ones may be).
+  continues from by reference -- is pinned and never evicted; an entry that shares only a prefix
+  with the request (a fork, a regeneration, a shared system prompt) may lose the rest of its rows.
+- With a session id, a session's newest entry is evicted only after every unprotected idle
+  entry, while the session is younger than ``session_ttl_s`` and within ``session_share`` of the
+  budget (``bank.sessions``); protection never refuses a turn.
 - A refusal evicts nothing.
 - Entries are keyed by tokens only; the session id never decides what matches.
 - An entry whose tokens are a strict prefix of another idle entry's in the same namespace is
@@ -28,104 +44,30 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import torch
-
+from turnkv.bank.detach import held_segment_ids, plan_detach
+from turnkv.bank.records import (  # the records are this module's public names too
+    AdmissionPlan,
+    BankEntry,
+    BankStats,
+    Lease,
+    LowerTier,
+    Measure,
+    MustWait,
+    Refused,
+)
+from turnkv.bank.sessions import SessionGuard
 from turnkv.bank.token_index import TokenIndex
-from turnkv.kv.cache import KVCache, Snapshot
+from turnkv.kv.cache import Snapshot
 
-# Measures the unique bytes of KV rows held by snapshots and live caches (each segment once).
-Measure = Callable[[Iterable[object]], int]
-
-AUTO_SHARE_CUDA = 0.80  # of the device memory free after the weights are loaded
-AUTO_SHARE_CPU = 0.50  # of the RAM the OS reports available at start
 LOOKUP_CANDIDATES = 16  # entries weighed when several share the longest prefix
-
-
-class LowerTier(Protocol):
-    """A slower store of KV rows behind the bank (``turnkv.bank.disk.DiskTier``).
-
-    ``extend`` returns a snapshot of more leading rows of ``tokens`` than ``prefix`` holds (``prefix``
-    possibly cut shorter, plus rows it loaded), or None; it never returns rows it did not verify.
-    ``write_behind`` queues a finished turn's rows and returns at once. ``held`` lists the
-    snapshots its queued writes keep alive. ``health`` is ``/health.disk``; ``close`` finishes the
-    queued writes.
-    """
-
-    def extend(self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None) -> Snapshot | None: ...
-
-    def write_behind(self, namespace: str, snapshot: Snapshot) -> None: ...
-
-    def held(self) -> list[Snapshot]: ...
-
-    def health(self) -> dict: ...
-
-    def close(self) -> None: ...
-
-
-class Refused(Exception):
-    """A turn that cannot fit the budget even after evicting every idle entry (HTTP 507)."""
-
-    def __init__(self, needed_bytes: int, available_bytes: int) -> None:
-        super().__init__(
-            f"KV memory exhausted: this turn needs {needed_bytes} bytes but only {available_bytes} "
-            f"bytes of the bank budget can be freed; retry with a shorter prompt or a smaller max_tokens"
-        )
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
-
-
-@dataclass
-class BankEntry:
-    """One banked snapshot. ``last_used`` is a logical clock (larger is more recent)."""
-
-    id: int
-    namespace: str
-    snapshot: Snapshot
-    tokens: tuple[int, ...]
-    last_used: int
-    in_use: int = 0
-
-
-@dataclass
-class Lease:
-    """An admitted turn: what it restores from, what it was priced, and its live cache.
-
-    ``snapshot`` is ``None`` on a miss; otherwise it holds the first ``cached`` tokens of the prompt.
-    ``snapshot`` stays counted until :meth:`SessionBank.finish`; the entry it came from is pinned
-    until then when the request uses all of its rows (``pinned``).
-    """
-
-    namespace: str
-    session: str | None
-    entry_id: int | None
-    cached: int
-    snapshot: Snapshot | None
-    needed_bytes: int
-    pinned: bool = False
-    live: KVCache | None = None
-    done: bool = False
-
-    def attach(self, cache: KVCache) -> None:
-        """Count this live cache in the bank's unique bytes until the turn finishes."""
-        self.live = cache
-
-
-@dataclass
-class BankStats:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    refusals: int = 0
-    inserts: int = 0
-    hit_tokens: int = 0  # prompt tokens served from the bank
-    query_tokens: int = 0  # prompt tokens of every admitted or refused turn
-    peak_bytes: int = 0  # most unique bytes seen at the end of a turn (bank + live + new snapshot)
+SESSION_TTL_S = 600.0  # default protection of a session's newest entry after its last turn
+SESSION_SHARE = 0.5  # default share of the budget all protected entries together may hold
+TIER_WAIT_S = 10.0  # longest admission waits for the disk tier's queued writes to free their rows
 
 
 @dataclass
@@ -134,16 +76,20 @@ class SessionBank:
 
     ``measure`` returns the unique bytes of a collection of snapshots and live caches (the layout's
     ``unique_bytes``); ``bytes_per_row`` is one token across all layers; ``copy_on_restore`` makes
-    admission price the restored history (the contiguous layout copies it). ``tier`` (optional):
-    admission asks it to extend the memory hit (rows it loads are held by the lease and priced
-    like the rest of the restored prefix), every finished turn is written behind to it, and the
-    snapshots its queue holds count as used memory.
+    admission price the restored history (the contiguous layout copies it). ``session_ttl_s`` and
+    ``session_share`` bound session protection (``bank.sessions``); ``clock`` is its time source.
+    ``tier`` (optional): admission asks it to extend the memory hit (rows it loads are held by the
+    lease and priced like the rest of the restored prefix), every finished turn is written behind
+    to it, and the snapshots its queue holds count as used memory.
     """
 
     budget_bytes: int
     bytes_per_row: int
     measure: Measure
     copy_on_restore: bool = False
+    session_ttl_s: float = SESSION_TTL_S
+    session_share: float = SESSION_SHARE
+    clock: Callable[[], float] = time.monotonic
     stats: BankStats = field(default_factory=BankStats)
     tier: LowerTier | None = None
 
@@ -151,7 +97,7 @@ class SessionBank:
         self._entries: dict[int, BankEntry] = {}
         self._index: dict[str, TokenIndex] = {}
         self._leases: list[Lease] = []
-        self._newest: dict[tuple[str, str], int] = {}  # (namespace, session) -> protected entry
+        self._sessions = SessionGuard(self.session_ttl_s, self.session_share, self.clock)
         self._next_id = 0
         self._clock = 0
         self._lock = threading.RLock()
@@ -167,7 +113,7 @@ class SessionBank:
     def view(self) -> tuple[list[BankEntry], list[Lease], set[int]]:
         """One consistent read for status pages: (entries, live leases, protected entry ids)."""
         with self._lock:
-            return list(self._entries.values()), list(self._leases), self._protected()
+            return list(self._entries.values()), list(self._leases), self._kept_ids()
 
     def unique_bytes(self, live: bool = True) -> int:
         """Unique KV bytes of every banked snapshot (and, with ``live``, every live cache)."""
@@ -176,6 +122,12 @@ class SessionBank:
             if live:
                 held += self._lease_held()
             return self.measure(held)
+
+    def protected(self) -> set[int]:
+        """Ids of the entries session protection holds now (see ``bank.sessions``)."""
+        with self._lock:
+            snaps = {i: e.snapshot for i, e in self._entries.items()}
+            return self._sessions.protected(snaps, self.measure, self.budget_bytes)
 
     def lookup(self, namespace: str, tokens: Sequence[int]) -> tuple[int, BankEntry | None]:
         """Longest banked prefix of ``tokens`` in ``namespace``: (n, the entry to restore it from).
@@ -196,7 +148,7 @@ class SessionBank:
             if len(recent) == 1:
                 return n, recent[0]
             cut = min(n, max(len(tokens) - 1, 0))  # what admission restores
-            kept = [self._entries[i].snapshot for i in self._protected() if i in self._entries]
+            kept = [self._entries[i].snapshot for i in self._kept_ids() if i in self._entries]
             kept += self._lease_held()
             return n, min(
                 recent[:LOOKUP_CANDIDATES], key=lambda e: self.measure([*kept, e.snapshot.prefix(cut)])
@@ -210,15 +162,50 @@ class SessionBank:
         reserve_rows: int,
         activation_bytes: Callable[[int, int], int] | None = None,
         session: str | None = None,
+        min_reserve_rows: int | None = None,
+        wait: bool = False,
     ) -> Lease:
-        """Price the turn, evict idle entries to make room, hold the hit; raise :class:`Refused`.
+        """Price the turn, evict entries to make room, hold the hit; raise :class:`Refused`.
 
         The prompt's last row is always recomputed (its logits start the answer), so at most
         ``len(tokens) - 1`` rows are restored. ``activation_bytes(new_rows, history_rows)`` is the
-        transient prefill memory.
+        transient prefill memory. With ``min_reserve_rows`` the output reservation may shrink from
+        ``reserve_rows`` down to that many rows to fit (``Lease.reserve_rows`` says what was granted).
+        See the module docstring for the order in which admission tries to fit. When only the rows
+        the disk tier's queued writes still hold stand in the way, admission waits (at most
+        ``TIER_WAIT_S``, the bank unlocked) for those writes and tries once more. With ``wait``, a
+        turn that fits once the live turns have finished raises :class:`MustWait` instead (the
+        scheduler keeps it queued; DESIGN: "if it would fit once running turns finish, it waits").
         """
+        args = (namespace, tokens, reserve_rows, activation_bytes, session, min_reserve_rows)
         with self._lock:
             self.stats.query_tokens += len(tokens)
+        try:
+            return self._admit(*args)
+        except Refused as e:
+            refused = e
+        if wait and refused.after_running:
+            raise MustWait(refused.needed_bytes, refused.available_bytes)
+        if refused.writes_pending and self.tier is not None:
+            self.tier.flush(TIER_WAIT_S)  # written rows are no longer held by the tier
+            try:
+                return self._admit(*args)
+            except Refused as e:
+                refused = e
+        self.stats.refusals += 1
+        raise refused
+
+    def _admit(
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        reserve_rows: int,
+        activation_bytes: Callable[[int, int], int] | None,
+        session: str | None,
+        min_reserve_rows: int | None,
+    ) -> Lease:
+        with self._lock:
+            self._sessions.touch(namespace, session)
             n, entry = self.lookup(namespace, tokens)
             cached = min(n, max(len(tokens) - 1, 0))
             if entry is not None and cached == 0:
@@ -226,19 +213,47 @@ class SessionBank:
             prefix = entry.snapshot.prefix(cached) if entry is not None else None
             if self.tier is not None:
                 prefix, cached = self._extend(namespace, tokens, prefix, cached)
-            new_rows = len(tokens) - cached
-            needed = (new_rows + reserve_rows) * self.bytes_per_row
-            if activation_bytes is not None:
-                needed += activation_bytes(new_rows, cached)
-            if self.copy_on_restore:
-                needed += cached * self.bytes_per_row
-            pin = entry is not None and cached == len(entry.tokens)
-            self._make_room(needed, {entry.id} if pin else set(), prefix)  # or Refused, evicting nothing
-            if entry is not None:
+            whole = entry is not None and cached == len(entry.tokens)
+
+            def price(copied: int) -> int:
+                new_rows = len(tokens) - cached
+                rows = new_rows + copied + (cached if self.copy_on_restore else 0)
+                act = activation_bytes(new_rows, cached) if activation_bytes is not None else 0
+                return rows * self.bytes_per_row + act
+
+            plans = self._plans(prefix, entry if whole else None, price)
+            last = plans[-1]
+            least = reserve_rows if min_reserve_rows is None else min(min_reserve_rows, reserve_rows)
+            room = (self.budget_bytes - last.floor - last.fixed) // self.bytes_per_row
+            if room < least:
+                e = Refused(last.fixed + least * self.bytes_per_row, max(self.budget_bytes - last.floor, 0))
+                # would it fit once the disk tier's queued writes let go of their rows?
+                writing = self.measure(self.tier.held()) if self.tier is not None else 0
+                e.writes_pending = room + writing // self.bytes_per_row >= least and writing > 0
+                # ... or once the live turns (their rows, reservations and the entries they pin)
+                # have finished, everything else evicted?
+                alone = self.measure([last.detach.referenced] if last.detach else [prefix] if prefix else [])
+                free = (self.budget_bytes - alone - last.fixed) // self.bytes_per_row
+                e.after_running = bool(self._leases) and free >= least
+                raise e
+            reserve = min(reserve_rows, room)
+            needed, plan = 0, last
+            for plan in plans:
+                needed = plan.fixed + reserve * self.bytes_per_row
+                if plan.floor + needed <= self.budget_bytes:
+                    break
+            self._evict_until(needed, plan.order, plan.detach.referenced if plan.detach else prefix)
+            copied = plan.detach.copied_rows if plan.detach else 0
+            if plan.detach is not None:
+                prefix = plan.detach.build()
+            pin = whole and copied == 0
+            if entry is not None and entry.id in self._entries:
                 entry.in_use += pin
                 self._touch(entry)
+            if entry is not None:
                 self.stats.hits += 1
                 self.stats.hit_tokens += cached
+                self.stats.copied_rows += copied
             else:
                 self.stats.misses += 1
             lease = Lease(
@@ -248,10 +263,35 @@ class SessionBank:
                 cached=cached,
                 snapshot=prefix,
                 needed_bytes=needed,
+                reserve_rows=reserve,
+                copied_rows=copied,
                 pinned=pin,
             )
             self._leases.append(lease)
             return lease
+
+    def _plans(
+        self, prefix: Snapshot | None, whole: BankEntry | None, price: Callable[[int], int]
+    ) -> list[AdmissionPlan]:
+        """The three ways to admit of the module docstring, cheapest in copies first."""
+        in_use = {e.id for e in self._entries.values() if e.in_use > 0}
+        sessions = self.protected()
+        lru = sorted(self._entries.values(), key=lambda e: e.last_used)
+        plans = [AdmissionPlan(None, set(self._entries), [], 0, price(0))]
+        for keep, every in ((in_use | sessions, False), (in_use, True)):
+            detach = None
+            if prefix is not None and hasattr(prefix, "refs"):
+                held = [self._entries[i].snapshot for i in keep] + self._lease_held()
+                detach = plan_detach(prefix, held_segment_ids(held), every)  # type: ignore[arg-type]
+            if whole is not None and (detach is None or detach.copied_rows == 0):
+                keep = keep | {whole.id}  # used whole by reference: pinned
+            order = [e for e in lru if e.id not in keep and e.id not in sessions]
+            order += [e for e in lru if e.id not in keep and e.id in sessions]
+            plans.append(AdmissionPlan(detach, keep, order, 0, price(detach.copied_rows if detach else 0)))
+        for plan in plans:
+            kept = [e for e in self._entries.values() if e.id in plan.keep]
+            plan.floor = self._used(kept, plan.detach.referenced if plan.detach else prefix)
+        return plans
 
     def finish(self, lease: Lease, snapshot: Snapshot | None = None) -> int | None:
         """End a turn: bank ``snapshot`` (if any), unpin the entry it restored from, drop its cache.
@@ -320,8 +360,7 @@ class SessionBank:
             index.insert(tokens, entry.id)
             self.stats.inserts += 1
         self._touch(entry)
-        if session:
-            self._newest[(namespace, session)] = entry.id
+        self._sessions.mark(namespace, session, entry.id)
         return entry.id
 
     def _drop_superseded(self, namespace: str, by: int) -> None:
@@ -331,14 +370,12 @@ class SessionBank:
         for eid in self._index[namespace].prefixes_of(longer.tokens):
             e = self._entries[eid]
             if len(e.tokens) < len(longer.tokens) and e.in_use == 0:
-                for key, protected in list(self._newest.items()):
-                    if protected == eid:
-                        self._newest[key] = by
+                self._sessions.moved(eid, by)
                 self._remove(e)
 
-    def _protected(self) -> set[int]:
-        pinned = {e.id for e in self._entries.values() if e.in_use > 0}
-        return pinned | set(self._newest.values())
+    def _kept_ids(self) -> set[int]:
+        """Entries kept ahead of LRU eviction: in use by a live turn, or protected by a session."""
+        return {e.id for e in self._entries.values() if e.in_use > 0} | self.protected()
 
     def _lease_held(self) -> list[object]:
         """What live turns keep alive: their restored prefixes and their caches."""
@@ -355,22 +392,23 @@ class SessionBank:
         reserved = sum(ls.needed_bytes for ls in self._leases)
         return self.measure(held) + reserved
 
-    def _make_room(self, needed: int, pinned: set[int], prefix: Snapshot | None = None) -> None:
-        """Evict idle entries until ``needed`` fits beside everything kept (``prefix`` included)."""
-        protected = self._protected() | pinned
-        floor = self._used((e for e in self._entries.values() if e.id in protected), prefix)
-        if floor + needed > self.budget_bytes:
-            self.stats.refusals += 1
-            raise Refused(needed, max(self.budget_bytes - floor, 0))
-        self._evict_until(needed, protected, prefix)
-
     def _fit_budget(self) -> None:
-        self._evict_until(0, self._protected())
+        """After a turn: evict unprotected idle entries, then session-protected ones, LRU first,
+        until the bank fits its budget (entries in use stay)."""
+        sessions = self.protected()
+        lru = sorted((e for e in self._entries.values() if e.in_use == 0), key=lambda e: e.last_used)
+        self._evict_until(0, [e for e in lru if e.id not in sessions] + [e for e in lru if e.id in sessions])
 
-    def _evict_until(self, needed: int, protected: set[int], prefix: Snapshot | None = None) -> None:
-        idle = sorted((e for e in self._entries.values() if e.id not in protected), key=lambda e: e.last_used)
-        while idle and self._used(self._entries.values(), prefix) + needed > self.budget_bytes:
-            self._remove(idle.pop(0))
+    def _evict_until(self, needed: int, order: list[BankEntry], prefix: object | None = None) -> None:
+        """Evict entries of ``order`` in turn until ``needed`` fits beside everything left."""
+        sessions = self.protected()
+        order = list(order)
+        while order and self._used(self._entries.values(), prefix) + needed > self.budget_bytes:
+            e = order.pop(0)
+            if e.id not in self._entries:
+                continue
+            self.stats.protected_evictions += e.id in sessions
+            self._remove(e)
             self.stats.evictions += 1
 
     def _remove(self, entry: BankEntry) -> None:
@@ -379,27 +417,4 @@ class SessionBank:
         index.remove(entry.tokens, entry.id)
         if index.empty:
             del self._index[entry.namespace]
-        for key, eid in list(self._newest.items()):
-            if eid == entry.id:
-                del self._newest[key]
-
-
-def auto_budget_bytes(device: torch.device | str) -> int:
-    """``--bank-bytes auto``: 80 % of the CUDA memory free now (call it after loading the weights),
-    or 50 % of the RAM the OS reports available on any other device."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * AUTO_SHARE_CUDA)
-    return int(_available_ram() * AUTO_SHARE_CPU)
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        self._sessions.forget(entry.id)

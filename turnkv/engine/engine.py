@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention.route import Verdict
-from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
+from turnkv.bank.budget import auto_budget_bytes
+from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
@@ -120,6 +121,8 @@ class Engine:
             bytes_per_row=self.shape.bytes_per_row,
             measure=lambda held: unique_bytes(*held),
             copy_on_restore=self.layout.copies_on_restore,
+            session_ttl_s=self.cfg.session_ttl,
+            session_share=self.cfg.session_share,
             tier=tier,
         )
 

@@ -92,6 +92,9 @@ class Scheduler:
                 self._deliver(e, [Failed("cancelled", "the client went away before the turn started")])
                 continue
             events = e.turn.begin()
+            if events is None:  # it fits once running turns finish: it waits, first in line
+                self.waiting.appendleft(e)
+                break
             self._deliver(e, events)
             if not e.turn.done:
                 self.running.append(e)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from turnkv.bank.session_bank import Refused, SessionBank
+from turnkv.bank.session_bank import MustWait, Refused, SessionBank
 from turnkv.engine.sampling import Sampler, SamplingParams
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
@@ -39,7 +39,9 @@ from turnkv.tokenizer import StreamDecoder
 if TYPE_CHECKING:
     from turnkv.engine.engine import Engine
 
-DEFAULT_MAX_TOKENS = 4096  # output rows reserved when a request sets no max_tokens
+# the most output rows reserved when a request sets no max_tokens (fewer when the context or the
+# bank budget cannot hold them: the answer then ends with finish_reason "length")
+DEFAULT_MAX_TOKENS = 4096
 # rows reserved past the answer for the rebase (the last answer token and the end-of-turn tokens
 # the template adds), so the tail need not regrow -- a copy -- to take them
 REBASE_SLACK_ROWS = 8
@@ -50,8 +52,9 @@ REBASE_MAX_ROWS = 64  # at most this many rows are prefilled to match the re-ren
 class TurnRequest:
     """What a request asks once its body is parsed.
 
-    ``max_tokens`` None means up to ``DEFAULT_MAX_TOKENS`` within the context; an explicit value
-    that does not fit the context is refused (``context_length_exceeded``), as with vLLM.
+    ``max_tokens`` None means as many as the context and the bank budget allow, at most
+    ``DEFAULT_MAX_TOKENS``; an explicit value that does not fit the context is refused
+    (``context_length_exceeded``), as with vLLM.
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus
     the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
@@ -161,8 +164,9 @@ class Turn:
         return self.phase == _DONE
 
     # -- begin ----------------------------------------------------------------------------------
-    def begin(self) -> list[TurnEvent]:
-        """Check the context, price and admit the turn, restore its cache; ``[Admitted]`` or ``[Failed]``."""
+    def begin(self) -> list[TurnEvent] | None:
+        """Check the context, price and admit the turn, restore its cache; ``[Admitted]`` or
+        ``[Failed]``, or None: it fits only once the running turns have finished (call again)."""
         req, engine = self.request, self.engine
         ids = req.prompt
         limit = engine.max_context
@@ -177,13 +181,20 @@ class Turn:
         self.max_tokens = max_tokens
         slack = REBASE_SLACK_ROWS if req.render_history is not None else 0
         try:
+            # without an explicit max_tokens the reservation shrinks to what the budget can hold
+            least = 1 + slack if req.max_tokens is None else None
             self.lease = self.bank.admit(
-                req.namespace, ids, max_tokens + slack, engine.activation_bytes, req.session
+                req.namespace, ids, max_tokens + slack, engine.activation_bytes, req.session, least, wait=True
             )
+        except MustWait:
+            return None
         except Refused as e:
             self.phase = _DONE
-            return [Failed("kv_memory_exhausted", str(e), e.needed_bytes, e.available_bytes)]
+            fix = "a shorter prompt" + (" or a smaller max_tokens" if req.max_tokens is not None else "")
+            msg = f"{e}; retry with {fix} (the server's KV budget is --bank-bytes)"
+            return [Failed("kv_memory_exhausted", msg, e.needed_bytes, e.available_bytes)]
         lease = self.lease
+        max_tokens = self.max_tokens = max(lease.reserve_rows - slack, 1)
         self.cache = engine.restore(lease.snapshot) if lease.snapshot is not None else engine.new_cache()
         lease.attach(self.cache)
         # the tail is sized once for everything admission priced
@@ -202,6 +213,7 @@ class Turn:
         """This turn's rows for the next step (at most ``budget`` rows of prefill), or None when it
         has nothing to compute (finished, or finishing without a rebase)."""
         if self.phase == _DECODE and self.request.cancel.is_set():
+            self._open = None  # a window of a step that was interrupted (Ctrl-C) is not pending
             return None
         if self.phase in (_PREFILL, _REBASE):
             n = min(len(self._pending), max(1, budget), self.engine.prefill_chunk)
@@ -234,7 +246,9 @@ class Turn:
                 return []
             self.stats.prefill_s = time.perf_counter() - self._t0
             self.phase = _DECODE
-        tok = out.argmax[-1] if self.params.greedy else self.sampler(out.logits[-1])
+        # the step's batched argmax is the greedy token unless a logit_bias changes the row
+        fast = self.params.greedy and not self.params.logit_bias
+        tok = out.argmax[-1] if fast else self.sampler(out.logits[-1])
         return self._take(tok)
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:

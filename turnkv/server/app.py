@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server: routes, SSE streaming, API keys, errors.
 
-``create_app(engine, cfg)`` builds the FastAPI app around one engine; ``serve(cfg)`` loads the
-model and runs it under uvicorn. Every turn goes through one :class:`EngineWorker` (one thread
-running the scheduler: many turns per step); a handler submits its turn and awaits its events.
-The first event decides the status (200, or 400/507 before any work); a client that goes away
-sets the turn's cancel flag, and the worker still seals and banks what it computed.
+``create_app(engine, cfg)`` builds the FastAPI app around one engine (``turnkv.server.run`` serves
+it under uvicorn). A handler reads the body under ``--max-body-bytes``, validates it, renders and
+tokenizes the prompt in a worker thread (``server.prompts``), then submits token ids to the one
+:class:`EngineWorker` (one thread running the scheduler: many turns per step) and awaits its
+events. The first event
+decides the status (200, or 400/507 before any work); a client that goes away sets the turn's
+cancel flag, and the worker still seals and banks what it computed.
 
 Namespaces: without ``--api-key`` everyone shares one cache namespace; with keys each key has its
 own, and a request's ``cache_salt`` adds to it, so a prefix banked under one namespace never
@@ -17,9 +19,8 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,9 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.turn import Admitted, Failed, TurnRequest
+from turnkv.server.access import AccessLog
+from turnkv.server.body import body_limit, read_body
 from turnkv.server.dashboard import register_dashboard
 from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
+from turnkv.server.prompts import Prompts
 from turnkv.server.responses import failed_error, respond, route_label
 from turnkv.server.schemas import (
     ApiError,
@@ -74,6 +78,9 @@ class Server:
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
         self.model_names = {engine.info.model_name, cfg.model}
+        self.prompts = Prompts(engine.tokenizer, engine.max_context)
+        self.max_body_bytes = body_limit(cfg.max_body_bytes, engine.max_context)
+        self.vocab_size = engine.loaded.config.vocab_size  # logits per row: what logit_bias may name
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
@@ -98,16 +105,25 @@ class Server:
         if model is not None and model not in self.model_names:
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist. This server serves `{self.engine.info.model_name}`.",
+                f"The model `{model[:200]}` does not exist. This server serves `{self.engine.info.model_name}`.",
                 "invalid_request_error",
                 code="model_not_found",
                 param="model",
             )
 
-    async def start(self, turn: TurnRequest, request: Request, render=None) -> tuple[_Stream, Admitted]:
+    def model_card(self) -> dict:
+        return {
+            "id": self.engine.info.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "turnkv",
+            "max_model_len": self.engine.max_context,
+        }
+
+    async def start(self, turn: TurnRequest, request: Request) -> tuple[_Stream, Admitted]:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
         stream = _Stream(asyncio.get_running_loop())
-        self.worker.submit(turn, stream.emit, render)
+        self.worker.submit(turn, stream.emit)
         first = await self._next(stream, turn, request)
         if isinstance(first, Failed):
             raise failed_error(first)
@@ -145,31 +161,6 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _render_chat(
-    tokenizer, messages: list[dict]
-) -> tuple[Callable[[], list[int]], Callable[[str], list[int]]]:
-    def prompt() -> list[int]:
-        return tokenizer.apply_chat_template(messages)
-
-    def history(answer: str) -> list[int]:
-        return tokenizer.apply_chat_template(
-            [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
-        )
-
-    return prompt, history
-
-
-def _render_completion(tokenizer, prompt: str | list[int]):
-    if isinstance(prompt, str):
-        text = prompt
-        return (lambda: tokenizer.prompt_text(text)), (lambda answer: tokenizer.prompt_text(text + answer))
-    ids = list(prompt)
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
-        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-    return (lambda: ids), None
-
-
 def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; ``bank`` defaults to one of ``cfg.bank_bytes``."""
     srv = Server(engine, cfg, bank)
@@ -177,12 +168,14 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        srv.worker.stop()
+        # cancel what still runs (it banks what it computed); never block the event loop
+        await asyncio.to_thread(srv.worker.stop, cfg.shutdown_timeout)
         if srv.bank.tier is not None:
-            srv.bank.tier.close()  # finishes the queued block writes
+            await asyncio.to_thread(srv.bank.tier.close)  # finishes the queued block writes
 
     app = FastAPI(title="turnkv", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(AccessLog, enabled=cfg.access_log)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -217,79 +210,45 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     @app.get("/v1/models")
     async def _models(request: Request) -> dict:
         srv.namespace(request, None)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": engine.info.model_name,
-                    "object": "model",
-                    "created": srv.created,
-                    "owned_by": "turnkv",
-                    "max_model_len": engine.max_context,
-                }
-            ],
-        }
+        return {"object": "list", "data": [srv.model_card()]}
 
-    async def _serve(request: Request, schema, render, chat: bool) -> Response:
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(request: Request, model_id: str) -> dict:
+        srv.namespace(request, None)
+        srv.check_model(model_id)
+        return srv.model_card()
+
+    async def _serve(request: Request, schema, chat: bool) -> Response:
         srv.namespace(request, None)  # the API key is checked before the body is read
-        req = parse_body(schema, await request.body())
+        req = parse_body(schema, await read_body(request, srv.max_body_bytes))
         srv.check_model(req.model)
         ns = srv.namespace(request, req.cache_salt)
-        prompt, history = render(req)
+        params = req.sampling(srv.vocab_size)
+        # render and tokenize off the event loop and off the engine thread
+        if chat:
+            ids, history = await asyncio.to_thread(srv.prompts.chat, req.template_messages())
+        else:
+            ids, history = await asyncio.to_thread(srv.prompts.completion, req.single_prompt())
         turn = TurnRequest(
-            [],
-            req.sampling(),
+            ids,
+            params,
             max_tokens=req.requested_max_tokens(),
             namespace=ns,
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
         )
-        return await respond(srv, request, turn, req, chat=chat, render=prompt)
+        return await respond(srv, request, turn, req, chat=chat)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
-        return await _serve(
-            request,
-            ChatCompletionRequest,
-            lambda r: _render_chat(engine.tokenizer, r.template_messages()),
-            chat=True,
-        )
+        return await _serve(request, ChatCompletionRequest, chat=True)
 
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
-        return await _serve(
-            request,
-            CompletionRequest,
-            lambda r: _render_completion(engine.tokenizer, r.single_prompt()),
-            chat=False,
-        )
+        return await _serve(request, CompletionRequest, chat=False)
 
     register_dashboard(app, srv)
     return app
 
 
-def serve(cfg: EngineConfig) -> None:
-    """Load the model of ``cfg`` and serve it on ``cfg.host:cfg.port`` until interrupted."""
-    import uvicorn
-
-    from turnkv.bank.disk import default_disk_dir
-    from turnkv.engine.engine import Engine
-
-    engine = Engine.from_config(cfg)
-    app = create_app(engine, cfg)
-    srv: Server = app.state.server
-    info = engine.info
-    tier = srv.bank.tier
-    where = cfg.disk_dir or default_disk_dir()
-    disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
-    print(
-        f"turnkv: serving {info.model_name} on http://{cfg.host}:{cfg.port}/v1 "
-        f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
-        f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs})",
-        file=sys.stderr,
-        flush=True,
-    )
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
-
-
-__all__ = ["Server", "create_app", "serve"]
+__all__ = ["Server", "create_app"]

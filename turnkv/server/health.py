@@ -1,4 +1,4 @@
-"""``GET /health``: the JSON document of DESIGN.md, built from the engine, the bank and the config.
+"""``GET /health``: the JSON document of docs/DESIGN.md, built from the engine, the bank and the config.
 
 Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``attention``
 (``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,

@@ -28,9 +28,22 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 
 def route_label(request: Request) -> str:
-    """The metrics label of a request: one of our routes, or ``other`` (bounded cardinality)."""
+    """The metrics label of a request: one of our routes, ``/v1/models/{id}``, or ``other``
+    (bounded cardinality)."""
     path = request.url.path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
     return path if path in ROUTES else "other"
+
+
+def note_usage(request: Request, admitted: Admitted, completion: int, finish: str | None) -> None:
+    """What the access log prints for this request (``server.access``)."""
+    request.state.usage = {
+        "prompt": admitted.prompt_tokens,
+        "cached": admitted.cached_tokens,
+        "completion": completion,
+        "finish": finish,
+    }
 
 
 # what a turn's failure code answers with
@@ -74,8 +87,8 @@ def _sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: bool, render=None) -> Response:
-    stream, admitted = await srv.start(turn, request, render)
+async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: bool) -> Response:
+    stream, admitted = await srv.start(turn, request)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {
         "id": rid,
@@ -104,6 +117,7 @@ async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: b
     text = "".join(pieces)
     stats = final.stats
     srv.finished(route, stats)
+    note_usage(request, admitted, stats.completion_tokens, final.finish_reason)
     usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
     if chat:
         choice = {
@@ -144,6 +158,7 @@ async def _sse_events(
             choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
         return {**base, "choices": [choice], **extra}
 
+    tokens = 0
     try:
         if chat:
             yield _sse(chunk("", None, role=True))
@@ -156,6 +171,7 @@ async def _sse_events(
                 break
             if not isinstance(ev, GenEvent):
                 continue
+            tokens += ev.token_id is not None
             if ev.finish_reason is None:
                 if ev.text:
                     yield _sse(chunk(ev.text, None))
@@ -165,6 +181,7 @@ async def _sse_events(
             yield _sse(chunk(None if chat else "", ev.finish_reason))
             stats = ev.stats
             srv.finished(route, stats)
+            note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)
             if include_usage:
                 usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
                 yield _sse({**base, "choices": [], "usage": usage})
@@ -174,3 +191,5 @@ async def _sse_events(
         # the client went away (the response task was cancelled) or we are done: either way the
         # worker must stop generating for nobody; it still banks what it computed
         turn.cancel.set()
+        if getattr(request.state, "usage", None) is None:
+            note_usage(request, admitted, tokens, "cancelled")

@@ -2,9 +2,11 @@
 
 Bodies are parsed from raw JSON bytes in strict mode (``Model.model_validate_json``), so a string
 where a number belongs is an error, as with the OpenAI API, and invalid JSON is an error of the same
-kind. Unknown fields are accepted and ignored (clients send many we do not use); fields we cannot
-honour (``n > 1``, ``logprobs``, tools, penalties other than 0) are refused with 400 rather than
-silently ignored.
+kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
+and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
+ignored (clients send many we do not use); fields we cannot honour and that would change the output
+(``n > 1``, ``logprobs``, tools, penalties other than 0, ``response_format`` other than text,
+``min_p``, ``repetition_penalty``) are refused with 400 rather than silently ignored.
 
 Every 4xx/5xx body has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}``; a 507
 adds ``needed_bytes`` and ``available_bytes`` inside ``error``.
@@ -16,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.sampling import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
@@ -52,7 +54,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``"field": null`` means the field's default (OpenAI clients send explicit nulls)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)
+        }
 
 
 class TextPart(_Body):
@@ -80,6 +93,16 @@ class StreamOptions(_Body):
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
+
+# Extension fields other servers honour; a value other than the neutral one changes the output.
+NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class _Sampling(_Body):
@@ -94,7 +117,8 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (a JSON key) -> bias added to its logit
     ignore_eos: bool = False
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -110,6 +134,13 @@ class _Sampling(_Body):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name} other than 0 is not supported")
+        extra = self.model_extra or {}
+        for name, neutral in NEUTRAL_EXTRAS.items():
+            if name in extra and not any(extra[name] == v for v in neutral):
+                raise ValueError(f"{name} {extra[name]!r} is not supported")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers); got {key[:40]!r}")
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -120,7 +151,16 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, vocab_size: int) -> SamplingParams:
+        """The sampler's parameters; a ``logit_bias`` id outside the model's ``vocab_size`` logits is
+        a 400."""
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        for tid, _ in bias:
+            if tid >= vocab_size:
+                raise bad_request(
+                    f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab_size})",
+                    param="logit_bias",
+                )
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -128,6 +168,7 @@ class _Sampling(_Body):
             seed=self.seed,
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
+            logit_bias=bias,
         )
 
 
@@ -209,7 +250,3 @@ def validation_error(e: ValidationError) -> ApiError:
     loc = ".".join(str(x) for x in first.get("loc", ()))
     msg = first["msg"].removeprefix("Value error, ")
     return bad_request(f"{loc}: {msg}" if loc else msg, param=loc or None)
-
-
-def error_body(status: int, message: str, type_: str, code: str | None = None) -> dict:
-    return ApiError(status, message, type_, code=code).body()

@@ -1,7 +1,8 @@
 """The engine thread: the scheduler's step loop, fed by the HTTP handlers through a queue.
 
 ``EngineWorker`` owns one ``Scheduler`` (``turnkv.engine.scheduler``) and runs it on a single
-thread: handlers ``submit`` a ``TurnRequest`` with an ``emit`` callback; the thread moves new
+thread: handlers ``submit`` a ``TurnRequest`` (token ids: the handler rendered and tokenized the
+prompt in its thread pool, never here) with an ``emit`` callback; the thread moves new
 requests into the scheduler, steps while any turn is waiting or running (one forward per step for
 all running turns), and blocks on the queue when idle. Every turn's events reach its ``emit`` in
 order. This module never imports fastapi.
@@ -12,25 +13,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine
 from turnkv.engine.scheduler import Emit, Scheduler
-from turnkv.engine.turn import Failed, TurnRequest
+from turnkv.engine.turn import Banked, Failed, TurnRequest
 
 log = logging.getLogger(__name__)
-
-# a request whose prompt is still to be rendered (the chat template) on this thread
-Render = Callable[[], list[int]]
 
 
 @dataclass
 class Job:
     request: TurnRequest
     emit: Emit
-    render: Render | None = None
 
 
 class EngineWorker:
@@ -40,6 +36,8 @@ class EngineWorker:
         self.scheduler = Scheduler(engine, bank, max_running, max_batch_tokens)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._stopping = False
+        self._lock = threading.Lock()
+        self._requests: dict[int, TurnRequest] = {}  # queued and running, for cancel_all
         self._thread = threading.Thread(target=self._loop, name="turnkv-engine", daemon=True)
         self._thread.start()
 
@@ -51,20 +49,32 @@ class EngineWorker:
     def waiting(self) -> int:
         return len(self.scheduler.waiting) + self._queue.qsize()
 
-    def submit(self, request: TurnRequest, emit: Emit, render: Render | None = None) -> None:
-        self._queue.put(Job(request, emit, render))
+    def submit(self, request: TurnRequest, emit: Emit) -> None:
+        with self._lock:
+            self._requests[id(request)] = request
 
-    def stop(self) -> None:
+        def deliver(ev) -> None:  # forget the request at its last event
+            if isinstance(ev, (Banked, Failed)):
+                with self._lock:
+                    self._requests.pop(id(request), None)
+            emit(ev)
+
+        self._queue.put(Job(request, deliver))
+
+    def cancel_all(self) -> None:
+        """Cancel every queued and running turn: each stops at its next token (its answer ends with
+        ``finish_reason`` "cancelled") and still banks what it computed. Thread-safe."""
+        with self._lock:
+            for request in self._requests.values():
+                request.cancel.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every turn (``cancel_all``), then stop; wait at most ``timeout`` s for the thread."""
+        self.cancel_all()
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     def _take(self, job: Job) -> None:
-        if job.render is not None:
-            try:
-                job.request.prompt = job.render()
-            except ValueError as e:
-                job.emit(Failed("invalid_request_error", f"the prompt cannot be built: {e}"))
-                return
         self.scheduler.submit(job.request, job.emit)
 
     def _loop(self) -> None:

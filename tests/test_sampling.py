@@ -1,0 +1,108 @@
+"""The sampler at its limits and OpenAI's logit_bias (issue 7, items 6 and 7), without a model.
+
+Before: temperature <= ~1e-38 divided the maximum logit to ``inf`` and top_p <= ~1e-45 dropped every
+token; both made NaN probabilities and ``torch.multinomial`` raised (HTTP 500, or HTTP 200 and an
+error event when streaming). A seed outside [-2**63, 2**64) raised in ``manual_seed``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turnkv.engine.sampling import (
+    SEED_MAX,
+    SEED_MIN,
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    apply_logit_bias,
+)
+
+V = 64
+TINY = [1e-38, 1e-40, 1e-45, 5e-324, 1e-300, 1e-30]
+
+
+def _logits(seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 5
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_a_tiny_temperature_is_exactly_greedy(temperature):
+    logits = _logits()
+    s = Sampler(SamplingParams(temperature=temperature, seed=1))
+    assert {s(logits) for _ in range(20)} == {int(torch.argmax(logits))}
+
+
+@pytest.mark.parametrize("top_p", TINY)
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    logits = _logits(1)
+    s = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=1))
+    assert {s(logits) for _ in range(20)} == {int(torch.argmax(logits))}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    temperature=st.one_of(st.floats(0, 2), st.sampled_from([0.0, *TINY])),
+    top_p=st.one_of(st.floats(1e-320, 1, exclude_min=False), st.sampled_from(TINY)).filter(lambda p: p > 0),
+    top_k=st.integers(0, V + 5),
+    seed=st.one_of(st.none(), st.integers(SEED_MIN, SEED_MAX)),
+    masked=st.integers(0, V - 1),
+)
+def test_any_allowed_parameters_draw_a_valid_token(temperature, top_p, top_k, seed, masked):
+    logits = _logits(3)
+    logits[:masked] = float("-inf")  # some rows of a logit vector may be -inf (a ban)
+    tok = Sampler(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))(logits)
+    assert masked <= tok < V
+
+
+@pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, 2**63, SEED_MAX])
+def test_seeds_at_the_ends_of_the_range_repeat(seed):
+    logits = _logits(2)
+    p = SamplingParams(temperature=1.0, seed=seed)
+    assert Sampler(p)(logits) == Sampler(p)(logits)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("seed", {"seed": SEED_MIN - 1}),
+        ("seed", {"seed": SEED_MAX + 1}),
+        ("temperature", {"temperature": float("inf")}),
+        ("temperature", {"temperature": float("nan")}),
+        ("top_p", {"top_p": float("nan")}),
+        ("logit_bias", {"logit_bias": ((1, 101.0),)}),
+        ("logit_bias", {"logit_bias": ((-1, 1.0),)}),
+    ],
+)
+def test_out_of_range_parameters_name_their_field(field, bad):
+    with pytest.raises(SamplingError) as e:
+        SamplingParams(**bad)
+    assert e.value.field == field
+
+
+# -- logit_bias ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=8))
+def test_logit_bias_adds_each_bias_to_its_logit(bias):
+    logits = _logits(4)
+    want = logits.clone()
+    for tid, b in bias.items():
+        want[tid] += b
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    got = apply_logit_bias(logits, ids, torch.tensor(list(bias.values()), dtype=torch.float32))
+    assert torch.equal(got, want)
+    assert torch.equal(logits, _logits(4))  # the row it was given is not changed
+
+
+def test_logit_bias_bans_and_forces_tokens_greedy_and_sampled():
+    logits = _logits(5)
+    top = int(torch.argmax(logits))
+    banned = Sampler(SamplingParams(logit_bias=((top, -100.0),)))(logits)
+    assert banned != top
+    forced = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias=((7, 100.0),)))
+    assert {forced(logits) for _ in range(30)} == {7}

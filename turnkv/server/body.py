@@ -1,0 +1,70 @@
+"""Reading a request body under a size cap, and clients that leave while sending it.
+
+``--max-body-bytes`` (default ``auto``: ``max(1 MiB, 128 bytes x the context length)``; a token
+decodes to 81 bytes at most for the default model, so a body past that cannot hold a prompt that
+fits) is checked against ``Content-Length`` before anything is read, and against the bytes
+received for a chunked body, so a 20 MB body costs nothing: 413 in the OpenAI error shape.
+
+A client that disconnects while sending its body (or whose chunked body is malformed: the ASGI
+server then reports a disconnect) is a client error: :class:`ClientGone`, logged as one access
+line with status 499 and counted as 499 in ``/metrics``, never a traceback or a 500.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import ClientDisconnect, Request
+
+from turnkv.config import parse_size
+from turnkv.server.schemas import ApiError
+
+BODY_MIN_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 128
+CLIENT_CLOSED = 499  # nginx's "client closed request"
+
+
+def body_limit(setting: str, max_context: int) -> int:
+    """Bytes of ``--max-body-bytes``: a size, or ``auto`` (derived from the context length)."""
+    if setting == "auto":
+        return max(BODY_MIN_BYTES, BODY_BYTES_PER_TOKEN * max_context)
+    return parse_size(setting)
+
+
+class ClientGone(ApiError):
+    """The client went away before its request was read (answered 499 to nobody)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            CLIENT_CLOSED,
+            "the client closed the connection while sending the request body",
+            code="client_closed",
+        )
+
+
+def too_large(limit: int, size: str) -> ApiError:
+    return ApiError(
+        413,
+        f"The request body ({size}) is larger than this server's limit of {limit} bytes "
+        f"(--max-body-bytes). Shorten the prompt.",
+        code="request_too_large",
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes; raises 413 (too large), 400 or :class:`ClientGone`."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError(400, f"invalid Content-Length {declared[:40]!r}")
+        if int(declared) > limit:
+            raise too_large(limit, f"{int(declared)} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit, f"more than {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)

@@ -1,0 +1,105 @@
+"""``turnkv serve``: bind, load, announce, serve under uvicorn, shut down within a bound.
+
+The listening socket is bound *before* the model loads, so a port in use or a host that cannot be
+bound fails in one line within a second rather than after the load (and "serving on" is printed
+only once the socket is ours). On SIGTERM or Ctrl-C the server stops accepting, logs how many turns
+it waits for, and lets them run for ``--shutdown-timeout`` seconds; then it cancels them: each stops
+at its next token, banks what it computed, and its answer ends normally with ``finish_reason``
+"cancelled". uvicorn's own graceful-shutdown timeout is ``GRACE_S`` later, a last resort for a turn
+that does not reach a token boundary in time (a long prefill).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+import threading
+
+import uvicorn
+
+from turnkv.config import EngineConfig
+
+GRACE_S = 5.0  # after cancelling the turns, how long uvicorn still waits before cancelling tasks
+
+
+class BindError(ValueError):
+    """The listening socket could not be bound (one line for the CLI)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket for ``host:port``; raises :class:`BindError`."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise BindError(f"--host {host!r} does not resolve: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart past TIME_WAIT
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise BindError(f"port {port} on {host} is already in use; pick another with --port") from None
+        raise BindError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(cfg: EngineConfig) -> None:
+    """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
+    from turnkv.bank.disk import default_disk_dir
+    from turnkv.engine.engine import Engine
+    from turnkv.server.app import Server, create_app
+
+    sock = bind_socket(cfg.host, cfg.port)
+    try:
+        engine = Engine.from_config(cfg)
+        app = create_app(engine, cfg)
+        srv: Server = app.state.server
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,  # turnkv's own access log has the token counts (server.access)
+            timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_S,
+        )
+        server = _Uvicorn(config, srv, cfg.shutdown_timeout)
+        port = sock.getsockname()[1]
+        info, tier = engine.info, srv.bank.tier
+        where = cfg.disk_dir or default_disk_dir()
+        disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
+        print(
+            f"turnkv: serving {info.model_name} on http://{cfg.host}:{port}/v1 "
+            f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
+            f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs})",
+            file=sys.stderr,
+            flush=True,
+        )
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, saying on the first stop signal what it waits for and for how long."""
+
+    def __init__(self, config: uvicorn.Config, srv, timeout: float) -> None:
+        super().__init__(config)
+        self.srv = srv
+        self.timeout = timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            running = self.srv.worker.running + self.srv.worker.waiting
+            timeout = self.timeout
+            timer = threading.Timer(timeout, self.srv.worker.cancel_all)
+            timer.daemon = True
+            timer.start()
+            print(
+                f"turnkv: shutting down: waiting for {running} running turn{'' if running == 1 else 's'} "
+                f"(at most {timeout:g} s, --shutdown-timeout)",
+                file=sys.stderr,
+                flush=True,
+            )
+        super().handle_exit(sig, frame)
