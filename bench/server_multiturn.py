@@ -25,6 +25,13 @@ HTTP, for machines without fastapi (the GPU box); TTFT is then measured at the s
     python bench/server_multiturn.py --shape llama3-8b --device cuda --mode in-process \\
         --user-tokens 4000 --turns 8 --bank-bytes 6G      # random weights: speed and memory only
 
+``--clients N`` switches to concurrent clients (``bench/clients.py``: batched, serial and recompute
+variants of N clients x ``--rounds`` rounds through one scheduler, in process):
+
+    python bench/server_multiturn.py --clients 8 --rounds 3 --user-tokens 128 --answer-tokens 32
+    python bench/server_multiturn.py --shape llama3-8b --device cuda --clients 64 --rounds 5 \\
+        --user-tokens 512 --answer-tokens 64
+
 Prints a table, writes ``bench/out/<tag>.json`` and ``bench/out/<tag>.png``.
 """
 
@@ -260,10 +267,20 @@ def main() -> None:
         default="",
         help="budget per variant; default: 1.2x the unique KV of all conversations at the end + activations",
     )
-    ap.add_argument("--variants", default="segmented,contiguous,recompute")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="default: segmented,contiguous,recompute (batched,serial,recompute with --clients)",
+    )
+    ap.add_argument("--clients", type=int, default=0, help="concurrent clients (bench/clients.py)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-running", dest="max_running", type=int, default=64)
+    ap.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="server_multiturn")
     args = ap.parse_args()
+    if args.clients:
+        return run_clients(args)
 
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype)
@@ -293,7 +310,7 @@ def main() -> None:
         "args": vars(args),
         "variants": [],
     }
-    for variant in args.variants.split(","):
+    for variant in (args.variants or "segmented,contiguous,recompute").split(","):
         layout = "contiguous" if variant == "contiguous" else "segmented"
         engine = Engine(first.loaded, replace(base, kv_layout=layout))  # same weights, fresh state
         results["variants"].append(run_variant(engine, variant, args, budget))
@@ -309,6 +326,59 @@ def main() -> None:
             f"{v['peak_kv_bytes'] / 2**20:>11.1f} | {v['bank']['evictions']:>9}"
         )
     save(results, args.tag, _plot)
+
+
+def run_clients(args: argparse.Namespace) -> None:
+    """``--clients N``: concurrent clients, variants batched / serial / recompute (bench/clients.py)."""
+    import clients
+
+    model = f"random:{args.shape}" if args.shape else args.model
+    cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, prefill_chunk=args.max_batch_tokens)
+    engine = Engine.from_config(cfg, progress=False)
+    args.ignore_eos = bool(args.shape)  # random weights end answers at random: run each to its length
+    per_client = args.rounds * (args.user_tokens + args.answer_tokens + 32)
+    budget = (
+        parse_size(args.bank_bytes)
+        if args.bank_bytes
+        else int(1.3 * args.clients * per_client * engine.shape.bytes_per_row)
+        + 2 * engine.activation_bytes(args.max_batch_tokens, per_client)
+    )
+    info = engine.info
+    print(
+        f"# {info.model_name} on {info.device} {info.dtype}, attention {info.verdict.route}, graphs "
+        f"{info.graphs}: {args.clients} clients x {args.rounds} rounds x {args.user_tokens}-token user "
+        f"turns, {args.answer_tokens}-token answers, budget {budget / 2**30:.2f} GiB",
+        flush=True,
+    )
+    runs = []
+    for variant in (args.variants or "batched,serial,recompute").split(","):
+        runs.append(clients.run(engine, variant, args, budget))
+        print(f"  {variant}: {runs[-1]}", flush=True)
+    clients.table(runs)
+    results = {
+        "model": info.model_name,
+        "device": info.device,
+        "dtype": info.dtype,
+        "args": vars(args),
+        "runs": runs,
+    }
+    save(results, args.tag, _plot_clients)
+
+
+def _plot_clients(results: dict, plt, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    runs = results["runs"]
+    names = [r["variant"] for r in runs]
+    axes[0].bar(names, [r["output_tok_s"] for r in runs])
+    axes[0].set(ylabel="output tokens/s", title="throughput")
+    for i, p in enumerate(("ttft_p50_s", "ttft_p90_s", "ttft_p99_s")):
+        axes[1].bar([x + 0.27 * i for x in range(len(runs))], [r[p] for r in runs], width=0.27, label=p)
+    axes[1].set_xticks(range(len(runs)), names)
+    axes[1].set(ylabel="seconds", title="time to first token")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{results['model']} on {results['device']}: concurrent clients")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot(results: dict, plt, path: Path) -> None:

@@ -304,3 +304,31 @@ def test_activation_bytes_are_priced():
 def test_auto_budget_is_a_share_of_available_ram():
     budget = auto_budget_bytes("cpu")
     assert 0 < budget < 1 << 50
+
+
+def test_the_running_byte_count_equals_a_full_re_measure_through_turns_and_evictions():
+    """Issue 9: unique bytes are kept per segment as entries come and go; the full re-measure
+    (``check_integrity``) agrees after inserts, supersedes, forks, turns and evictions."""
+    layout = SegmentedLayout(SHAPE)
+    bank = _bank(budget_rows=250)  # four of the six 63-row conversations fit
+    convs = []
+    for c in range(6):
+        base = [1, 2, 3, *range(100 * c, 100 * c + 60)]
+        cache = _conversation(layout, base)
+        bank.insert("ns", cache.snapshot())
+        bank.check_integrity()
+        convs.append((cache, base))
+    for c, (_, base) in enumerate(convs):
+        prompt = [*base, 900 + c, 901]
+        lease = bank.admit("ns", prompt, reserve_rows=4)  # early ones were evicted: a miss
+        live = layout.restore(lease.snapshot) if lease.snapshot is not None else layout.new()
+        lease.attach(live)
+        live.trim(lease.cached)
+        _append(live, prompt[lease.cached :], seed=c)
+        bank.check_integrity()
+        assert bank.unique_bytes(live=True) == _measure(
+            [e.snapshot for e in bank.entries()] + [x for x in (lease.snapshot, live) if x is not None]
+        )
+        bank.finish(lease, live.snapshot())
+        bank.check_integrity()
+    assert bank.stats.evictions > 0 and bank.unique_bytes(live=False) <= bank.budget_bytes

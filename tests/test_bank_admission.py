@@ -126,10 +126,12 @@ def test_refused_exactly_when_evicting_everything_would_not_make_room(case):
         assert len(bank) == entries and bank.stats.evictions == 0  # a refusal evicts nothing
         return
     assert fits
+    bank.check_integrity()  # the running byte count after evictions equals a full re-measure
     # everything held now, plus what the turn was priced (its copies are in both), fits the budget
     assert bank.unique_bytes(live=True) - lease.copied_rows * ROW + lease.needed_bytes <= bank.budget_bytes
     assert lease.snapshot is None or lease.snapshot.tokens == tuple(prompt[: lease.cached])
     bank.finish(lease)
+    bank.check_integrity()
 
 
 # -- item 2: session protection expires, is capped, and never refuses ---------------------------

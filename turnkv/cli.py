@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-running", "max_running", "turns decoding together per step", type=int)
     add("--max-batch-tokens", "max_batch_tokens", "prefill rows per step (0: --prefill-chunk)", type=int)
+    add(
+        "--queue-timeout",
+        "queue_timeout",
+        "seconds a turn may wait for admission before a 503 with Retry-After (0: no limit)",
+        type=float,
+    )
     _disk_flags(s)
     add("--disk-bytes", "disk_bytes", "byte budget of the KV disk tier: N, 512M, 8G")
     s.add_argument(

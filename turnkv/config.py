@@ -115,6 +115,7 @@ class EngineConfig:
     cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
+    queue_timeout: float = 120.0  # seconds a turn may wait for admission before a 503 with Retry-After
     threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -160,6 +161,7 @@ class EngineConfig:
         _check_range("session_ttl", self.session_ttl, 0, None, "seconds; 0 turns session protection off")
         _check_range("session_share", self.session_share, 0, 1, "a share of the bank budget")
         _check_range("shutdown_timeout", self.shutdown_timeout, 0, None, "seconds")
+        _check_range("queue_timeout", self.queue_timeout, 0, None, "seconds; 0 waits without a limit")
         if not self.host:
             raise ConfigError("host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
 

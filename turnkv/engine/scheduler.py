@@ -32,15 +32,26 @@ Emit = Callable[[TurnEvent], None]
 class _Entry:
     turn: Turn
     emit: Emit
+    submitted: float = 0.0  # time.monotonic() at submit
 
 
 class Scheduler:
     """Not thread-safe: ``submit`` and ``step`` run on one thread (the server's engine thread)."""
 
     def __init__(
-        self, engine: Engine, bank: SessionBank, max_running: int = 64, max_batch_tokens: int = 0
+        self,
+        engine: Engine,
+        bank: SessionBank,
+        max_running: int = 64,
+        max_batch_tokens: int = 0,
+        queue_timeout: float = 0.0,
+        observe: Callable[[int, int, float], None] | None = None,
     ) -> None:
+        """``queue_timeout`` (s, 0 = none): a turn still waiting for admission after it fails with
+        ``queue_timeout`` (HTTP 503). ``observe(windows, rows, seconds)`` hears of every step."""
         self.engine = engine
+        self.queue_timeout = queue_timeout
+        self.observe = observe
         self.bank = bank
         self.max_running = max(1, max_running)
         self.max_batch_tokens = max_batch_tokens or engine.prefill_chunk
@@ -60,7 +71,7 @@ class Scheduler:
 
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
         turn = Turn(self.engine, self.bank, request)
-        self.waiting.append(_Entry(turn, emit))
+        self.waiting.append(_Entry(turn, emit, time.monotonic()))
         return turn
 
     def step(self) -> None:
@@ -86,12 +97,22 @@ class Scheduler:
         self.snapshot = self._info()
 
     def _admit(self) -> None:
+        if self.queue_timeout:
+            now = time.monotonic()
+            for e in [e for e in self.waiting if now - e.submitted > self.queue_timeout]:
+                self.waiting.remove(e)
+                msg = (
+                    f"the turn waited {now - e.submitted:.0f} s for KV memory or a running slot "
+                    f"(--queue-timeout {self.queue_timeout:g} s); retry later"
+                )
+                self._deliver(e, [Failed("queue_timeout", msg)])
         while self.waiting and len(self.running) < self.max_running:
             e = self.waiting.popleft()
             if e.turn.request.cancel.is_set():
                 self._deliver(e, [Failed("cancelled", "the client went away before the turn started")])
                 continue
             events = e.turn.begin()
+            e.turn.stats.queue_s = time.monotonic() - e.submitted
             if events is None:  # it fits once running turns finish: it waits, first in line
                 self.waiting.appendleft(e)
                 break
@@ -131,7 +152,10 @@ class Scheduler:
                 events = e.turn.fail(exc)
             self._deliver(e, events)
         a = 0.1 if self.steps > 1 else 1.0
-        self.step_ms += a * ((time.perf_counter() - t0) * 1e3 - self.step_ms)
+        seconds = time.perf_counter() - t0
+        self.step_ms += a * (seconds * 1e3 - self.step_ms)
+        if self.observe is not None:
+            self.observe(len(windows), rows, seconds)
         self.rows_per_step += a * (rows - self.rows_per_step)
 
     def _info(self) -> dict:

@@ -82,6 +82,8 @@ class TurnStats:
     decode_s: float = 0.0
     decode_tok_s: float = 0.0
     forwards: int = 0  # steps this turn took part in
+    queue_s: float = 0.0  # from submit to admission (waiting for memory or a running slot)
+    token_gaps_s: list[float] = field(default_factory=list, repr=False)  # between answer tokens
     rebase_rows: int = 0
     route_counts: dict[str, int] = field(default_factory=dict)
 
@@ -157,6 +159,7 @@ class Turn:
         self._open: Window | None = None
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
+        self._t_last = 0.0
         self._last: GenEvent | None = None  # the answer's last event, sent once the turn is banked
 
     @property
@@ -261,9 +264,13 @@ class Turn:
     # -- internals ------------------------------------------------------------------------------
     def _take(self, tok: int) -> list[TurnEvent]:
         n = self.stats.completion_tokens = self.stats.completion_tokens + 1
+        now = time.perf_counter()
         if self._t_first is None:
-            self._t_first = time.perf_counter()
-            self.stats.ttft_s = self._t_first - self._t0
+            self._t_first = now
+            self.stats.ttft_s = now - self._t0
+        else:
+            self.stats.token_gaps_s.append(now - self._t_last)
+        self._t_last = now
         if tok in self.eos:
             return [GenEvent(tok, ""), *self._end("stop")]
         text, hit = self.stops.push(self.decoder.push(tok))

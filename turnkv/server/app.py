@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
+from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.turn import Admitted, Failed, TurnRequest
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
@@ -73,8 +74,10 @@ class Server:
         self.engine = engine
         self.cfg = cfg
         self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes, disk=True)
-        self.worker = EngineWorker(engine, self.bank, cfg.max_running, cfg.max_batch_tokens)
-        self.metrics = Metrics(engine, self.bank, lambda: self.worker.scheduler.snapshot)
+        scheduler = Scheduler(engine, self.bank, cfg.max_running, cfg.max_batch_tokens, cfg.queue_timeout)
+        self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
+        scheduler.observe = self.metrics.step
+        self.worker = EngineWorker(scheduler)
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
         self.model_names = {engine.info.model_name, cfg.model}
@@ -180,7 +183,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         srv.metrics.request(route_label(request), exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -20,6 +20,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class _StateCollector(Collector):
@@ -119,6 +121,24 @@ class Metrics:
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
+        self.queue = Histogram(
+            "turnkv_queue_time_seconds",
+            "Time a turn waited for admission (KV memory or a running slot)",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "turnkv_inter_token_latency_seconds",
+            "Time between consecutive answer tokens of a turn",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.batch = Histogram(
+            "turnkv_step_windows", "Conversations per step (batch size)", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.step_rows = Histogram(
+            "turnkv_step_tokens", "Token rows computed per step", buckets=_ROW_BUCKETS, registry=r
+        )
         r.register(_StateCollector(bank, scheduler))
 
     def turn(self, stats) -> None:
@@ -131,6 +151,14 @@ class Metrics:
             self.ttft.observe(stats.ttft_s)
         if stats.completion_tokens > 1 and stats.decode_s > 0:
             self.tpot.observe(stats.decode_s / (stats.completion_tokens - 1))
+        self.queue.observe(stats.queue_s)
+        for gap in stats.token_gaps_s:
+            self.itl.observe(gap)
+
+    def step(self, windows: int, rows: int, seconds: float) -> None:
+        """Record one scheduler step (called on the engine thread)."""
+        self.batch.observe(windows)
+        self.step_rows.observe(rows)
 
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

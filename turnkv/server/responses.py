@@ -57,6 +57,9 @@ STATUS = {
 }
 
 
+RETRY_AFTER_S = 5  # what a 503 (a turn that waited past --queue-timeout) tells the client
+
+
 def failed_error(f: Failed) -> ApiError:
     status = STATUS.get(f.code, 500)
     if status == 507:
@@ -70,7 +73,8 @@ def failed_error(f: Failed) -> ApiError:
         )
     type_ = "invalid_request_error" if status < 500 else "server_error"
     code = None if f.code == "invalid_request_error" else f.code
-    return ApiError(status, f.message, type_, code=code)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return ApiError(status, f.message, type_, code=code, headers=headers)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -15,8 +15,6 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from turnkv.bank.session_bank import SessionBank
-from turnkv.engine.engine import Engine
 from turnkv.engine.scheduler import Emit, Scheduler
 from turnkv.engine.turn import Banked, Failed, TurnRequest
 
@@ -32,8 +30,8 @@ class Job:
 class EngineWorker:
     """A single thread that runs the scheduler over every submitted turn."""
 
-    def __init__(self, engine: Engine, bank: SessionBank, max_running: int, max_batch_tokens: int) -> None:
-        self.scheduler = Scheduler(engine, bank, max_running, max_batch_tokens)
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._stopping = False
         self._lock = threading.Lock()
