@@ -186,6 +186,9 @@ def profile_gpu_ms(sched: Scheduler, n: int, top: int = 0) -> float:
 def run_prefill(engine: Engine, n: int, chunk: int, flops_rate: float | None, args) -> dict:
     mc = engine.loaded.config
     engine.prefill_chunk = chunk
+    if not getattr(engine, "_prefill_warm", False):  # Triton compiles the prefill kernels once
+        engine.prefill(engine.new_cache(), list(range(1, 2 * chunk + 1)))
+        engine._prefill_warm = True
     bank = engine.new_bank(2 * n * engine.shape.bytes_per_row + (4 << 30))
     sched = Scheduler(engine, bank, max_running=1, max_batch_tokens=chunk)
     ids = torch.randint(0, mc.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()

@@ -71,9 +71,28 @@ class FusedBackend:
 
     name = "fused"
 
-    def __init__(self, verdict: Verdict, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        verdict: Verdict,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int = 128,
+        device: torch.device | str = "cuda",
+    ) -> None:
         self.verdict = verdict
         self.gqa = num_heads // num_kv_heads
+        self.kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+
+    def decode_splits(self, batch: int, max_keys: int) -> int:
+        """The split count of a decode launch of ``batch`` one-row windows over ``max_keys`` keys
+        (what a CUDA graph of that step bakes in)."""
+        from turnkv.attention import triton_segments as ts
+        from turnkv.attention.segment_table import TableMeta
+
+        meta = TableMeta(batch, 1, max_keys, 1, self.kv_heads, self.head_dim, torch.bfloat16)
+        return ts.pick_config(meta, self.gqa, self.device, max_keys).splits
 
     def plan(
         self,

@@ -264,7 +264,7 @@ def make_backend(
         return PortableBackend(verdict)
     from turnkv.attention.fused import FusedBackend
 
-    return FusedBackend(verdict, num_heads, num_kv_heads)
+    return FusedBackend(verdict, num_heads, num_kv_heads, head_dim, device)
 
 
 def _label(r: ProbeResult) -> str:

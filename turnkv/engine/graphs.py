@@ -2,7 +2,7 @@
 
 A decode step (every window one row) is a pure function of a few device buffers: the step's ids,
 positions and logit rows, and the segment table (``attention/fused.py``). ``DecodeGraphs``
-captures the whole forward once per (padded batch size, key bucket) into a shared memory pool,
+captures the whole forward once per (padded batch size, split count) into a shared memory pool,
 then each step only writes those buffers (two uploads) and replays. Padding sequences have
 ``q_len`` 0 and are neither read nor written by the kernels. The split count of the attention
 launch is fixed by the key bucket (the next power of two of the longest context), and the eager
@@ -81,22 +81,26 @@ class DecodeGraphs:
         pad = bs - b
         inputs = words[:b] + [0] * pad + words[b : 2 * b] + [0] * pad + list(range(bs))
         host = torch.tensor(inputs, dtype=torch.int64, pin_memory=True)
-        captured = self.graphs.get((bs, bucket))
+        # one graph per batch size and split count: the split count is all a graph bakes in of the
+        # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
+        # by the context bucket instead, a 64-client H200 run spent most of its time capturing
+        splits = self.engine.backend.decode_splits(bs, bucket)
+        captured = self.graphs.get((bs, splits))
         fresh = captured is None
         if fresh:
-            captured = self._new_buffers(bs, windows, kv, bucket)
+            captured = self._new_buffers(bs)
         captured.inputs.copy_(host, non_blocking=True)
         step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
         ids, pos, rows = captured.inputs[:bs], captured.inputs[bs : 2 * bs], captured.inputs[2 * bs :]
         if fresh:
             self._capture(captured, ids, pos, rows, step)
-            self.graphs[(bs, bucket)] = captured
+            self.graphs[(bs, splits)] = captured
         captured.graph.replay()
         self.replays += 1
         plan = StepPlan(list(windows), kv, ids[:b], pos[:b], rows[:b], list(range(b)), step)
         return StepResult(plan, captured.logits[:b])
 
-    def _new_buffers(self, bs, windows, kv, bucket) -> _Captured:
+    def _new_buffers(self, bs: int) -> _Captured:
         device = self.engine.shape.device
         inputs = torch.zeros(3 * bs, dtype=torch.int64, device=device)
         # the table's size for bs sequences of one group (decode windows: one narrow launch)
