@@ -29,6 +29,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graphs", dest="cuda_graphs", choices=["auto", "off"], help="captured decode steps on CUDA"
     )
+    p.add_argument(
+        "--tensor-parallel",
+        dest="tensor_parallel",
+        type=int,
+        help="processes (one GPU each) that the model's heads are split over (docs/PARALLEL.md)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +107,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if given is not None:
             values[f.name] = given
     cfg = EngineConfig(**values)
+    if cfg.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {cfg.tensor_parallel}")
     if cfg.bank_bytes != "auto":
         parse_size(cfg.bank_bytes)  # fail early on a malformed size
     parse_size(cfg.disk_bytes)
@@ -135,6 +143,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         from turnkv.cache_cli import cache_main
 
         return cache_main(args.action, cfg.disk_dir, args.json)
+    if cfg.tensor_parallel > 1:  # this process becomes rank 0 of a group it starts
+        from turnkv.parallel.launch import run_command
+
+        return run_command(cfg, lambda c: _run(args, c))
+    return _run(args, cfg)
+
+
+def _run(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """``serve``, ``generate`` or ``chat`` (on rank 0 of a tensor-parallel group: the same)."""
     if args.command == "serve":
         from turnkv.server.app import serve
 

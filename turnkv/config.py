@@ -83,6 +83,7 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # auto | off: captured decode steps on CUDA
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
+    tensor_parallel: int = 1  # processes (one GPU each) that one model's heads are split over
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)

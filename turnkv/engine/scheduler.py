@@ -59,12 +59,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
+        control = self.engine.control
+        if control is not None:  # rank 0 of a tensor-parallel group: the other ranks replay the turn
+            request = control.latch(self, request)
         turn = Turn(self.engine, self.bank, request)
         self.waiting.append(_Entry(turn, emit))
         return turn
 
     def step(self) -> None:
         """Admit what fits, run one forward over every running turn's window, deliver events."""
+        control = self.engine.control
+        if control is not None and not control.announce(self):  # the other ranks run this step too
+            return  # the group is down: every turn was failed
         self._admit()
         budget = self.max_batch_tokens
         work: list[tuple[_Entry, object]] = []
@@ -83,6 +89,15 @@ class Scheduler:
         if work:
             self._run(work)
         self.running = [e for e in self.running if not e.turn.done]
+        self.snapshot = self._info()
+
+    def fail_all(self, failed: Failed) -> None:
+        """End every waiting and running turn with ``failed`` (steps can no longer run)."""
+        for e in [*self.waiting, *self.running]:
+            e.turn.fail(RuntimeError(failed.message))  # releases its lease; its own event is dropped
+            e.emit(failed)
+        self.waiting.clear()
+        self.running.clear()
         self.snapshot = self._info()
 
     def _admit(self) -> None:

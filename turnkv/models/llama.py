@@ -19,6 +19,7 @@ tables computed in fp32, residual stream in the model dtype, logits returned in 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from torch import nn
 from turnkv.attention.backend import StepAttention
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.models.pointwise import rms_norm, silu_mul
+
+if TYPE_CHECKING:
+    from turnkv.parallel.group import TensorParallel
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -152,6 +156,9 @@ class LlamaModel(nn.Module):
         )
         self.rope = Rope(cfg, self.device, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # tensor parallelism (turnkv.parallel): ``cfg`` is then this rank's shard and ``tp`` the
+        # collectives around the vocabulary-split and row-parallel layers; None in one process
+        self.tp: TensorParallel | None = None
 
     # ---- weights -------------------------------------------------------------------------
     def hf_names(self) -> list[str]:
@@ -241,8 +248,11 @@ class LlamaModel(nn.Module):
         n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
+        tp = self.tp
         cos, sin = self.rope.at(positions)  # [N, D]
-        x = F.embedding(ids, self.embed)  # [N, hidden]
+        x = F.embedding(ids if tp is None else tp.vocab_ids(ids), self.embed)  # [N, hidden]
+        if tp is not None:
+            x = tp.vocab_reduce(x, ids)  # rows of other ranks' ids zeroed, summed over ranks
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
@@ -253,11 +263,25 @@ class LlamaModel(nn.Module):
                 )
             q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
             o = attention.attend(i, q, self.scale)  # [N, Hq, D]
-            x = _residual_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
+            x = self._row_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, eps)
-            x = _residual_linear(
-                x, silu_mul(F.linear(h, layer.gate_up)), layer.down, None
-            )  # [N, 2I] -> [N, I]
+            gate_up = F.linear(h, layer.gate_up)  # [N, 2I]
+            x = self._row_linear(x, silu_mul(gate_up), layer.down, None)  # [N, I] -> [N, hidden]
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps)  # [R, hidden]
         head = self.embed if self.lm_head is None else self.lm_head
+        if tp is not None:
+            return tp.gather_vocab(F.linear(x, head)).float()  # [R, V / n] per rank -> [R, V]
         return F.linear(x, head).float()  # [R, V]
+
+    def _row_linear(
+        self, x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x + h @ w.T (+ b)``, the residual add of o and down. Under tensor parallelism ``w``
+        holds this rank's input columns (row-parallel): rank 0 adds the residual and the bias to
+        its partial product, the other ranks compute theirs alone, and one all-reduce sums them
+        (no extra kernel for the residual)."""
+        tp = self.tp
+        if tp is None:
+            return _residual_linear(x, h, w, b)
+        y = _residual_linear(x, h, w, b) if tp.rank == 0 else F.linear(h, w)  # [N, hidden]
+        return tp.all_reduce(y)

@@ -28,7 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
+from turnkv.engine.history import ChatHistory, TextHistory
 from turnkv.engine.turn import Admitted, Failed, TurnRequest
+from turnkv.parallel.control import DOWN_CODE, down_message
 from turnkv.server.dashboard import register_dashboard
 from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
@@ -74,6 +76,12 @@ class Server:
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
         self.model_names = {engine.info.model_name, cfg.model}
+        # tensor parallelism: a rank that dies ends the turns in flight and refuses new ones (503)
+        self.group = engine.tp.group if engine.tp is not None else None
+        if self.group is not None:
+            self.group.on_down.append(
+                lambda reason: self.worker.abort(Failed(DOWN_CODE, down_message(reason)))
+            )
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
@@ -106,6 +114,8 @@ class Server:
 
     async def start(self, turn: TurnRequest, request: Request, render=None) -> tuple[_Stream, Admitted]:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
+        if self.group is not None and not self.group.health.ok:
+            raise failed_error(Failed(DOWN_CODE, down_message(self.group.health.error)))
         stream = _Stream(asyncio.get_running_loop())
         self.worker.submit(turn, stream.emit, render)
         first = await self._next(stream, turn, request)
@@ -145,24 +155,17 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _render_chat(
-    tokenizer, messages: list[dict]
-) -> tuple[Callable[[], list[int]], Callable[[str], list[int]]]:
+def _render_chat(tokenizer, messages: list[dict]) -> tuple[Callable[[], list[int]], ChatHistory]:
     def prompt() -> list[int]:
         return tokenizer.apply_chat_template(messages)
 
-    def history(answer: str) -> list[int]:
-        return tokenizer.apply_chat_template(
-            [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
-        )
-
-    return prompt, history
+    return prompt, ChatHistory(tokenizer, messages)
 
 
 def _render_completion(tokenizer, prompt: str | list[int]):
     if isinstance(prompt, str):
         text = prompt
-        return (lambda: tokenizer.prompt_text(text)), (lambda answer: tokenizer.prompt_text(text + answer))
+        return (lambda: tokenizer.prompt_text(text)), TextHistory(tokenizer, text)
     ids = list(prompt)
     vocab = tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in ids):
@@ -282,6 +285,8 @@ def serve(cfg: EngineConfig) -> None:
     tier = srv.bank.tier
     where = cfg.disk_dir or default_disk_dir()
     disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
+    if engine.tp is not None:  # each rank's bank holds its 1/size of every row, in its own memory
+        disk = f"tensor parallel {engine.tp.size} (budget per rank), no disk tier"
     print(
         f"turnkv: serving {info.model_name} on http://{cfg.host}:{cfg.port}/v1 "
         f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
