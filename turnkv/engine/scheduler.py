@@ -13,7 +13,9 @@ the benches): the same code path as the server, with a running set of one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -170,17 +172,34 @@ def run_turn(
     """Drive one turn to its end on this thread, yielding its events as they happen.
 
     With ``interruptible``, Ctrl-C (KeyboardInterrupt) cancels the turn instead of ending the
-    program: the answer stops, and what was computed is still sealed and banked.
+    program: the answer stops, and what was computed is still sealed and banked. On rank 0 of a
+    tensor-parallel group Ctrl-C always cancels the turn and never interrupts a step (the other
+    ranks would wait in its collectives).
     """
     events: list[TurnEvent] = []
     sched = Scheduler(engine, bank, max_running=1)
     sched.submit(request, events.append)
-    while sched.busy:
-        try:
-            sched.step()
-        except KeyboardInterrupt:
-            if not interruptible:
-                raise
-            request.cancel.set()
-        yield from events
-        events.clear()
+    with _sigint_cancels(request) if engine.control is not None else contextlib.nullcontext():
+        while sched.busy:
+            try:
+                sched.step()
+            except KeyboardInterrupt:
+                if not interruptible:
+                    raise
+                request.cancel.set()
+            yield from events
+            events.clear()
+
+
+@contextlib.contextmanager
+def _sigint_cancels(request: TurnRequest) -> Iterator[None]:
+    """While the turn runs, SIGINT sets its cancel flag instead of raising (main thread only)."""
+    try:
+        old = signal.signal(signal.SIGINT, lambda *_: request.cancel.set())
+    except ValueError:  # not the main thread: signals never reach this one
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -102,7 +102,7 @@ def run_command(cfg: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
         return _lead(cfg, main, group, []) if rank == 0 else _follow(cfg, group)
     check(cfg)
     set_group_env()
-    port = _free_port()
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(target=_follower_entry, args=(cfg, r, n, port, os.getpid()), name=f"turnkv-rank{r}")
@@ -207,7 +207,7 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)  # rank 0 is gone: nobody will send the next step
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
