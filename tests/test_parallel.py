@@ -129,10 +129,14 @@ GENERATE = ["generate", "--model", "random:test", "--device", "cpu", "--dtype", 
             "--temperature", "1.0", "--seed", "11"]  # fmt: skip
 
 
-def test_generate_on_two_ranks_answers_like_one_process(capsys):
+@pytest.mark.parametrize("launcher", ["turnkv", "torchrun"])
+def test_generate_on_two_ranks_answers_like_one_process(launcher, capsys):
     assert main(GENERATE) == 0
     one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    cmd = [sys.executable, "-m", "turnkv", *GENERATE, "--tensor-parallel", "2"]
+    start = [sys.executable, "-m"]  # turnkv spawns rank 1 itself; torchrun starts both
+    if launcher == "torchrun":
+        start += ["torch.distributed.run", "--nproc-per-node", "2", "-m"]
+    cmd = [*start, "turnkv", *GENERATE, "--tensor-parallel", "2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr

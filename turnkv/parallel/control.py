@@ -153,10 +153,12 @@ class Leader:
         return False
 
     def stop(self) -> None:
-        """Tell the other ranks to exit (after rank 0's last step)."""
+        """Tell the other ranks to exit (after rank 0's last step) and wait until they all have
+        the message, so no rank leaves the group while another still talks to it."""
         with self._lock:
             if not self._stopped and self.group.health.ok:
                 self._send(STOP, 0, self._pending, 0)
+                dist.barrier(group=self.group.control)
             self._stopped = True
 
     # -- internals (hold the lock) ----------------------------------------------------------------
@@ -251,6 +253,7 @@ def follow(engine: Engine, group: Group) -> None:
         for key, bank_key, max_running, max_batch_tokens in inputs.schedulers:
             scheds[key] = Scheduler(engine, banks[bank_key], max_running, max_batch_tokens)
         if kind == STOP:
+            dist.barrier(group=group.control)  # see Leader.stop
             return
         if kind == HEARTBEAT:
             continue

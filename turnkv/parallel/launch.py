@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -99,7 +100,7 @@ def run_command(cfg: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
         rank = int(env["RANK"])
         group = init_group(rank, n, cfg.device, "env://", int(env.get("LOCAL_RANK", rank)))
         group.driven = True
-        return _lead(cfg, main, group, []) if rank == 0 else _follow(cfg, group)
+        return _leave(group, _lead(cfg, main, group, []) if rank == 0 else _follow(cfg, group))
     check(cfg)
     set_group_env()
     port = free_port()
@@ -116,12 +117,7 @@ def run_command(cfg: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
         _end(procs, 0.0)
         raise
     group.driven = True
-    code = _lead(cfg, main, group, procs)
-    if group.device.type == "cuda":  # see _leave: skip the interpreter's NCCL teardown
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return _leave(group, _lead(cfg, main, group, procs))
 
 
 def _lead(cfg: EngineConfig, main, group: Group, procs: list) -> int:
@@ -140,7 +136,6 @@ def _lead(cfg: EngineConfig, main, group: Group, procs: list) -> int:
             except Exception as exc:  # a rank already gone: nothing to tell it
                 log.warning("could not stop the other ranks: %s", exc)
         _end(procs, JOIN_S)
-        _leave(group)
 
 
 def _watch(group: Group, procs: list, stopping: threading.Event) -> None:
@@ -165,13 +160,15 @@ def _end(procs: list, wait_s: float) -> None:
             p.join(5)
 
 
-def _leave(group: Group) -> None:
-    """Leave the process group. With NCCL, not through ``destroy_process_group``: after a CUDA
-    graph captured collectives it can hang (pytorch/pytorch#115388); the process exits instead."""
-    import torch.distributed as dist
-
-    if group.device.type != "cuda" and dist.is_initialized():
-        dist.destroy_process_group()
+def _leave(group: Group, code: int) -> NoReturn:
+    """End this process with ``code`` once every rank is done (after STOP's barrier), skipping
+    the interpreter's teardown of torch.distributed: with NCCL ``destroy_process_group`` can hang
+    after a CUDA graph captured collectives (pytorch/pytorch#115388), and under torchrun on gloo
+    the teardown aborted one run in twelve here ("terminate called without an active exception")."""
+    del group  # the process ends with it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _follow(cfg: EngineConfig, group: Group) -> int:
