@@ -80,14 +80,29 @@ def test_sizes_that_do_not_divide_the_heads_are_refused_with_the_ones_that_work(
     assert valid_sizes(SHAPES["llama3-8b"]) == [1, 2, 4, 8]
 
 
-def test_the_command_refuses_before_loading(capsys):
+def test_the_command_refuses_before_loading(capsys, monkeypatch):
     assert main(["generate", "--model", "default", "--tensor-parallel", "2", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "SmolLM2-135M-Instruct has 9 attention heads and 3 KV heads" in err[0]
-    assert main(["generate", "--model", "random:test", "--device", "cuda", "--tensor-parallel", "2",
-                 "--prompt", "hi"]) == 2  # fmt: skip
-    assert "needs 2 GPUs" in capsys.readouterr().err or torch.cuda.device_count() >= 2
+    monkeypatch.setenv("TURNKV_TENSOR_PARALLEL", "2")  # the env twin, refused the same way
+    assert main(["generate", "--model", "default", "--prompt", "hi"]) == 2
+    assert "sizes that work for it: 1, 3" in capsys.readouterr().err
+    monkeypatch.delenv("TURNKV_TENSOR_PARALLEL")
     assert main(["generate", "--model", "random:test", "--tensor-parallel", "0", "--prompt", "hi"]) == 2
+    if torch.cuda.device_count() < 2:  # else this would start a group
+        args = [
+            "generate",
+            "--model",
+            "random:test",
+            "--device",
+            "cuda",
+            "--tensor-parallel",
+            "2",
+            "--prompt",
+            "hi",
+        ]
+        assert main(args) == 2
+        assert "needs 2 GPUs (one per process), but torch sees" in capsys.readouterr().err
 
 
 # -- two ranks against one process ---------------------------------------------------------------

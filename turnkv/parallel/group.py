@@ -148,7 +148,10 @@ def init_group(rank: int, size: int, device: str, init_method: str, local_rank: 
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    bind = {"device_id": dev} if dev.type == "cuda" else {}  # NCCL's communicator made here, eagerly
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout, **bind
+    )
     # its own group even on CPU: control messages (another thread on rank 0) never interleave
     # with the model's collectives
     control = dist.new_group(backend="gloo", timeout=timeout)
