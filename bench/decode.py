@@ -318,7 +318,14 @@ def measure(args, group=None) -> dict:
         prefills.append(p)
         say(f"prefill {n:>6} tokens in chunks of {args.chunk}: {p['seconds']:.2f} s, floor "
             f"{p['floor_s'] and round(p['floor_s'], 2)} s ({p['floor_pct'] and round(p['floor_pct'], 1)} %)", flush=True)  # fmt: skip
+    control_us = None
+    if group is not None and size > 1:  # what the server's rank 0 adds to each step to drive the others
+        from turnkv.parallel.control import message_cost_us
+
+        control_us = round(message_cost_us(group), 1)
+        say(f"control message per step (rank 0 to the others, gloo): {control_us} us")
     return {"device": info.device, "model": info.model_name, "dtype": info.dtype, "gpus": size,
+            "control_us_per_step": control_us,
             "attention": info.verdict.route, "graphs": info.graphs, "copy_bytes_s": bw,
             "matmul_flop_s": rate, "weight_bytes_per_step": wbytes, "kv_capacity": capacity,
             "runs": runs, "prefill": prefills}  # fmt: skip

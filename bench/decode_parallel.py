@@ -34,7 +34,8 @@ def compare(args, rank_fn, plot_one) -> dict:
     by_size: dict[int, dict] = {}
     for size in sizes:
         argv = {**vars(args), "tensor_parallel": size}
-        threads = max(1, (os.cpu_count() or 1) // size) if cpu else 0
+        # on a CPU every size gets the same threads per rank (what the largest group can give)
+        threads = max(1, (os.cpu_count() or 1) // max(sizes)) if cpu else 0
         print(f"## {size} {'process' if size == 1 else 'processes'}", flush=True)
         by_size[size] = run_group(size, args.device, rank_fn, argv, threads=threads, timeout_s=3600)[0]
     results = {"tensor_parallel": n, "sizes": sizes, "by_size": {str(k): v for k, v in by_size.items()}}

@@ -222,6 +222,24 @@ class Leader:
                     return
 
 
+def message_cost_us(group: Group, rounds: int = 200) -> float:
+    """Microseconds until every rank has one step's header when nothing is new: the latency a
+    driven step adds (every rank calls this together; the benches report it). Measured as rounds
+    of broadcast + barrier less rounds of barrier alone, so back-to-back sends cannot pipeline."""
+    header = torch.zeros(HEADER, dtype=torch.int64)
+
+    def timed(send: bool) -> float:
+        dist.barrier(group=group.control)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            if send:
+                dist.broadcast(header, 0, group=group.control)
+            dist.barrier(group=group.control)
+        return (time.perf_counter() - t0) / rounds
+
+    return max(timed(True) - timed(False), 0.0) * 1e6
+
+
 def down_message(error: str | None) -> str:
     return f"the tensor-parallel group is down ({error}); this server can no longer run turns: restart it"
 

@@ -111,12 +111,6 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
-    def gather_objects(self, obj: object) -> list[object]:
-        """Every rank's ``obj`` on every rank, in rank order (a collective; tests and benches)."""
-        out: list[object] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.control)
-        return out
-
 
 _current: Group | None = None
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
