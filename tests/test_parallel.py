@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 import tp_ranks
+from test_model_parity import make_folder
 
 from turnkv.cli import main
 from turnkv.config import ModelConfig
@@ -110,6 +111,18 @@ def test_the_command_refuses_before_loading(capsys, monkeypatch):
 def test_two_ranks_compute_what_one_process_computes(model, monkeypatch):
     monkeypatch.setitem(SHAPES, "tp-odd", tp_ranks.ODD)
     check_group_against_one_process(model, 2)
+
+
+@pytest.mark.parametrize("case", ["qwen2-bias"])
+def test_two_ranks_load_their_cut_of_a_hugging_face_folder(case, tmp_path):
+    """Each rank reads every safetensors tensor and keeps its rows or columns: q/k/v (and their
+    biases) by heads, o and down by input columns, the untied embedding and LM head by rows."""
+    make_folder(tmp_path, case)
+    one = tp_ranks.logits_program(None, str(tmp_path))
+    ranks = run_group(2, "cpu", tp_ranks.logits_program, str(tmp_path), threads=1, timeout_s=300)
+    assert ranks[0] == ranks[1]
+    tp, ref = torch.tensor(ranks[0]), torch.tensor(one)
+    torch.testing.assert_close(tp, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
 
 
 @pytest.mark.slow

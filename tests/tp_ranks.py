@@ -80,6 +80,12 @@ def conversation(engine: Engine) -> dict:
     }
 
 
+def logits_program(group, model: str) -> list[list[float]]:
+    """``step_logits`` alone (models without a chat template)."""
+    torch.set_num_threads(1)
+    return step_logits(engine_for(model, 1 if group is None else group.size))
+
+
 def program(group, model: str) -> dict:
     """One rank's part (``group`` None: the whole model in this process)."""
     register()
