@@ -236,23 +236,49 @@ def main() -> None:
     ap.add_argument("--profile-top", type=int, default=0, help="print the N costliest kernels per run")
     ap.add_argument("--host-profile", type=int, default=0, help="print the N costliest Python functions")
     ap.add_argument("--tag", default="decode")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="N > 1: the same runs on one process and on a group of N (bench/decode_parallel.py)")  # fmt: skip
+    ap.add_argument("--sizes", default="", help="group sizes to run with --tensor-parallel (default 1,N)")
     args = ap.parse_args()
+    if args.tensor_parallel > 1:
+        from decode_parallel import compare
 
+        compare(args, measure_rank, _plot)
+        return
+    results = measure(args)
+    save(dict(results), args.tag, _plot)
+    if args.json:
+        print(json.dumps(results))
+
+
+def measure_rank(group, argv: dict) -> dict | None:
+    """One rank of a group running ``measure`` (spawned by ``decode_parallel.compare``); rank 0's
+    results come back."""
+    out = measure(argparse.Namespace(**argv), group)
+    return out if group.rank == 0 else None
+
+
+def measure(args, group=None) -> dict:
+    """Every run of ``args`` in this process (``group``: as one rank of it; rank 0 prints)."""
+    say = print if group is None or group.rank == 0 else _quiet
+    size = 1 if group is None else args.tensor_parallel
     model = f"random:{args.shape}" if args.shape else args.model
-    base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs)
+    base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
+                        tensor_parallel=size)  # fmt: skip
     first = Engine.from_config(replace(base, kv_layout=args.layouts.split(",")[0]), progress=False)
     engines = {first.cfg.kv_layout: first}
     for name in args.layouts.split(",")[1:]:
         engines[name] = Engine(first.loaded, replace(base, kv_layout=name))
     device = first.shape.device
+    capacity = kv_capacity(first)  # before the histories take memory, as a server would see it
     bw = copy_bandwidth(device)
     rate = matmul_rate(device, first.shape.dtype)
     wbytes = weight_bytes_per_step(first)
     info = first.info
     ceilings = f"copy {bw / 1e12:.2f} TB/s; matmul {rate / 1e12:.0f} TFLOP/s; " if bw and rate else ""
-    print(f"# {info.model_name} on {info.device} {info.dtype}; attention {info.verdict.route} "
-          f"({info.verdict.verdict}); graphs {info.graphs}; {ceilings}"
-          f"weights read per step {wbytes / 1e9:.3f} GB")  # fmt: skip
+    say(f"# {info.model_name} on {info.device} {info.dtype} x{size}; attention {info.verdict.route} "
+        f"({info.verdict.verdict}); graphs {info.graphs}; {ceilings}"
+        f"weights read per step {wbytes / 1e9:.3f} GB per GPU; KV capacity {capacity['tokens']} tokens")  # fmt: skip
     runs = []
     for b in [int(x) for x in args.batch.split(",") if x]:
         histories = [synthetic_history(first, args.context, seed=i) for i in range(b)]
@@ -278,9 +304,9 @@ def main() -> None:
                 "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
             })  # fmt: skip
             x = runs[-1]
-            print(f"{name:>10} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
-                  f"  host {x['host_ms']:>7.3f} ms  gpu {x['gpu_ms']} ms  roof {x['roof_tok_s']} tok/s ({x['roof_pct']} %)",
-                  flush=True)  # fmt: skip
+            say(f"{name:>10} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
+                f"  host {x['host_ms']:>7.3f} ms  gpu {x['gpu_ms']} ms  roof {x['roof_tok_s']} tok/s ({x['roof_pct']} %)",
+                flush=True)  # fmt: skip
         del histories
     prefills = []
     for n in [int(x) for x in args.prefill.split(",") if x]:
@@ -293,14 +319,30 @@ def main() -> None:
             prefills.append({"tokens": n, "error": repr(exc)})
             continue
         prefills.append(p)
-        print(f"prefill {n:>6} tokens in chunks of {args.chunk}: {p['seconds']:.2f} s, floor "
-              f"{p['floor_s'] and round(p['floor_s'], 2)} s ({p['floor_pct'] and round(p['floor_pct'], 1)} %)", flush=True)  # fmt: skip
-    results = {"device": info.device, "model": info.model_name, "dtype": info.dtype,
-               "attention": info.verdict.route, "graphs": info.graphs, "copy_bytes_s": bw,
-               "matmul_flop_s": rate, "weight_bytes_per_step": wbytes, "runs": runs, "prefill": prefills}  # fmt: skip
-    save(dict(results), args.tag, _plot)
-    if args.json:
-        print(json.dumps(results))
+        say(f"prefill {n:>6} tokens in chunks of {args.chunk}: {p['seconds']:.2f} s, floor "
+            f"{p['floor_s'] and round(p['floor_s'], 2)} s ({p['floor_pct'] and round(p['floor_pct'], 1)} %)", flush=True)  # fmt: skip
+    control_us = None
+    if group is not None and size > 1:  # what the server's rank 0 adds to each step to drive the others
+        from turnkv.parallel.control import message_cost_us
+
+        control_us = round(message_cost_us(group), 1)
+        say(f"control message per step (rank 0 to the others, gloo): {control_us} us")
+    return {"device": info.device, "model": info.model_name, "dtype": info.dtype, "gpus": size,
+            "control_us_per_step": control_us,
+            "attention": info.verdict.route, "graphs": info.graphs, "copy_bytes_s": bw,
+            "matmul_flop_s": rate, "weight_bytes_per_step": wbytes, "kv_capacity": capacity,
+            "runs": runs, "prefill": prefills}  # fmt: skip
+
+
+def kv_capacity(engine: Engine) -> dict:
+    """What ``--bank-bytes auto`` gives this engine now: bytes per GPU and tokens (rows) of KV."""
+    budget = engine.new_bank("auto").budget_bytes
+    return {"budget_bytes": budget, "bytes_per_row": engine.shape.bytes_per_row,
+            "tokens": budget // engine.shape.bytes_per_row}  # fmt: skip
+
+
+def _quiet(*args, **kwargs) -> None:
+    """``print`` on ranks other than 0."""
 
 
 def _plot(results: dict, plt, path: Path) -> None:

@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine
+from turnkv.engine.history import ChatHistory
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import run_turn
 from turnkv.engine.turn import Failed, GenEvent, TurnRequest, TurnStats
@@ -78,9 +79,7 @@ class ChatSession:
             self.params,
             max_tokens=self.max_tokens,
             namespace=self.namespace,
-            render_history=lambda answer: tok.apply_chat_template(
-                [*history, {"role": "assistant", "content": answer}], add_generation_prompt=False
-            ),
+            render_history=ChatHistory(tok, history),
             cancel=cancel if cancel is not None else threading.Event(),
         )
         pieces = []

@@ -58,6 +58,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "packed", "dequant"],
     )
     add("--threads", "threads", "torch CPU threads; 0 = the cores available to the process", type=int)
+    add(
+        "--tensor-parallel",
+        "tensor_parallel",
+        "processes (one GPU each) that the model's heads are split over (docs/PARALLEL.md)",
+        type=int,
+    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, top: bool) -> None:
@@ -226,6 +232,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     from turnkv.threads import set_threads
 
     set_threads(cfg.threads)
+    if cfg.tensor_parallel > 1:  # this process becomes rank 0 of a group it starts
+        from turnkv.parallel.launch import run_command
+
+        return run_command(cfg, lambda c: _run(args, c))
+    return _run(args, cfg)
+
+
+def _run(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """``serve``, ``generate`` or ``chat`` (on rank 0 of a tensor-parallel group: the same)."""
     if args.command == "serve":
         from turnkv.server.run import serve
 

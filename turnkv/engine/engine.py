@@ -11,7 +11,7 @@ share a step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,7 +60,11 @@ class Engine:
         self.cfg = cfg
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        mc = loaded.config
+        # this rank's shard under tensor parallelism (its heads, its KV heads); else the model
+        mc = self.model.cfg
+        self.tp = self.model.tp  # turnkv.parallel.group.TensorParallel, or None in one process
+        # rank 0 of a group driving the others (turnkv.parallel.control.Leader), else None
+        self.control = None
         self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, loaded.device)
         self.layout = make_layout(cfg.kv_layout, self.shape)
         self.backend = make_backend(
@@ -75,6 +79,8 @@ class Engine:
         from turnkv.engine.graphs import make_graphs
 
         self.graphs = make_graphs(self, cfg.cuda_graphs)
+        # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
+        self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
         self.info = EngineInfo(
             loaded.name,
             cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
@@ -90,11 +96,29 @@ class Engine:
     def from_config(cls, cfg: EngineConfig, progress: bool = True) -> Engine:
         from turnkv.models.load import build_random_model, load_model
 
+        group = None
+        if cfg.tensor_parallel > 1:
+            from turnkv.parallel.group import current_group
+
+            group = current_group()
+            if group is None or group.size != cfg.tensor_parallel:
+                raise ValueError(
+                    f"--tensor-parallel {cfg.tensor_parallel} needs a process group of that size: "
+                    "start it through the turnkv command (or torchrun with as many processes)"
+                )
+            cfg = replace(cfg, device=str(group.device))
         if cfg.model.startswith("random:"):
-            loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype)
+            loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, group=group)
         else:
-            loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=cfg.weights)
-        return cls(loaded, cfg)
+            weights = cfg.weights if group is None else "dequant"  # packed weights are not cut per rank
+            loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, group=group)
+        engine = cls(loaded, cfg)
+        if group is not None and group.driven and group.leader:
+            from turnkv.parallel.control import Leader
+
+            group.driver = group.driver or Leader(group)
+            engine.control = group.driver
+        return engine
 
     # -- caches -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -108,9 +132,14 @@ class Engine:
         ``--bank-bytes`` flag) for this engine's caches; with ``disk``, over the disk tier in
         ``--disk-dir`` unless ``--no-disk`` (or the directory is unusable)."""
         budget = self.cfg.bank_bytes if budget is None else budget
-        size = auto_budget_bytes(self.shape.device) if budget == "auto" else parse_size(budget)
+        if budget == "auto":
+            size = self._auto_budget or auto_budget_bytes(self.shape.device)
+        else:
+            size = parse_size(budget)
         tier = None
-        if disk and not self.cfg.no_disk:
+        # not under tensor parallelism: its reads and write-behind finish at times that differ per
+        # rank, and every rank's bank must take the same decisions (docs/PARALLEL.md)
+        if disk and not self.cfg.no_disk and self.tp is None:
             from turnkv.bank.disk import open_tier
 
             tier = open_tier(
@@ -133,7 +162,7 @@ class Engine:
         and probability matrices of the largest segment (bounded by the whole history); the fused
         kernels keep scores in registers (flash) and need only their fp32 split partials.
         """
-        mc = self.loaded.config
+        mc = self.model.cfg  # this rank's shard: its heads and MLP rows
         rows = min(rows, self.prefill_chunk)
         item = self.shape.dtype.itemsize
         hidden = rows * (6 * mc.hidden_size + 3 * mc.intermediate_size) * item
@@ -141,7 +170,7 @@ class Engine:
             scores = mc.num_heads * rows * (mc.head_dim + 1) * 4 * 2  # a few partials per row
         else:
             scores = 2 * mc.num_heads * rows * (history + rows) * 4
-        logits = mc.vocab_size * 4
+        logits = self.loaded.config.vocab_size * 4  # gathered whole on every rank
         return hidden + scores + logits
 
     def counters(self) -> dict[str, int]:
@@ -165,7 +194,21 @@ class Engine:
     # -- one step -----------------------------------------------------------------------------
     def run_step(self, windows: Sequence[Window]) -> StepResult:
         """One forward over ``windows`` (each a different cache); the caller commits afterwards."""
-        replay = self.graphs.run(windows)
-        if replay is not None:
-            return replay
-        return StepResult(*forward(self.model, windows, self.backend))
+        try:
+            replay = self.graphs.run(windows)
+            if replay is not None:
+                return replay
+            return StepResult(*forward(self.model, windows, self.backend))
+        except Exception as exc:
+            if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
+                self.tp.group.down(f"a step failed on rank {self.tp.rank}: {type(exc).__name__}: {exc}")
+            raise
+
+
+def _group_auto_budget(group, device: torch.device) -> int:
+    """``--bank-bytes auto`` for every rank of a group: the smallest rank's own automatic budget
+    (ranks sharing one host's RAM on a CPU split it)."""
+    own = auto_budget_bytes(device)
+    if device.type != "cuda":
+        own //= group.size
+    return group.min_over_ranks(own)

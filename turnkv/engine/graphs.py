@@ -115,7 +115,14 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
             model(ids, pos, rows, step)
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(captured.graph, pool=self.pool):
+        mode = "global"
+        if self.engine.tp is not None:
+            # the step's NCCL collectives are captured too; NCCL's watchdog thread may still query
+            # events of eager collectives (cudaEventQuery), which a global-mode capture forbids in
+            # every thread (pytorch/pytorch#104487): let them finish, and forbid only this thread
+            torch.cuda.synchronize()
+            mode = "thread_local"
+        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode=mode):
             captured.logits = model(ids, pos, rows, step)
         self.captures += 1
         log.info("captured a decode graph for %d rows", ids.shape[0])

@@ -13,7 +13,9 @@ the benches): the same code path as the server, with a running set of one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -70,12 +72,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
+        control = self.engine.control
+        if control is not None:  # rank 0 of a tensor-parallel group: the other ranks replay the turn
+            request = control.latch(self, request)
         turn = Turn(self.engine, self.bank, request)
         self.waiting.append(_Entry(turn, emit, time.monotonic()))
         return turn
 
     def step(self) -> None:
         """Admit what fits, run one forward over every running turn's window, deliver events."""
+        control = self.engine.control
+        if control is not None and not control.announce(self):  # the other ranks run this step too
+            return  # the group is down: every turn was failed
         self._admit()
         budget = self.max_batch_tokens
         work: list[tuple[_Entry, object]] = []
@@ -94,6 +102,15 @@ class Scheduler:
         if work:
             self._run(work)
         self.running = [e for e in self.running if not e.turn.done]
+        self.snapshot = self._info()
+
+    def fail_all(self, failed: Failed) -> None:
+        """End every waiting and running turn with ``failed`` (steps can no longer run)."""
+        for e in [*self.waiting, *self.running]:
+            e.turn.fail(RuntimeError(failed.message))  # releases its lease; its own event is dropped
+            e.emit(failed)
+        self.waiting.clear()
+        self.running.clear()
         self.snapshot = self._info()
 
     def _admit(self) -> None:
@@ -182,17 +199,34 @@ def run_turn(
     """Drive one turn to its end on this thread, yielding its events as they happen.
 
     With ``interruptible``, Ctrl-C (KeyboardInterrupt) cancels the turn instead of ending the
-    program: the answer stops, and what was computed is still sealed and banked.
+    program: the answer stops, and what was computed is still sealed and banked. On rank 0 of a
+    tensor-parallel group Ctrl-C always cancels the turn and never interrupts a step (the other
+    ranks would wait in its collectives).
     """
     events: list[TurnEvent] = []
     sched = Scheduler(engine, bank, max_running=1)
     sched.submit(request, events.append)
-    while sched.busy:
-        try:
-            sched.step()
-        except KeyboardInterrupt:
-            if not interruptible:
-                raise
-            request.cancel.set()
-        yield from events
-        events.clear()
+    with _sigint_cancels(request) if engine.control is not None else contextlib.nullcontext():
+        while sched.busy:
+            try:
+                sched.step()
+            except KeyboardInterrupt:
+                if not interruptible:
+                    raise
+                request.cancel.set()
+            yield from events
+            events.clear()
+
+
+@contextlib.contextmanager
+def _sigint_cancels(request: TurnRequest) -> Iterator[None]:
+    """While the turn runs, SIGINT sets its cancel flag instead of raising (main thread only)."""
+    try:
+        old = signal.signal(signal.SIGINT, lambda *_: request.cancel.set())
+    except ValueError:  # not the main thread: signals never reach this one
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

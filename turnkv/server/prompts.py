@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from turnkv.engine.history import ChatHistory, TextHistory
 from turnkv.server.schemas import ApiError, bad_request
 
 BOUND_MIN_BYTES = 64 << 10  # texts shorter than this are just tokenized (well under a millisecond)
@@ -38,7 +39,7 @@ def context_error(limit: int, prompt: str) -> ApiError:
     )
 
 
-History = Callable[[str], list[int]]
+History = Callable[[str], list[int]]  # ChatHistory / TextHistory: records, sendable to other ranks
 
 
 class Prompts:
@@ -66,14 +67,7 @@ class Prompts:
         except ValueError as e:
             raise bad_request(f"the prompt cannot be built: {e}", param="messages") from None
         self.check_bound(text)
-        ids = tok.encode(text)
-
-        def history(answer: str) -> list[int]:
-            return tok.apply_chat_template(
-                [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
-            )
-
-        return ids, history
+        return tok.encode(text), ChatHistory(tok, messages)
 
     def completion(self, prompt: str | list[int]) -> tuple[list[int], History | None]:
         """Prompt ids of a raw completion prompt (text, or token ids checked against the vocabulary)."""
@@ -81,7 +75,7 @@ class Prompts:
         if isinstance(prompt, str):
             text = prompt
             self.check_bound(text)
-            return tok.prompt_text(text), lambda answer: tok.prompt_text(text + answer)
+            return tok.prompt_text(text), TextHistory(tok, text)
         ids = list(prompt)
         vocab = tok.vocab_size
         if any(not 0 <= t < vocab for t in ids):

@@ -53,6 +53,7 @@ STATUS = {
     "kv_memory_exhausted": 507,
     "cancelled": 499,
     "queue_timeout": 503,
+    "tensor_parallel_down": 503,  # a rank of the group died: restart the server
     "internal_error": 500,
 }
 

@@ -69,6 +69,8 @@ def serve(cfg: EngineConfig) -> None:
         info, tier = engine.info, srv.bank.tier
         where = cfg.disk_dir or default_disk_dir()
         disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
+        if engine.tp is not None:  # each rank's bank holds its 1/size of every row, in its own memory
+            disk = f"tensor parallel {engine.tp.size} (budget per rank), no disk tier"
         print(
             f"turnkv: serving {info.model_name} on http://{cfg.host}:{port}/v1 "
             f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "

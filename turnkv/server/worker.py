@@ -72,6 +72,24 @@ class EngineWorker:
         self._queue.put(None)
         self._thread.join(timeout=timeout)
 
+    def abort(self, failed: Failed) -> None:
+        """End every queued, waiting and running turn with ``failed``, from any thread: steps can
+        no longer finish (a rank of the tensor-parallel group died, and this thread may wait in a
+        collective for good). A turn the engine thread ends afterwards gets a second final event,
+        which nobody reads (a handler stops at the first)."""
+        sched = self.scheduler
+        for e in [*sched.waiting, *sched.running]:
+            e.emit(failed)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:  # a stop request: keep it for the engine thread
+                self._queue.put(None)
+                return
+            job.emit(failed)
+
     def _take(self, job: Job) -> None:
         self.scheduler.submit(job.request, job.emit)
 

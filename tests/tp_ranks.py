@@ -1,0 +1,98 @@
+"""What every rank of a test group runs (``turnkv.parallel.spmd.run_group``), and the same program
+in one process as the reference (``test_parallel.py``).
+
+``program`` is deterministic (greedy and seeded turns, the same ids on every rank), so the ranks
+stay in step without rank 0 sending anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from turnkv.chat import ChatSession
+from turnkv.config import EngineConfig, ModelConfig
+from turnkv.engine.engine import Engine
+from turnkv.engine.sampling import SamplingParams
+from turnkv.engine.step import Window
+from turnkv.models.load import SHAPES
+
+# A second shape that splits over 2: untied embeddings with an odd vocabulary (the last rank's
+# padding rows), q/k/v and o biases (o's added on rank 0 only), per-head q/k norms, GQA group 2.
+ODD = ModelConfig(
+    arch="llama",
+    vocab_size=509,
+    hidden_size=96,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position=2048,
+    attention_bias=True,
+    qk_norm=True,
+)
+EXTRA_SHAPES = {"tp-odd": ODD}
+
+PROMPT = [256, *range(40, 77)]  # 38 ids: prefill chunks of 16, 16 and 6 rows
+
+
+def register() -> None:
+    """Make ``random:tp-odd`` loadable in this process."""
+    SHAPES.update(EXTRA_SHAPES)
+
+
+def engine_for(model: str, size: int) -> Engine:
+    cfg = EngineConfig(model=model, device="cpu", dtype="float32", prefill_chunk=16, tensor_parallel=size)
+    return Engine.from_config(cfg, progress=False)
+
+
+def step_logits(engine: Engine) -> list[list[float]]:
+    """Every logits row of a chunked prefill, then of one step mixing a whole prompt (all rows'
+    logits), a decode row and a prefill chunk that asks for none."""
+    a, b, c = engine.new_cache(), engine.new_cache(), engine.new_cache()
+    rows = [engine.prefill(a, PROMPT)]
+    b_ids, c_ids = PROMPT[5:17], PROMPT[3:30]
+    windows = [Window(b, b_ids, logits=len(b_ids)), Window(a, [301], 1), Window(c, c_ids, logits=0)]
+    res = engine.run_step(windows)
+    rows += list(res.logits)
+    return torch.stack(rows).tolist()
+
+
+def conversation(engine: Engine) -> dict:
+    """Turns, a fork and an /undo-style rollback through ``ChatSession`` (scheduler, turns, bank):
+    the answers' text, the bank's unique bytes and the ids of the segments it holds."""
+    bank = engine.new_bank("64M")
+    s = ChatSession(engine, SamplingParams(), max_tokens=10, system="be brief", bank=bank)
+    texts = ["".join(s.ask("hello")), "".join(s.ask("and then?"))]
+    f = s.fork()
+    texts.append("".join(f.ask("a branch")))
+    s.undo()  # back one turn: the next prompt restores a shorter prefix of what is banked
+    texts.append("".join(s.ask("instead")))
+    seeded = ChatSession(engine, SamplingParams(temperature=1.0, seed=7), max_tokens=10, bank=bank)
+    texts.append("".join(seeded.ask("roll the dice")))
+    segments = sorted({seg.id for e in bank.entries() for seg in e.snapshot.segments()})
+    return {
+        "texts": texts,
+        "unique_bytes": bank.unique_bytes(live=False),
+        "segments": segments,
+        "hits": bank.stats.hits,
+        "cached": s.last.cached_tokens,
+    }
+
+
+def logits_program(group, model: str) -> list[list[float]]:
+    """``step_logits`` alone (models without a chat template)."""
+    torch.set_num_threads(1)
+    return step_logits(engine_for(model, 1 if group is None else group.size))
+
+
+def program(group, model: str) -> dict:
+    """One rank's part (``group`` None: the whole model in this process)."""
+    register()
+    torch.set_num_threads(1)
+    engine = engine_for(model, 1 if group is None else group.size)
+    return {
+        "kv_heads": engine.shape.num_kv_heads,
+        "logits": step_logits(engine),
+        "chat": conversation(engine),
+    }
