@@ -26,6 +26,10 @@ Prints a table, then (``--json``) one JSON object as its last line; writes bench
 
 from __future__ import annotations
 
+from turnkv.threads import prepare_env
+
+prepare_env()  # OpenMP waits passively (as the CLI sets it), before torch loads
+
 import argparse
 import json
 import time
@@ -240,6 +244,9 @@ def main() -> None:
                     help="N > 1: the same runs on one process and on a group of N (bench/decode_parallel.py)")  # fmt: skip
     ap.add_argument("--sizes", default="", help="group sizes to run with --tensor-parallel (default 1,N)")
     args = ap.parse_args()
+    from turnkv.threads import set_threads
+
+    set_threads(0)  # torch threads = the cores available, as the CLI does
     if args.tensor_parallel > 1:
         from decode_parallel import compare
 

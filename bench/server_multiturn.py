@@ -37,6 +37,10 @@ Prints a table, writes ``bench/out/<tag>.json`` and ``bench/out/<tag>.png``.
 
 from __future__ import annotations
 
+from turnkv.threads import prepare_env
+
+prepare_env()  # OpenMP waits passively (as the CLI sets it), before torch loads
+
 import argparse
 import random
 import statistics
@@ -279,6 +283,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="server_multiturn")
     args = ap.parse_args()
+    from turnkv.threads import set_threads
+
+    set_threads(0)  # torch threads = the cores available, as the CLI does
     if args.clients:
         return run_clients(args)
 
