@@ -42,7 +42,11 @@ def register() -> None:
 
 
 def engine_for(model: str, size: int) -> Engine:
-    cfg = EngineConfig(model=model, device="cpu", dtype="float32", prefill_chunk=16, tensor_parallel=size)
+    # shards load dequantized (parallel/shard.py), so the one-process reference does too: packed
+    # weights round activations to bf16 (models/quant.py) and would differ by more than fp32 order
+    cfg = EngineConfig(
+        model=model, device="cpu", dtype="float32", prefill_chunk=16, tensor_parallel=size, weights="dequant"
+    )
     return Engine.from_config(cfg, progress=False)
 
 
