@@ -29,6 +29,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graphs", dest="cuda_graphs", choices=["auto", "off"], help="captured decode steps on CUDA"
     )
+    p.add_argument(
+        "--speculate", choices=["auto", "off"], help="context-copy speculative decoding (auto: on)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

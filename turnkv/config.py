@@ -78,6 +78,7 @@ class EngineConfig:
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
     cuda_graphs: str = "auto"  # auto | off: captured decode steps on CUDA
+    speculate: str = "auto"  # auto | off: context-copy speculative decoding (verify windows)
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     host: str = "127.0.0.1"

@@ -18,6 +18,7 @@ import torch
 from turnkv.attention.route import Verdict
 from turnkv.bank.session_bank import SessionBank, auto_budget_bytes
 from turnkv.config import EngineConfig, parse_size
+from turnkv.engine.context_copy import Speculation
 from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot
@@ -74,6 +75,7 @@ class Engine:
         from turnkv.engine.graphs import make_graphs
 
         self.graphs = make_graphs(self, cfg.cuda_graphs)
+        self.speculation = Speculation(cfg.speculate)  # context-copy drafts, step costs, counters
         self.info = EngineInfo(
             loaded.name,
             loaded.fingerprint,

@@ -4,8 +4,9 @@ Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``a
 (``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,
 ``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
 ``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (the disk tier is not built yet:
-``enabled: false`` and zeros), ``speculation`` (zeros until speculation lands), ``scheduler``
-(``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``).
+``enabled: false`` and zeros), ``speculation`` (``mode``, ``drafted``, ``accepted``, ``windows``,
+``acceptance``, ``tokens_per_forward``, ``by_window``: see ``SpeculationStats.health``),
+``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from turnkv.engine.engine import Engine
 
 DISK_KEYS = ("blocks", "bytes", "writes", "hits", "misses", "corrupt", "evictions")
-SPECULATION_KEYS = ("drafted", "accepted", "windows")
 
 
 def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
@@ -58,7 +58,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
             "refusals": s.refusals,
         },
         "disk": {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)},
-        "speculation": dict.fromkeys(SPECULATION_KEYS, 0),
+        "speculation": engine.speculation.stats.health(),
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
     }
     return doc

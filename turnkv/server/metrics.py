@@ -21,6 +21,14 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
+def _counters(*rows: tuple[str, int, str]):
+    """One unlabelled counter family per ``(name, value, doc)``."""
+    for name, value, doc in rows:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], value)
+        yield c
+
+
 class _StateCollector(Collector):
     def __init__(self, bank: SessionBank, scheduler: Callable[[], dict]) -> None:
         self.bank = bank
@@ -45,21 +53,50 @@ class _StateCollector(Collector):
         g.add_metric([], len(bank))
         yield g
         s = bank.stats
-        for name, value, doc in (
+        yield from _counters(
             ("turnkv_bank_evictions", s.evictions, "Bank entries evicted to make room"),
             ("turnkv_kv_refusals", s.refusals, "Turns refused with HTTP 507"),
             ("turnkv_bank_hits", s.hits, "Admitted turns that restored a banked prefix"),
             ("turnkv_bank_misses", s.misses, "Admitted turns that found no banked prefix"),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
+        )
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
         )
         for label, n in sorted(self.scheduler().get("route_counts", {}).items()):
             c.add_metric([label], n)
         yield c
+
+
+class _SpeculationCollector(Collector):
+    """Context-copy speculation counters, read from the engine at scrape time (as ``/health``)."""
+
+    def __init__(self, stats) -> None:
+        self.stats = stats  # turnkv.engine.context_copy.SpeculationStats
+
+    def collect(self):
+        s = self.stats
+        yield from _counters(
+            ("turnkv_speculation_drafted_tokens", s.drafted, "Drafted tokens verified"),
+            ("turnkv_speculation_accepted_tokens", s.accepted, "Drafted tokens the model accepted"),
+            ("turnkv_speculation_windows", s.windows, "Decode windows that carried a draft"),
+            ("turnkv_decode_forwards", s.forwards, "Decode windows (one row or a verify window)"),
+            ("turnkv_decode_tokens", s.tokens, "Tokens those decode windows emitted"),
+        )
+        drafted = CounterMetricFamily(
+            "turnkv_speculation_window_drafted_tokens",
+            "Drafted tokens by verify window rows",
+            labels=["rows"],
+        )
+        accepted = CounterMetricFamily(
+            "turnkv_speculation_window_accepted_tokens",
+            "Accepted tokens by verify window rows",
+            labels=["rows"],
+        )
+        for bucket, (_, d, a) in s.by_window.items():
+            drafted.add_metric([f"<={bucket}"], d)
+            accepted.add_metric([f"<={bucket}"], a)
+        yield drafted
+        yield accepted
 
 
 class Metrics:
@@ -92,6 +129,7 @@ class Metrics:
             registry=r,
         )
         r.register(_StateCollector(bank, scheduler))
+        r.register(_SpeculationCollector(engine.speculation.stats))
 
     def turn(self, stats) -> None:
         """Record one finished turn's ``TurnStats``."""
