@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,12 +156,16 @@ def test_a_batch_makes_the_governor_weigh_the_other_turns():
 
 
 def test_step_costs_are_fitted_from_observed_steps():
+    def windows(*rows: int, logits: int | None = None):
+        return [SimpleNamespace(tokens=[0] * m, logits=m if logits is None else logits) for m in rows]
+
     c = StepCost()
-    for n in (1, 1, 1):
-        c.observe([1] * n, 0.010)
+    for _ in range(3):
+        c.observe(windows(1), 0.010)
     for k in (2, 4, 8, 16, 32, 8, 2):
-        c.observe([k], 0.012 + 0.0005 * k)
-    c.observe([512], 9.0)  # a prefill step is not a decode step's cost
+        c.observe(windows(k), 0.012 + 0.0005 * k)
+    c.observe(windows(1, 512, logits=1), 9.0)  # a prefill chunk rode along: not a decode step
+    c.observe(windows(12, logits=1), 9.0)  # nor is a short prefill (or rebase) chunk
     assert c.cost(1, False) == pytest.approx(0.010)
     assert c.cost(20, True) == pytest.approx(0.012 + 0.0005 * 20, rel=1e-3)
     assert (c.windows, c.rows) == (1, 2)

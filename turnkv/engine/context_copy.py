@@ -7,7 +7,7 @@ earlier turn's prompt and answer, plus this answer so far) and proposes the toke
 them. The turn feeds its current token and the draft as one verify window (at most
 ``MAX_WINDOW_ROWS`` rows); the target model's logits for every row come back from one forward.
 
-Acceptance (``Turn.advance``) walks the window's rows in order and draws each row's token exactly
+Acceptance (``Turn._verify``) walks the window's rows in order and draws each row's token exactly
 as a non-speculative step would (``argmax`` when greedy, else the turn's ``Sampler`` with its own
 generator); it stops at the first row whose token differs from the draft's next token, and that
 token is the correction (or, after a fully accepted draft, the bonus token). For the point-mass
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from turnkv.engine.step import Window
 from turnkv.limits import MAX_WINDOW_ROWS
 
 MAX_DRAFT = MAX_WINDOW_ROWS - 1  # the current token and up to 31 drafted ones in one window
@@ -47,9 +48,11 @@ class ContextIndex:
     and proposes what followed the longest match (the most recent among equals); where that runs
     into the newest tokens, the copy overlaps itself (a repeating loop is drafted as repeating).
 
-    Cost: building over ``n`` tokens is vectorised (about 0.1 us per token, mostly the dict); each
-    ``push`` is two dict/list operations; a ``draft`` about 10-30 us (measured by
-    ``bench/speculation.py --index``).
+    Cost (``bench/speculation.py`` measures it each run; 2-core EPYC VM under load, 2026-11-30):
+    building over a 32K-token conversation takes 8.6 ms (0.26 us per token, vectorised; once per
+    turn), a ``push`` plus a ``draft`` per decode step 9-20 us (one torch thread; up to 43 us with
+    two contending) -- against 60-150 ms for a CPU decode step of the default model here and
+    14-28 ms for an 8B shape's decode step on the H200 (docs/BENCHMARKS.md: 35-70 tok/s).
     """
 
     def __init__(self, tokens: Sequence[int] = ()) -> None:
@@ -147,7 +150,8 @@ class StepCost:
     """What a step of ``n`` rows costs, measured: one fit for plain steps (every window one row;
     CUDA graphs replay these) and one for steps with a verify window (always eager).
 
-    The scheduler reports every decode/verify step (``observe``); prefill steps are not counted.
+    The scheduler reports every step (``observe``); only steps of decode and verify windows (every
+    row asks for its logits) are counted, not prefill.
     Before any verify step was seen, a verify step is priced as a plain one plus ``PRIOR_ROW`` of
     it per extra row (a guess between a GPU's nearly free rows and a CPU's ~2 % per row), so the
     first drafts are tried and then priced by what they really cost.
@@ -161,10 +165,11 @@ class StepCost:
         self.windows = 1  # windows and rows of the latest decode/verify step
         self.rows = 1
 
-    def observe(self, rows: Sequence[int], seconds: float) -> None:
-        """One step's window sizes and wall time (host work plus waiting for the device)."""
-        if not rows or max(rows) > MAX_WINDOW_ROWS:
-            return  # a prefill chunk rode in this step: not a decode step's cost
+    def observe(self, windows: Sequence[Window], seconds: float) -> None:
+        """One step's windows and wall time (host work plus waiting for the device)."""
+        if not windows or any(w.logits != len(w.tokens) for w in windows):
+            return  # a prefill or rebase chunk rode in this step: not a decode step's cost
+        rows = [len(w.tokens) for w in windows]
         n = sum(rows)
         (self.verify if max(rows) > 1 else self.plain).add(n, seconds)
         self.windows, self.rows = len(rows), n

@@ -106,7 +106,7 @@ class Scheduler:
             t_sync = time.perf_counter()
             argmax = result.logits.argmax(-1).tolist() if result.logits.shape[0] else []
             self.wait_s += time.perf_counter() - t_sync
-            self.engine.speculation.cost.observe([len(w.tokens) for w in windows], time.perf_counter() - t0)
+            self.engine.speculation.cost.observe(windows, time.perf_counter() - t0)
         except Exception as exc:  # a broken step fails its turns, never the loop
             log.exception("step failed")
             for e, _ in work:
