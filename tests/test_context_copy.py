@@ -356,3 +356,11 @@ def test_the_cache_after_rejections_equals_a_plain_run(monkeypatch):
     k_off, v_off = off.read_rows(0, off.num_tokens)
     torch.testing.assert_close(k_on, k_off, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_on, v_off, atol=1e-4, rtol=1e-4)
+
+
+def test_an_unmeasured_verify_step_is_priced_by_its_extra_rows():
+    c = StepCost()
+    for _ in range(3):
+        c.observe([SimpleNamespace(tokens=[0], logits=1)] * 8, 0.100)  # batch 8, plain
+    assert c.cost(8, True) == pytest.approx(0.100)  # no verify step seen yet: only extra rows cost
+    assert c.cost(8 + 32, True) == pytest.approx(0.100 * (1 + 32 * StepCost.PRIOR_ROW))
