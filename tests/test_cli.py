@@ -51,8 +51,17 @@ def test_generate_json_reports_text_and_stats():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["text"] and out["completion_tokens"] <= 6 and out["prompt_tokens"] > 5
     stats = out["stats"]
-    for key in ("prefill_s", "decode_tok_s", "forwards", "route_counts"):
+    for key in (
+        "prefill_s",
+        "decode_tok_s",
+        "forwards",
+        "decode_forwards",
+        "drafted",
+        "accepted",
+        "route_counts",
+    ):
         assert key in stats
+    assert 0 <= stats["accepted"] <= stats["drafted"]
     assert stats["forwards"] >= 1 and sum(stats["route_counts"].values()) > 0
 
 

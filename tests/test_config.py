@@ -31,6 +31,14 @@ def test_env_twins_apply_and_flags_win(monkeypatch):
     assert (cfg.kv_layout, cfg.port) == ("segmented", 8002)
 
 
+def test_speculate_flag_and_env_twin(monkeypatch):
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "x"])).speculate == "auto"
+    monkeypatch.setenv("TURNKV_SPECULATE", "off")
+    assert engine_config(build_parser().parse_args(["serve"])).speculate == "off"
+    cfg = engine_config(build_parser().parse_args(["chat", "--speculate", "auto"]))
+    assert cfg.speculate == "auto"
+
+
 def test_malformed_bank_size_fails_early():
     with pytest.raises(ValueError):
         engine_config(build_parser().parse_args(["serve", "--bank-bytes", "lots"]))

@@ -15,6 +15,7 @@ import torch
 
 from turnkv.attention.route import Verdict
 from turnkv.bank.session_bank import SessionBank
+from turnkv.engine.context_copy import Speculation
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
 from turnkv.server.dashboard import bankview, state
@@ -146,7 +147,9 @@ class _Srv:
         self.bank = new_bank()
         info = SimpleNamespace(model_name="m", device="cpu", kv_layout="segmented", verdict=Verdict())
         self.engine = SimpleNamespace(
-            info=info, counters=lambda: {"seals": 0, "merges": 0, "max_segments": 0}
+            info=info,
+            counters=lambda: {"seals": 0, "merges": 0, "max_segments": 0},
+            speculation=Speculation(),
         )
         sched = {"running": 5, "waiting": 2, "step_ms": 12.5, "rows_per_step": 40, "route_counts": {}}
         self.worker = SimpleNamespace(scheduler=SimpleNamespace(snapshot=sched))

@@ -289,7 +289,9 @@ def test_models_health_and_metrics(live):
     assert h["bank"]["budget_bytes"] == 1 << 30
     assert isinstance(h["disk"]["enabled"], bool)  # on by default; tests/test_disk_server.py
     assert set(h["disk"]) == {"enabled", *DISK_KEYS}
-    assert h["speculation"] == {"drafted": 0, "accepted": 0, "windows": 0}
+    sp = h["speculation"]
+    assert sp["mode"] == "auto" and {"drafted", "accepted", "windows", "tokens_per_forward"} <= set(sp)
+    assert set(sp["by_window"]) == {"<=2", "<=4", "<=8", "<=16", "<=32"}
     chat(c, [{"role": "user", "content": "One word please."}], max_tokens=2)
     live.idle()
     h2 = live.health()
@@ -307,6 +309,11 @@ def test_models_health_and_metrics(live):
         "turnkv_time_to_first_token_seconds_bucket",
         "turnkv_time_per_output_token_seconds_bucket",
         "turnkv_attention_calls_total",
+        "turnkv_speculation_drafted_tokens_total",
+        "turnkv_speculation_accepted_tokens_total",
+        "turnkv_speculation_windows_total",
+        "turnkv_decode_forwards_total",
+        'turnkv_speculation_window_accepted_tokens_total{rows="<=32"}',
     ):
         assert name in m, name
 

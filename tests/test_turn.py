@@ -42,7 +42,8 @@ def drive(engine: Engine, turn: Turn, cancel_after: int | None = None) -> list:
 PROMPT = [256, *range(40, 90)]  # 51 tokens: four prefill windows of 16 rows and one of 3
 
 
-def test_begin_steps_finish_in_order_and_bank_the_turn(engine):
+def test_begin_steps_finish_in_order_and_bank_the_turn(engine, monkeypatch):
+    monkeypatch.setattr(engine.speculation, "enabled", False)  # one row per decode step
     bank = engine.new_bank("64M")
     turn = Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=5))
     events = drive(engine, turn)
@@ -93,9 +94,10 @@ def test_cancel_stops_the_answer_and_still_banks_what_was_computed(engine):
     req = TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=50, render_history=lambda a: PROMPT)
     events = drive(engine, Turn(engine, bank, req), cancel_after=3)
     last = [e for e in events if isinstance(e, GenEvent)][-1]
-    assert last.finish_reason == "cancelled" and last.stats.completion_tokens == 3
+    n = last.stats.completion_tokens  # 3, or more where a verify window's tokens crossed 3
+    assert last.finish_reason == "cancelled" and 3 <= n <= 3 + last.stats.accepted
     assert isinstance(events[-1], Banked) and events[-1].rebase_rows == 0  # banked as generated
-    assert events[-1].banked_tokens == len(PROMPT) + 2  # the last sampled token was never fed
+    assert events[-1].banked_tokens == len(PROMPT) + n - 1  # the last sampled token was never fed
 
 
 def test_context_and_memory_refusals_do_nothing(engine):

@@ -51,6 +51,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
     add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA", choices=["auto", "off"])
+    add("--speculate", "speculate", "context-copy speculative decoding (auto: on)", choices=["auto", "off"])
     add(
         "--weights",
         "weights",

@@ -86,6 +86,7 @@ KVLayout = Literal["segmented", "contiguous"]
 AttentionChoice = Literal["auto", "fused", "lse"]
 CudaGraphs = Literal["auto", "off"]
 Weights = Literal["auto", "packed", "dequant"]
+Speculate = Literal["auto", "off"]
 MAX_PORT = 65535
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -113,6 +114,7 @@ class EngineConfig:
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
     cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
+    speculate: Speculate = "auto"  # context-copy speculative decoding (verify windows)
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     queue_timeout: float = 120.0  # seconds a turn may wait for admission before a 503 with Retry-After

@@ -19,6 +19,7 @@ from turnkv.attention.route import Verdict
 from turnkv.bank.budget import auto_budget_bytes
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
+from turnkv.engine.context_copy import Speculation
 from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot
@@ -81,6 +82,9 @@ class Engine:
         self.graphs = make_graphs(self, cfg.cuda_graphs)
         # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
         self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
+        # context-copy drafts, step costs, counters; off under tensor parallelism: every rank runs
+        # its own scheduler, and the governor sizes drafts from step times each rank measures itself
+        self.speculation = Speculation(cfg.speculate if self.tp is None else "off")
         self.info = EngineInfo(
             loaded.name,
             cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
@@ -111,7 +115,9 @@ class Engine:
             loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, group=group)
         else:
             weights = cfg.weights if group is None else "dequant"  # packed weights are not cut per rank
-            loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, group=group)
+            loaded = load_model(
+                cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, group=group
+            )
         engine = cls(loaded, cfg)
         if group is not None and group.driven and group.leader:
             from turnkv.parallel.control import Leader

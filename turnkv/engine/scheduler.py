@@ -1,9 +1,9 @@
 """The step loop: a waiting queue, a running set, and one forward per step for all running turns.
 
 Each ``step()`` admits waiting turns while the running set has room (``Turn.begin``: the bank's
-admission), then takes one window from every running turn -- a decode row from each decoding
-turn first, then prefill chunks (and rebase rows) of the others in arrival order within the
-token budget (``max_batch_tokens``) -- runs them as one ``Engine.run_step``, samples every row
+admission), then takes one window from every running turn -- a decode row (or a verify window of
+context-copy drafts) from each decoding turn first, then prefill chunks (and rebase rows) of the
+others in arrival order within the token budget (``max_batch_tokens``) -- runs them as one ``Engine.run_step``, samples every row
 that asked for logits (one batched argmax for the greedy ones) and hands each turn its token.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
@@ -93,7 +93,7 @@ class Scheduler:
             decoding = e.turn.phase == "decode"
             if not decoding and budget <= 0 and work:
                 continue  # waits for a later step
-            w = e.turn.window(1 if decoding else max(budget, 1))
+            w = e.turn.window(max(budget, 1))  # a decode row, or a verify window within the budget
             if w is None:  # nothing to compute: cancelled, or finishing
                 self._deliver(e, e.turn.advance(None))
                 continue
@@ -146,6 +146,7 @@ class Scheduler:
             t_sync = time.perf_counter()
             argmax = result.logits.argmax(-1).tolist() if result.logits.shape[0] else []
             self.wait_s += time.perf_counter() - t_sync
+            self.engine.speculation.cost.observe(windows, time.perf_counter() - t0)
         except Exception as exc:  # a broken step fails its turns, never the loop
             log.exception("step failed")
             for e, _ in work:

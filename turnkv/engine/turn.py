@@ -84,6 +84,10 @@ class TurnStats:
     forwards: int = 0  # steps this turn took part in
     queue_s: float = 0.0  # from submit to admission (waiting for memory or a running slot)
     token_gaps_s: list[float] = field(default_factory=list, repr=False)  # between answer tokens
+    decode_forwards: int = 0  # of which decode windows (one row, or a verify window)
+    drafted: int = 0  # tokens drafted from the conversation and verified (context-copy speculation)
+    accepted: int = 0  # drafted tokens the target model agreed with
+    verify_windows: int = 0  # decode windows that carried a draft
     rebase_rows: int = 0
     route_counts: dict[str, int] = field(default_factory=dict)
 
@@ -209,6 +213,7 @@ class Turn:
         self.decoder = StreamDecoder(engine.tokenizer)
         self.stops = StopMatcher(self.params.stop)
         self.eos = set() if self.params.ignore_eos else set(engine.tokenizer.eos_token_ids)
+        self.drafts = engine.speculation.for_turn(ids)  # None with --speculate off
         return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
 
     # -- steps ----------------------------------------------------------------------------------
@@ -223,36 +228,43 @@ class Turn:
             last = n == len(self._pending) and self.phase == _PREFILL
             self._open = Window(self.cache, self._pending[:n], logits=1 if last else 0)
         elif self.phase == _DECODE:
-            self._open = Window(self.cache, [self._next], logits=1)
+            draft = self._draft(budget)
+            self._open = Window(self.cache, [self._next, *draft], logits=1 + len(draft))
         else:
             self._open = None
         return self._open
 
     def advance(self, out: WindowOutput | None) -> list[TurnEvent]:
         """After the step that ran ``window``'s rows (``out``; None when ``window`` gave none):
-        commit them, sample the next token from their logits (stop checks, text); may finish."""
+        commit them, sample the next token(s) from their logits (stop checks, text); may finish."""
         w = self._open
         self._open = None
         if w is None:  # nothing was computed: cancelled before its decode row, or done
             return self._end("cancelled") if self.phase == _DECODE else []
         assert out is not None, "a window that ran needs its output"
-        self.cache.commit(w.tokens)
         self.stats.forwards += 1
         if out.calls:
             self.routes[out.route] = self.routes.get(out.route, 0) + out.calls
+        if self.phase == _DECODE:
+            return self._verify(w, out)
+        self.cache.commit(w.tokens)
+        del self._pending[: len(w.tokens)]
         if self.phase == _REBASE:
-            del self._pending[: len(w.tokens)]
             return self._finish() if not self._pending else []
-        if self.phase == _PREFILL:
-            del self._pending[: len(w.tokens)]
-            if self._pending:
-                return []
-            self.stats.prefill_s = time.perf_counter() - self._t0
-            self.phase = _DECODE
-        # the step's batched argmax is the greedy token unless a logit_bias changes the row
-        fast = self.params.greedy and not self.params.logit_bias
-        tok = out.argmax[-1] if fast else self.sampler(out.logits[-1])
-        return self._take(tok)
+        if self._pending:
+            return []
+        self.stats.prefill_s = time.perf_counter() - self._t0
+        self.phase = _DECODE
+        tok = out.argmax[-1] if self._fast_greedy else self.sampler(out.logits[-1])
+        if self.drafts is not None:
+            self.drafts.push(tok)
+        events, finish, flushed = self._take(tok)
+        return events + self._end(finish, flushed) if finish else events
+
+    @property
+    def _fast_greedy(self) -> bool:
+        """The step's batched argmax is the greedy token unless a logit_bias changes the row."""
+        return self.params.greedy and not self.params.logit_bias
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
         """The step this turn was in broke: bank nothing of it (what was banked before stays)."""
@@ -262,7 +274,50 @@ class Turn:
         return [Failed("internal_error", f"generation failed: {type(exc).__name__}: {exc}")]
 
     # -- internals ------------------------------------------------------------------------------
-    def _take(self, tok: int) -> list[TurnEvent]:
+    def _draft(self, budget: int) -> list[int]:
+        """Tokens from the conversation to verify after ``_next``: within the step's row budget,
+        and at most the answer's remaining tokens but one (the window's own row brings one more),
+        so no row past what admission priced is ever opened."""
+        if self.drafts is None:
+            return []
+        return self.drafts.draft(min(budget - 1, self.max_tokens - self.stats.completion_tokens - 1))
+
+    def _verify(self, w: Window, out: WindowOutput) -> list[TurnEvent]:
+        """A decode window ``[_next, d1..dk]``: each row's token is drawn as a plain decode step
+        would draw it (``context_copy``'s exact acceptance); the walk stops at the first token that
+        is not the next draft token (the correction; after a full match, the bonus) or at the end
+        of the answer. Only the rows up to that cut are committed (the rollback: no copy)."""
+        draft = w.tokens[1:]
+        greedy = self._fast_greedy
+        rows = out.logits if greedy else out.logits.float().cpu()  # [k+1, V], one transfer
+        events: list[TurnEvent] = []
+        finish, flushed, accepted, n = None, False, 0, 0
+        for i in range(len(draft) + 1):
+            tok = out.argmax[i] if greedy else self.sampler(rows[i])
+            n += 1
+            if self.drafts is not None:
+                self.drafts.push(tok)
+            more, finish, flushed = self._take(tok)
+            events += more
+            hit = i < len(draft) and tok == draft[i]
+            accepted += hit
+            if finish or not hit:
+                break
+        self.cache.commit(w.tokens[:n])  # rows of _next and the accepted drafts; the rest dropped
+        s = self.stats
+        s.decode_forwards += 1
+        s.drafted += len(draft)
+        s.accepted += accepted
+        s.verify_windows += bool(draft)
+        if self.drafts is not None:
+            self.drafts.verified(len(draft), accepted, n)
+        else:
+            self.engine.speculation.stats.window(0, 0, n)
+        return events + self._end(finish, flushed) if finish else events
+
+    def _take(self, tok: int) -> tuple[list[TurnEvent], str | None, bool]:
+        """One answer token: its event, and the finish reason if the answer ends with it (and
+        whether a stop string flushed the held-back text)."""
         n = self.stats.completion_tokens = self.stats.completion_tokens + 1
         now = time.perf_counter()
         if self._t_first is None:
@@ -272,18 +327,18 @@ class Turn:
             self.stats.token_gaps_s.append(now - self._t_last)
         self._t_last = now
         if tok in self.eos:
-            return [GenEvent(tok, ""), *self._end("stop")]
+            return [GenEvent(tok, "")], "stop", False
         text, hit = self.stops.push(self.decoder.push(tok))
         self._text.append(text)
         events: list[TurnEvent] = [GenEvent(tok, text)]
         if hit:
-            return events + self._end("stop", flushed=True)
+            return events, "stop", True
         if n >= self.max_tokens:
-            return events + self._end("length")
+            return events, "length", False
         if self.request.cancel.is_set():
-            return events + self._end("cancelled")
+            return events, "cancelled", False
         self._next = tok
-        return events
+        return events, None, False
 
     def _end(self, finish: str, flushed: bool = False) -> list[TurnEvent]:
         """The answer is over: the last ``GenEvent``, then the rebase rows or the finish."""

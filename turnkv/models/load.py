@@ -275,7 +275,6 @@ def build_random_model(
     return LoadedModel(model, tok, cfg, f"random:{shape}", fp, dev, dt)
 
 
-
 def _new_model(cfg: ModelConfig, dev: torch.device, dt: torch.dtype, group: Group | None) -> LlamaModel:
     """The empty model to fill: the whole of ``cfg``, or this rank's shard of it."""
     if group is None:

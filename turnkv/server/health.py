@@ -4,8 +4,9 @@ Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``a
 (``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,
 ``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
 ``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
-``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (zeros until speculation
-lands), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``),
+``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (``mode``, ``drafted``,
+``accepted``, ``windows``, ``acceptance``, ``tokens_per_forward``, ``by_window``: see
+``SpeculationStats.health``), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``),
 ``tensor_parallel`` (``size``, ``status`` ``ok``/``down``, ``dead_ranks``, ``error``; while it is
 down, ``status`` is ``unavailable``). Under tensor parallelism the ``bank`` bytes are rank 0's:
 every rank holds the same rows' ``1/size`` share of the KV heads.
@@ -21,7 +22,6 @@ from turnkv.bank.session_bank import SessionBank
 
 if TYPE_CHECKING:
     from turnkv.engine.engine import Engine
-SPECULATION_KEYS = ("drafted", "accepted", "windows")
 
 
 def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
@@ -60,7 +60,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
             "refusals": s.refusals,
         },
         "disk": bank.tier.health() if bank.tier is not None else disabled_health(),
-        "speculation": dict.fromkeys(SPECULATION_KEYS, 0),
+        "speculation": engine.speculation.stats.health(),
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
         "tensor_parallel": _tensor_parallel(engine),
     }

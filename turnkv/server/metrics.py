@@ -24,6 +24,14 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+def _counters(*rows: tuple[str, int, str]):
+    """One unlabelled counter family per ``(name, value, doc)``."""
+    for name, value, doc in rows:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], value)
+        yield c
+
+
 class _StateCollector(Collector):
     def __init__(self, bank: SessionBank, scheduler: Callable[[], dict]) -> None:
         self.bank = bank
@@ -48,15 +56,12 @@ class _StateCollector(Collector):
         g.add_metric([], len(bank))
         yield g
         s = bank.stats
-        for name, value, doc in (
+        yield from _counters(
             ("turnkv_bank_evictions", s.evictions, "Bank entries evicted to make room"),
             ("turnkv_kv_refusals", s.refusals, "Turns refused with HTTP 507"),
             ("turnkv_bank_hits", s.hits, "Admitted turns that restored a banked prefix"),
             ("turnkv_bank_misses", s.misses, "Admitted turns that found no banked prefix"),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
+        )
         yield from _disk_metrics(bank)
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
@@ -90,6 +95,38 @@ def _disk_metrics(bank: SessionBank):
         c = CounterMetricFamily(f"turnkv_disk_{key}", doc)
         c.add_metric([], h[key])
         yield c
+
+
+class _SpeculationCollector(Collector):
+    """Context-copy speculation counters, read from the engine at scrape time (as ``/health``)."""
+
+    def __init__(self, stats) -> None:
+        self.stats = stats  # turnkv.engine.context_copy.SpeculationStats
+
+    def collect(self):
+        s = self.stats
+        yield from _counters(
+            ("turnkv_speculation_drafted_tokens", s.drafted, "Drafted tokens verified"),
+            ("turnkv_speculation_accepted_tokens", s.accepted, "Drafted tokens the model accepted"),
+            ("turnkv_speculation_windows", s.windows, "Decode windows that carried a draft"),
+            ("turnkv_decode_forwards", s.forwards, "Decode windows (one row or a verify window)"),
+            ("turnkv_decode_tokens", s.tokens, "Tokens those decode windows emitted"),
+        )
+        drafted = CounterMetricFamily(
+            "turnkv_speculation_window_drafted_tokens",
+            "Drafted tokens by verify window rows",
+            labels=["rows"],
+        )
+        accepted = CounterMetricFamily(
+            "turnkv_speculation_window_accepted_tokens",
+            "Accepted tokens by verify window rows",
+            labels=["rows"],
+        )
+        for bucket, (_, d, a) in s.by_window.items():
+            drafted.add_metric([f"<={bucket}"], d)
+            accepted.add_metric([f"<={bucket}"], a)
+        yield drafted
+        yield accepted
 
 
 class Metrics:
@@ -140,6 +177,7 @@ class Metrics:
             "turnkv_step_tokens", "Token rows computed per step", buckets=_ROW_BUCKETS, registry=r
         )
         r.register(_StateCollector(bank, scheduler))
+        r.register(_SpeculationCollector(engine.speculation.stats))
 
     def turn(self, stats) -> None:
         """Record one finished turn's ``TurnStats``."""
