@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
+from turnkv.engine.grammar import Constraint, Grammar
 from turnkv.engine.sampling import Sampler, SamplingParams
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
@@ -58,6 +59,9 @@ class TurnRequest:
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus
     the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
+    ``grammar`` (optional, ``engine.grammar.Grammar``) constrains every answer token: the step
+    masks the turn's logits row before any choice, the answer ends when the grammar is complete
+    (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
     """
 
     prompt: list[int]
@@ -67,6 +71,7 @@ class TurnRequest:
     session: str | None = None
     render_history: Callable[[str], list[int]] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -158,6 +163,7 @@ class Turn:
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._last: GenEvent | None = None  # the answer's last event, sent once the turn is banked
+        self.constraint: Constraint | None = None  # the grammar's state; the step masks its rows
 
     @property
     def done(self) -> bool:
@@ -205,7 +211,10 @@ class Turn:
         self.sampler = Sampler(self.params, engine.shape.device)
         self.decoder = StreamDecoder(engine.tokenizer)
         self.stops = StopMatcher(self.params.stop)
-        self.eos = set() if self.params.ignore_eos else set(engine.tokenizer.eos_token_ids)
+        self.constraint = req.grammar.start() if req.grammar is not None else None
+        # a grammar ends the answer with a stop token once it is complete, ignore_eos or not
+        ignore = self.params.ignore_eos and self.constraint is None
+        self.eos = set() if ignore else set(engine.tokenizer.eos_token_ids)
         return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
 
     # -- steps ----------------------------------------------------------------------------------
@@ -246,9 +255,12 @@ class Turn:
                 return []
             self.stats.prefill_s = time.perf_counter() - self._t0
             self.phase = _DECODE
-        # the step's batched argmax is the greedy token unless a logit_bias changes the row
+        # the step's batched argmax is the greedy token unless a logit_bias changes the row (a
+        # constrained row was masked before that argmax, see engine/grammar.py)
         fast = self.params.greedy and not self.params.logit_bias
         tok = out.argmax[-1] if fast else self.sampler(out.logits[-1])
+        if self.constraint is not None:
+            self.constraint.accept(tok)
         return self._take(tok)
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
@@ -314,7 +326,9 @@ class Turn:
             self.cache.trim(d)
         todo = list(rendered[d:])
         limit = self.engine.max_context
-        if len(todo) > REBASE_MAX_ROWS or (limit and len(rendered) >= limit):
+        # rows that replace trimmed ones (a template that re-renders the answer, e.g. a tool call
+        # without the empty think block it was generated after) were priced already
+        if len(todo) > REBASE_MAX_ROWS + len(have) - d or (limit and len(rendered) >= limit):
             return []
         self.stats.rebase_rows = len(todo)
         return todo

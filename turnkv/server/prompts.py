@@ -14,8 +14,14 @@ This module never imports fastapi; its errors are :class:`ApiError` (400).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from turnkv.server.schemas import ApiError, bad_request
+from turnkv.kv.cache import common_prefix_len
+from turnkv.server.schemas import ApiError, ChatMessage, bad_request
+from turnkv.toolcalls import parse
+
+if TYPE_CHECKING:
+    from turnkv.server.structured import ToolPlan
 
 BOUND_MIN_BYTES = 64 << 10  # texts shorter than this are just tokenized (well under a millisecond)
 BOUND_MARGIN_BYTES = 4  # decoding one token alone may drop a leading space some decoders add in context
@@ -58,22 +64,52 @@ class Prompts:
         if nbytes >= BOUND_MIN_BYTES and least + 1 > self.max_context:
             raise context_error(self.max_context, f"at least {least} ({nbytes} bytes)")
 
-    def chat(self, messages: list[dict]) -> tuple[list[int], History]:
-        """Prompt ids of ``messages`` and the history renderer the bank's rebase uses."""
+    def chat(
+        self, messages: list[dict], tools: list[dict] | None = None, plan: ToolPlan | None = None
+    ) -> tuple[list[int], History]:
+        """Prompt ids of ``messages`` (and ``tools``, rendered by the template) and the history
+        renderer the bank's rebase uses (``plan``: the answer is read as tool calls)."""
         tok = self.tokenizer
+        extra = {"tools": tools} if tools else {}
         try:
-            text = tok.render_chat(messages)
+            text = tok.render_chat(messages, **extra)
         except ValueError as e:
             raise bad_request(f"the prompt cannot be built: {e}", param="messages") from None
         self.check_bound(text)
         ids = tok.encode(text)
 
         def history(answer: str) -> list[int]:
-            return tok.apply_chat_template(
-                [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
-            )
+            if not tools:
+                return tok.apply_chat_template(
+                    [*messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
+                )
+            try:
+                return tok.encode(self.next_turn_prefix(messages, answer_message(answer, plan), extra))
+            except ValueError:  # the template refuses the answer's message: bank it as generated
+                return tok.encode(text + answer)
 
         return ids, history
+
+    def next_turn_prefix(self, messages: list[dict], answer: dict, extra: dict) -> str:
+        """The text the next request of an agent loop starts with: the history, the answer as the
+        template renders it once another message follows (a ``tool`` message after calls, else a
+        ``user`` one) and that message's opening. Templates render the last assistant message
+        differently from an earlier one (Qwen3 drops an empty think block): rendering it as the
+        next request will lets the bank hold exactly the rows that request reuses."""
+        tok = self.tokenizer
+        role = "tool" if answer.get("tool_calls") else "user"
+        try:
+            a, b = (
+                tok.render_chat(
+                    [*messages, answer, {"role": role, "content": probe}],
+                    add_generation_prompt=False,
+                    **extra,
+                )
+                for probe in ("0", "1")
+            )
+            return a[: common_prefix_len(a, b)]
+        except ValueError:  # a template that refuses the probe: the answer as the last message
+            return tok.render_chat([*messages, answer], add_generation_prompt=False, **extra)
 
     def completion(self, prompt: str | list[int]) -> tuple[list[int], History | None]:
         """Prompt ids of a raw completion prompt (text, or token ids checked against the vocabulary)."""
@@ -87,3 +123,22 @@ class Prompts:
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return ids, None
+
+
+def answer_message(answer: str, plan: ToolPlan | None) -> dict:
+    """The assistant message a client sends back after ``answer`` (its calls parsed as the response
+    reported them), as the chat template takes it."""
+    wire: dict = {"role": "assistant", "content": answer}
+    if plan is not None:
+        content, calls = parse(plan.fmt, answer, plan.max_calls)
+        wire["content"] = content or None
+        if calls:
+            wire["tool_calls"] = [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for i, c in enumerate(calls)
+            ]
+    return ChatMessage.model_validate(wire).template()
