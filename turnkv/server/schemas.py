@@ -179,7 +179,6 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (None, 1, 1.0),
     "top_logprobs": (None, 0),
 }
-LEGACY = ("functions", "function_call")  # the deprecated form of tools and tool_choice
 
 
 class _Sampling(_Body):
@@ -216,9 +215,6 @@ class _Sampling(_Body):
         for name, neutral in NEUTRAL_EXTRAS.items():
             if name in extra and not any(extra[name] == v for v in neutral):
                 raise ValueError(f"{name} {extra[name]!r} is not supported")
-        for name in LEGACY:
-            if extra.get(name) is not None:
-                raise ValueError(f"{name} (deprecated) is not supported; send tools and tool_choice")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 12):
                 raise ValueError(f"logit_bias keys must be token ids (decimal integers); got {key[:40]!r}")
@@ -265,16 +261,6 @@ class ChatCompletionRequest(_Sampling):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.logprobs:
             raise ValueError("logprobs are not supported")
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise ValueError("tools: function names must be unique")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(
-                f"tool_choice names {choice.function.name[:80]!r}, which is not one of the tools"
-            )
-        if choice == "required" and not names:
-            raise ValueError('tool_choice "required" needs tools')
         return self
 
     def raw_tools(self) -> list[dict] | None:

@@ -57,7 +57,30 @@ def response_grammar(rf: ResponseFormat | None, grammars: Grammars) -> Grammar |
         ) from None
 
 
+LEGACY = ("functions", "function_call")  # the deprecated form of tools and tool_choice
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """The checks of ``tools`` and ``tool_choice`` that span fields (400 naming the field)."""
+    extra = req.model_extra or {}
+    for name in LEGACY:
+        if extra.get(name) is not None:
+            raise bad_request(f"{name} (deprecated) is not supported; send tools and tool_choice", param=name)
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        raise bad_request("function names must be unique", param="tools")
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise bad_request(
+            f"tool_choice names {choice.function.name[:80]!r}, which is not one of the tools",
+            param="tool_choice",
+        )
+    if choice == "required" and not names:
+        raise bad_request('tool_choice "required" needs tools', param="tool_choice")
+
+
 def chat_structure(req: ChatCompletionRequest, grammars: Grammars, template: str | None) -> Structure:
+    check_tools(req)
     grammar = response_grammar(req.response_format, grammars)
     tools = req.raw_tools()
     if not tools:
