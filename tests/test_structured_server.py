@@ -46,6 +46,7 @@ TOOLS = [
                 "type": "object",
                 "properties": {"tz": {"enum": ["UTC", "CET"]}},
                 "required": ["tz"],
+                "additionalProperties": False,
             },
         },
     },
@@ -225,7 +226,7 @@ def test_json_modes_on_both_routes(tool_live):
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
             },
             "tools",
-            'Unsupported type "strin"',
+            "Invalid type: strin",
         ),
         (
             {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
@@ -240,7 +241,7 @@ def test_json_modes_on_both_routes(tool_live):
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}},
             "response_format",
-            "`not` at #",
+            'Unimplemented keys: ["not"]',
         ),
         ({"response_format": {"type": "yaml"}}, "response_format", None),
     ],

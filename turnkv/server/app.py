@@ -83,7 +83,7 @@ class Server:
         self.prompts = Prompts(engine.tokenizer, engine.max_context)
         self.max_body_bytes = body_limit(cfg.max_body_bytes, engine.max_context)
         self.vocab_size = engine.loaded.config.vocab_size  # logits per row: what logit_bias may name
-        self.grammars = Grammars(engine.tokenizer, self.vocab_size)  # xgrammar loads on first use
+        self.grammars = Grammars(engine.tokenizer, self.vocab_size)  # llguidance loads on first use
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
