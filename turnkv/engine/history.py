@@ -11,20 +11,68 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from turnkv.kv.cache import common_prefix_len
 from turnkv.tokenizer import Tokenizer
+from turnkv.toolcalls import FORMATS, parse, template_message
 
 
 @dataclass(frozen=True)
 class ChatHistory:
-    """``messages`` re-rendered with ``answer`` appended as the assistant's message."""
+    """``messages`` re-rendered with ``answer`` appended as the assistant's message.
+
+    With ``tools`` (what the template renders) the history is the text the *next* request of an
+    agent loop starts with (``next_turn_prefix``): the answer as an assistant message (its calls
+    parsed in format ``tool_format``, at most ``max_calls``, as the response reported them) and
+    the opening of the message that follows it."""
 
     tokenizer: Tokenizer = field(repr=False, compare=False)
     messages: list[dict]
+    tools: list[dict] | None = None
+    tool_format: str | None = None  # a key of turnkv.toolcalls.FORMATS; None: the answer is content
+    max_calls: int | None = None
 
     def __call__(self, answer: str) -> list[int]:
-        return self.tokenizer.apply_chat_template(
-            [*self.messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
-        )
+        tok = self.tokenizer
+        if not self.tools:
+            return tok.apply_chat_template(
+                [*self.messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
+            )
+        try:
+            return tok.encode(self.next_turn_prefix(self.answer_message(answer)))
+        except ValueError:  # the template refuses the answer's message: bank it as generated
+            return tok.encode(tok.render_chat(self.messages, tools=self.tools) + answer)
+
+    def answer_message(self, answer: str) -> dict:
+        """The assistant message a client sends back after ``answer``, as the template takes it."""
+        if self.tool_format is None:
+            return {"role": "assistant", "content": answer}
+        content, calls = parse(FORMATS[self.tool_format], answer, self.max_calls)
+        wire = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)
+        ]
+        return template_message({"role": "assistant", "content": content or "", "tool_calls": wire or None})
+
+    def next_turn_prefix(self, answer: dict) -> str:
+        """The text the next request of an agent loop starts with: the history, the answer as the
+        template renders it once another message follows (a ``tool`` message after calls, else a
+        ``user`` one) and that message's opening. Templates render the last assistant message
+        differently from an earlier one (Qwen3 drops an empty think block): rendering it as the
+        next request will lets the bank hold exactly the rows that request reuses."""
+        tok, extra = self.tokenizer, {"tools": self.tools}
+        role = "tool" if answer.get("tool_calls") else "user"
+        try:
+            a, b = (
+                tok.render_chat(
+                    [*self.messages, answer, {"role": role, "content": probe}],
+                    add_generation_prompt=False,
+                    **extra,
+                )
+                for probe in ("0", "1")
+            )
+            return a[: common_prefix_len(a, b)]
+        except ValueError:  # a template that refuses the probe: the answer as the last message
+            return tok.render_chat([*self.messages, answer], add_generation_prompt=False, **extra)
 
 
 @dataclass(frozen=True)
@@ -43,7 +91,7 @@ def history_spec(history: object) -> tuple[str, object] | None:
     if history is None:
         return None
     if isinstance(history, ChatHistory):
-        return ("chat", history.messages)
+        return ("chat", (history.messages, history.tools, history.tool_format, history.max_calls))
     if isinstance(history, TextHistory):
         return ("text", history.text)
     raise TypeError(
@@ -57,4 +105,4 @@ def history_from_spec(spec: tuple[str, object] | None, tokenizer: Tokenizer):
     if spec is None:
         return None
     kind, data = spec
-    return ChatHistory(tokenizer, data) if kind == "chat" else TextHistory(tokenizer, data)
+    return ChatHistory(tokenizer, *data) if kind == "chat" else TextHistory(tokenizer, data)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine
+from turnkv.engine.grammar import StepMasks
 from turnkv.engine.turn import Failed, Turn, TurnEvent, TurnRequest, WindowOutput
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Scheduler:
         self.wait_s = 0.0  # host time spent waiting for the device's results (the rest is host work)
         self.step_ms = 0.0  # moving averages over recent steps
         self.rows_per_step = 0.0
+        self.masks = StepMasks()  # grammar masks of constrained turns' rows
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
 
     @property
@@ -142,6 +144,8 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             result = self.engine.run_step(windows)
+            # constrained rows are masked first (host work that overlaps the forward on CUDA)
+            self.masks.apply(result.logits, _constrained(work, result.plan.logit_offsets))
             # every logit row's argmax in one op and one host transfer (the step's only sync)
             t_sync = time.perf_counter()
             argmax = result.logits.argmax(-1).tolist() if result.logits.shape[0] else []
@@ -192,6 +196,16 @@ class Scheduler:
     def _deliver(e: _Entry, events: list[TurnEvent]) -> None:
         for ev in events:
             e.emit(ev)
+
+
+def _constrained(work: list[tuple[_Entry, object]], offsets: list[int]) -> list:
+    """``(logit row, constraint)`` of each window whose turn decodes under a grammar (its one
+    logits row: a constrained turn never drafts)."""
+    return [
+        (offsets[i] + w.logits - 1, e.turn.constraint)
+        for i, (e, w) in enumerate(work)
+        if w.logits and e.turn.constraint is not None
+    ]
 
 
 def run_turn(

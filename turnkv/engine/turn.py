@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
+from turnkv.engine.grammar import Constraint, Grammar
 from turnkv.engine.sampling import Sampler, SamplingParams
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
@@ -58,6 +59,9 @@ class TurnRequest:
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus
     the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
+    ``grammar`` (optional, ``engine.grammar.Grammar``) constrains every answer token: the step
+    masks the turn's logits row before any choice, the answer ends when the grammar is complete
+    (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
     """
 
     prompt: list[int]
@@ -67,6 +71,7 @@ class TurnRequest:
     session: str | None = None
     render_history: Callable[[str], list[int]] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -165,6 +170,7 @@ class Turn:
         self._t_first: float | None = None
         self._t_last = 0.0
         self._last: GenEvent | None = None  # the answer's last event, sent once the turn is banked
+        self.constraint: Constraint | None = None  # the grammar's state; the step masks its rows
 
     @property
     def done(self) -> bool:
@@ -212,8 +218,12 @@ class Turn:
         self.sampler = Sampler(self.params, engine.shape.device)
         self.decoder = StreamDecoder(engine.tokenizer)
         self.stops = StopMatcher(self.params.stop)
-        self.eos = set() if self.params.ignore_eos else set(engine.tokenizer.eos_token_ids)
-        self.drafts = engine.speculation.for_turn(ids)  # None with --speculate off
+        self.constraint = req.grammar.start() if req.grammar is not None else None
+        # a grammar ends the answer with a stop token once it is complete, ignore_eos or not
+        ignore = self.params.ignore_eos and self.constraint is None
+        self.eos = set() if ignore else set(engine.tokenizer.eos_token_ids)
+        # a constrained turn never drafts: a verify window would need the mask of every draft row
+        self.drafts = engine.speculation.for_turn(ids) if self.constraint is None else None  # None: off
         return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
 
     # -- steps ----------------------------------------------------------------------------------
@@ -263,7 +273,8 @@ class Turn:
 
     @property
     def _fast_greedy(self) -> bool:
-        """The step's batched argmax is the greedy token unless a logit_bias changes the row."""
+        """The step's batched argmax is the greedy token unless a logit_bias changes the row (a
+        constrained row was masked before that argmax, see engine/grammar.py)."""
         return self.params.greedy and not self.params.logit_bias
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
@@ -318,6 +329,8 @@ class Turn:
     def _take(self, tok: int) -> tuple[list[TurnEvent], str | None, bool]:
         """One answer token: its event, and the finish reason if the answer ends with it (and
         whether a stop string flushed the held-back text)."""
+        if self.constraint is not None:
+            self.constraint.accept(tok)
         n = self.stats.completion_tokens = self.stats.completion_tokens + 1
         now = time.perf_counter()
         if self._t_first is None:
@@ -376,7 +389,9 @@ class Turn:
             self.cache.trim(d)
         todo = list(rendered[d:])
         limit = self.engine.max_context
-        if len(todo) > REBASE_MAX_ROWS or (limit and len(rendered) >= limit):
+        # rows that replace trimmed ones (a template that re-renders the answer, e.g. a tool call
+        # without the empty think block it was generated after) were priced already
+        if len(todo) > REBASE_MAX_ROWS + len(have) - d or (limit and len(rendered) >= limit):
             return []
         self.stats.rebase_rows = len(todo)
         return todo

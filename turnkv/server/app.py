@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
+from turnkv.engine.grammar import Grammars
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.turn import Admitted, Failed, TurnRequest
 from turnkv.parallel.control import DOWN_CODE, down_message
@@ -46,6 +47,7 @@ from turnkv.server.schemas import (
     bad_request,
     parse_body,
 )
+from turnkv.server.structured import Structure, chat_structure, response_grammar
 from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class Server:
             self.group.on_down.append(
                 lambda reason: self.worker.abort(Failed(DOWN_CODE, down_message(reason)))
             )
+        self.grammars = Grammars(engine.tokenizer, self.vocab_size)  # llguidance loads on first use
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
@@ -110,6 +113,25 @@ class Server:
         if salt:
             ns += "|salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
         return ns
+
+    def prepare(self, req, chat: bool) -> tuple[list[int], object, Structure]:
+        """Prompt ids, history renderer and answer structure (grammar, tools) of a parsed body;
+        runs in the handler's thread pool (rendering, tokenizing, compiling a grammar)."""
+        if chat:
+            st = chat_structure(req, self.grammars, self.engine.tokenizer.chat_template)
+            ids, history = self.prompts.chat(req.template_messages(), st.tools, st.plan)
+        else:
+            st = Structure(response_grammar(req.response_format, self.grammars))
+            ids, history = self.prompts.completion(req.single_prompt())
+        if st.grammar is not None and self.engine.tp is not None:
+            # every rank samples from the gathered logits itself; the grammar's state is not sent
+            raise bad_request(
+                "response_format and forced tool calls (tool_choice required or a named function) "
+                f"are not supported under --tensor-parallel {self.engine.tp.size}; serve on one GPU "
+                "for constrained decoding",
+                param="tool_choice" if chat and st.plan is not None else "response_format",
+            )
+        return ids, history, st
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -236,11 +258,8 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
         srv.check_model(req.model)
         ns = srv.namespace(request, req.cache_salt)
         params = req.sampling(srv.vocab_size)
-        # render and tokenize off the event loop and off the engine thread
-        if chat:
-            ids, history = await asyncio.to_thread(srv.prompts.chat, req.template_messages())
-        else:
-            ids, history = await asyncio.to_thread(srv.prompts.completion, req.single_prompt())
+        # render, tokenize and compile grammars off the event loop and off the engine thread
+        ids, history, st = await asyncio.to_thread(srv.prepare, req, chat)
         turn = TurnRequest(
             ids,
             params,
@@ -248,8 +267,9 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
             namespace=ns,
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
+            grammar=st.grammar,
         )
-        return await respond(srv, request, turn, req, chat=chat)
+        return await respond(srv, request, turn, req, chat=chat, tools=st.plan)
 
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:

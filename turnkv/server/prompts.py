@@ -14,9 +14,13 @@ This module never imports fastapi; its errors are :class:`ApiError` (400).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from turnkv.engine.history import ChatHistory, TextHistory
 from turnkv.server.schemas import ApiError, bad_request
+
+if TYPE_CHECKING:
+    from turnkv.server.structured import ToolPlan
 
 BOUND_MIN_BYTES = 64 << 10  # texts shorter than this are just tokenized (well under a millisecond)
 BOUND_MARGIN_BYTES = 4  # decoding one token alone may drop a leading space some decoders add in context
@@ -59,15 +63,22 @@ class Prompts:
         if nbytes >= BOUND_MIN_BYTES and least + 1 > self.max_context:
             raise context_error(self.max_context, f"at least {least} ({nbytes} bytes)")
 
-    def chat(self, messages: list[dict]) -> tuple[list[int], History]:
-        """Prompt ids of ``messages`` and the history renderer the bank's rebase uses."""
+    def chat(
+        self, messages: list[dict], tools: list[dict] | None = None, plan: ToolPlan | None = None
+    ) -> tuple[list[int], History]:
+        """Prompt ids of ``messages`` (and ``tools``, rendered by the template) and the history
+        renderer the bank's rebase uses (``plan``: the answer is read as tool calls)."""
         tok = self.tokenizer
+        extra = {"tools": tools} if tools else {}
         try:
-            text = tok.render_chat(messages)
+            text = tok.render_chat(messages, **extra)
         except ValueError as e:
             raise bad_request(f"the prompt cannot be built: {e}", param="messages") from None
         self.check_bound(text)
-        return tok.encode(text), ChatHistory(tok, messages)
+        ids = tok.encode(text)
+        if plan is None:
+            return ids, ChatHistory(tok, messages, tools or None)
+        return ids, ChatHistory(tok, messages, tools or None, plan.fmt.name, plan.max_calls)
 
     def completion(self, prompt: str | list[int]) -> tuple[list[int], History | None]:
         """Prompt ids of a raw completion prompt (text, or token ids checked against the vocabulary)."""

@@ -4,6 +4,13 @@ Chat chunks: the first carries ``delta.role``, then ``delta.content`` pieces, th
 ``finish_reason`` and an empty delta; with ``stream_options.include_usage`` every chunk carries
 ``"usage": null`` and one last chunk with ``choices: []`` carries the usage; then ``data: [DONE]``.
 Completion chunks carry ``text``. Every ``usage`` has ``prompt_tokens_details.cached_tokens``.
+
+When the answer is read as tool calls (``tools``, a ``ToolPlan``), ``message.tool_calls`` holds them
+(``id``, ``type``, ``function.name``, ``function.arguments`` as the JSON text the model wrote),
+``content`` is null when the model wrote nothing else, and ``finish_reason`` is ``tool_calls``. A
+stream sends, per call, one ``delta.tool_calls`` chunk with its ``index``, ``id``, ``type`` and
+``function.name`` (``arguments: ""``), then chunks of ``function.arguments`` fragments, as the
+OpenAI API does; the fragments join into the same arguments as the whole answer's.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from turnkv.engine.turn import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.server.schemas import ApiError
+from turnkv.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 
 if TYPE_CHECKING:
     from turnkv.server.app import Server, _Stream
+    from turnkv.server.structured import ToolPlan
 
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -92,7 +101,45 @@ def _sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: bool) -> Response:
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def finish_reason(finish: str | None, calls: int) -> str | None:
+    """``tool_calls`` for an answer that ended at its end (not cut by length) with calls."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def chat_message(text: str, tools: ToolPlan | None) -> dict:
+    """The ``message`` of a whole chat answer (tool calls parsed when ``tools``)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}
+    parser = ToolCallParser(tools.fmt, tools.max_calls)
+    parser.push(text)
+    parser.finish()
+    message: dict = {"role": "assistant", "content": parser.content or (None if parser.calls else "")}
+    if parser.calls:
+        message["tool_calls"] = [
+            {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parser.calls
+        ]
+    return message
+
+
+def delta_of(piece: Piece) -> dict:
+    """One parsed piece of a streamed answer as a chat chunk's ``delta``."""
+    if isinstance(piece, Content):
+        return {"content": piece.text}
+    if isinstance(piece, CallStart):
+        fn = {"name": piece.name, "arguments": ""}
+        return {"tool_calls": [{"index": piece.index, "id": call_id(), "type": "function", "function": fn}]}
+    assert isinstance(piece, CallArgs)
+    return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
+
+
+async def respond(
+    srv: Server, request: Request, turn: TurnRequest, req, chat: bool, tools: ToolPlan | None = None
+) -> Response:
     stream, admitted = await srv.start(turn, request)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {
@@ -105,7 +152,7 @@ async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: b
     route = route_label(request)
     if req.stream:
         return StreamingResponse(
-            _sse_events(srv, stream, turn, request, base, admitted, chat, req.include_usage(), route),
+            _sse_events(srv, stream, turn, request, base, admitted, chat, req.include_usage(), route, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -125,11 +172,12 @@ async def respond(srv: Server, request: Request, turn: TurnRequest, req, chat: b
     note_usage(request, admitted, stats.completion_tokens, final.finish_reason)
     usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
     if chat:
+        message = chat_message(text, tools)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None,
-            "finish_reason": final.finish_reason,
+            "finish_reason": finish_reason(final.finish_reason, len(message.get("tool_calls", ()))),
         }
         body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
     else:
@@ -148,12 +196,14 @@ async def _sse_events(
     chat: bool,
     include_usage: bool,
     route: str,
+    tools: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
+    parser = ToolCallParser(tools.fmt, tools.max_calls) if tools is not None else None
 
-    def chunk(content: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(content: str | None, finish: str | None, role: bool = False, delta: dict | None = None) -> dict:
         if chat:
-            delta: dict = {}
+            delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if content is not None:
@@ -162,6 +212,13 @@ async def _sse_events(
         else:
             choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
         return {**base, "choices": [choice], **extra}
+
+    def pieces(text: str, last: bool) -> list[str]:
+        """SSE lines of answer text: as is, or through the tool-call parser."""
+        if parser is None:
+            return [_sse(chunk(text, None))] if text else []
+        found = parser.push(text) + (parser.finish() if last else [])
+        return [_sse(chunk(None, None, delta=delta_of(p))) for p in found]
 
     tokens = 0
     try:
@@ -177,13 +234,12 @@ async def _sse_events(
             if not isinstance(ev, GenEvent):
                 continue
             tokens += ev.token_id is not None
+            for line in pieces(ev.text, last=ev.finish_reason is not None):
+                yield line
             if ev.finish_reason is None:
-                if ev.text:
-                    yield _sse(chunk(ev.text, None))
                 continue
-            if ev.text:
-                yield _sse(chunk(ev.text, None))
-            yield _sse(chunk(None if chat else "", ev.finish_reason))
+            finish = finish_reason(ev.finish_reason, len(parser.calls) if parser is not None else 0)
+            yield _sse(chunk(None if chat else "", finish))
             stats = ev.stats
             srv.finished(route, stats)
             note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)

@@ -5,8 +5,10 @@ where a number belongs is an error, as with the OpenAI API, and invalid JSON is 
 kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
-(``n > 1``, ``logprobs``, tools, penalties other than 0, ``response_format`` other than text,
-``min_p``, ``repetition_penalty``) are refused with 400 rather than silently ignored.
+(``n > 1``, ``logprobs``, penalties other than 0, ``min_p``, ``repetition_penalty``, the legacy
+``functions``/``function_call``) are refused with 400 rather than silently ignored.
+``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are parsed here and
+honoured by ``server.structured`` (grammars, the model's tool-call format).
 
 Every 4xx/5xx body has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}``; a 507
 adds ``needed_bytes`` and ``available_bytes`` inside ``error``.
@@ -19,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from turnkv.engine.sampling import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
+from turnkv.toolcalls import NAME, template_message
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
@@ -75,10 +78,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict  # a JSON string as the OpenAI API sends it (an object is taken too)
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -86,6 +102,67 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template(self) -> dict:
+        """This message as the chat template takes it (``developer`` is a system message; tool
+        calls with their arguments as objects, see ``toolcalls.template_message``)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.role == "tool":
+            out.update(tool_call_id=self.tool_call_id, name=self.name)
+        return template_message(out)
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_name(self) -> FunctionDef:
+        if not NAME.match(self.name):
+            raise ValueError(f"function names must match ^[a-zA-Z0-9_-]{{1,64}}$ (got {self.name[:80]!r})")
+        return self
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError(
+                'a json_schema response_format needs json_schema.schema ({"type": "json_schema", '
+                '"json_schema": {"name": ..., "schema": {...}}})'
+            )
+        return self
 
 
 class StreamOptions(_Body):
@@ -103,7 +180,6 @@ NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -126,6 +202,7 @@ class _Sampling(_Body):
     frequency_penalty: Penalty | None = None
     user: str | None = None
     cache_salt: str | None = None  # as vLLM names it: adds to the cache namespace
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
@@ -178,25 +255,26 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.logprobs:
             raise ValueError("logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
         return self
+
+    def raw_tools(self) -> list[dict] | None:
+        """The tools as the client sent them (what the chat template renders), or None."""
+        return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools] if self.tools else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them (``developer`` is a system message)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict]:
+        """Messages as the chat template takes them (``ChatMessage.template``)."""
+        return [m.template() for m in self.messages]
 
 
 class CompletionRequest(_Sampling):
