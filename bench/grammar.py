@@ -21,6 +21,11 @@ Prints a table; writes bench/out/<tag>.json/.png.
 
 from __future__ import annotations
 
+from turnkv.threads import prepare_env
+
+prepare_env()  # OpenMP waits passively (as the CLI sets it), before torch loads: its spinning
+# threads would take the cores llguidance fills masks on
+
 import argparse
 import random
 import time
