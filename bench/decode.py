@@ -153,6 +153,8 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict
     host = t_all - (sched.wait_s - waited0)
     if device.type == "cuda" and sched.running:
         gpu_ms = profile_gpu_ms(sched, 4, args.profile_top)
+    if device.type != "cuda" and args.profile_top and sched.running:
+        profile_cpu_ops(sched, 4, args.profile_top)
     if args.host_profile and sched.running:
         import cProfile
         import pstats
@@ -184,6 +186,20 @@ def profile_gpu_ms(sched: Scheduler, n: int, top: int = 0) -> float:
     for e in events[:top]:
         print(f"    {e.self_device_time_total / n:>9.1f} us/step {e.count // n:>5}x  {e.key[:90]}")
     return sum(e.self_device_time_total for e in events) / 1e3 / n
+
+
+def profile_cpu_ops(sched: Scheduler, n: int, top: int) -> None:
+    """Prints the ``top`` torch ops by self CPU time per step over ``n`` steps (a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            if not sched.running:
+                break
+            sched.step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for e in events[:top]:
+        print(f"    {e.self_cpu_time_total / n / 1e3:>9.2f} ms/step {e.count // n:>6}x  {e.key[:80]}")
 
 
 # -- prefill ------------------------------------------------------------------------------------

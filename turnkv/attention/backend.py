@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from turnkv.attention.lse import lse_attention
+from turnkv.attention.lse import CPU_FLASH_MIN_ROWS, lse_attention
 from turnkv.attention.rope import apply_rope
 from turnkv.attention.route import Verdict, single_attention, window_label
 from turnkv.kv.cache import KVWindow
@@ -77,6 +77,16 @@ class PortableStep:
         self.windows = list(windows)
         self.starts = row_starts(self.windows)
         self.labels = [window_label("single" if len(w.views) == 1 else "lse", w.rows) for w in self.windows]
+        # CPU decode and verify windows are many tiny matmuls: run them on one thread. With OpenMP
+        # waiting passively (turnkv/threads.py) every parallel region wakes sleeping threads; 8
+        # windows x 4 views x 30 layers of 256-row matmuls took 171 ms per step on 2 threads and
+        # 84 ms on one (2-core VM). Prefill windows (torch's flash kernel) keep every thread.
+        self.one_thread = (
+            bool(self.windows)
+            and self.windows[0].views[0][0].device.type == "cpu"
+            and max(w.rows for w in self.windows) < CPU_FLASH_MIN_ROWS
+            and torch.get_num_threads() > 1
+        )
 
     def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
         hq = qk.shape[1] - v.shape[1]
@@ -89,6 +99,16 @@ class PortableStep:
             w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.one_thread:
+            return self._attend(layer, q, scale)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._attend(layer, q, scale)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         outs = []
         for s, w in zip(self.starts, self.windows, strict=True):
             qs = q[s : s + w.rows].transpose(0, 1)  # [Hq, m, D], a view

@@ -1,13 +1,21 @@
-"""The portable route: attention per segment in fp32 with its log-sum-exp, one exact merge.
+"""The portable route: attention over a window's views in fp32, rounded once.
 
-For segment ``i`` with scores ``s_i`` the partial result is ``o_i = softmax(s_i) @ v_i`` and its
-weight is ``lse_i = logsumexp(s_i)``. With ``L = logsumexp_i(lse_i)`` the exact attention over all
-rows is ``sum_i exp(lse_i - L) * o_i``. Every partial stays fp32 and the result is rounded to the
-query dtype once, so the route equals fp32 attention over one buffer rounded once (the seeds
-measured that rounding each segment first puts a quarter of bf16 elements one ulp off).
+Two exact forms of the same fp32 attention, chosen per window (``lse_attention``):
 
-A segment whose rows are all invisible to a query row has ``lse_i = -inf`` and weight 0; a row that
-sees no key at all gets zeros, never NaN. Runs on any torch device.
+- **Concatenated scores** (``concat_segments``; every window whose rows all see key 0 and that
+  is not a CPU prefill window): each view's scores ``q k_i^T`` side by side, one softmax, the
+  values summed view by view. Decode and verify windows take it: it is 2S + 3 ops for S views.
+- **Partials merged by log-sum-exp** (``segment_partial`` + ``merge_partials``; CPU prefill
+  windows through torch's flash kernel, and windows that start before the first key): for
+  segment ``i`` with scores ``s_i`` the partial result is ``o_i = softmax(s_i) @ v_i`` and its
+  weight is ``lse_i = logsumexp(s_i)``. With ``L = logsumexp_i(lse_i)`` the exact attention over
+  all rows is ``sum_i exp(lse_i - L) * o_i``.
+
+Every intermediate stays fp32 and the result is rounded to the query dtype once, so the route
+equals fp32 attention over one buffer rounded once (the seeds measured that rounding each segment
+first puts a quarter of bf16 elements one ulp off). A segment whose rows are all invisible to a
+query row has ``lse_i = -inf`` and weight 0; a row that sees no key at all gets zeros, never NaN.
+Runs on any torch device.
 """
 
 from __future__ import annotations
@@ -74,20 +82,39 @@ def segment_partial(
     return o.view(hq, m, -1), lse.reshape(hq, m)
 
 
-def single_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_start: int):
-    """One segment seen from a window that starts at or after its first key (every row sees key 0):
-    plain softmax attention, no log-sum-exp to merge. q ``[Hq, M, D]`` -> fp32 ``[Hq, M, D]``.
+def concat_segments(
+    q: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]], scale: float, window_start: int
+) -> torch.Tensor:
+    """Every view seen from a window whose rows all see key 0 (``window_start >= 0``): the scores
+    of each view (one matmul each) side by side, one softmax over them, and the values summed view
+    by view into one fp32 output. q ``[Hq, M, D]`` -> fp32 ``[Hq, M, D]``.
 
-    Decode's hot path: 4-5 kernels against ~20 for ``segment_partial`` + ``merge_partials``."""
-    hq, m, d = q.shape
-    hkv, t, _ = k.shape
+    The same fp32 attention as per-view partials merged by their log-sum-exp, in 2S + 3 ops
+    rather than ~12 per view plus the merge: the scores are concatenated (``T`` floats per query
+    row), never the keys. Decode's hot path on CPU, where op count is the cost: 8 conversations of
+    1024 rows in 4 views, SmolLM2-135M on 2 cores, 277 ms per step through partials + merge
+    (bench/decode.py; docs/BENCHMARKS.md)."""
+    hq, m, _ = q.shape
+    hkv = views[0][0].shape[0]
     group = hq // hkv
-    qg = q.float().reshape(hkv, group * m, d)  # [Hkv, G*M, D]; row r is window row r % M
-    s = torch.baddbmm(qg.new_zeros(()), qg, k.float().transpose(1, 2), beta=0.0, alpha=scale)  # [Hkv, G*M, T]
+    t = sum(k.shape[1] for k, _ in views)
+    qg = q.float().reshape(hkv, group * m, -1)  # [Hkv, G*M, D]; row r is window row r % M
+    parts = [torch.bmm(qg, k.float().transpose(1, 2)) for k, _ in views if k.shape[1]]
+    if not parts:
+        return torch.zeros(hq, m, q.shape[-1], dtype=torch.float32, device=q.device)
+    s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [Hkv, G*M, T]
+    s = s.mul_(scale) if len(parts) > 1 else s * scale
     if t - 1 > window_start:  # some key is later than the first window row
         s = s.view(hkv, group, m, t).masked_fill(~visible_mask(m, t, window_start, q.device), float("-inf"))
     p = torch.softmax(s.view(hkv, group * m, t), dim=-1)
-    return torch.bmm(p, v.float()).view(hq, m, -1)  # [Hq, M, Dv]
+    o, lo = None, 0
+    for k, v in views:
+        n = k.shape[1]
+        if n:
+            pv = p[:, :, lo : lo + n]
+            o = torch.bmm(pv, v.float()) if o is None else o.baddbmm_(pv, v.float())
+            lo += n
+    return o.view(hq, m, -1)  # [Hq, M, Dv]
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -109,8 +136,8 @@ def lse_attention(
     """q ``[Hq, M, D]``; views ``[(k, v)]`` each ``[Hkv, T_i, D]`` -> ``[Hq, M, D]`` in q's dtype."""
     t = sum(k.shape[1] for k, _ in views)
     ws = t - q.shape[1] if window_start is None else window_start
-    if len(views) == 1 and ws >= 0 and not _takes_flash(q, views[0][0]):
-        return single_segment(q, views[0][0], views[0][1], scale, ws).to(q.dtype)
+    if ws >= 0 and not _takes_flash(q, views[0][0]):
+        return concat_segments(q, views, scale, ws).to(q.dtype)
     parts = []
     offset = 0
     for k, v in views:
