@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnkv.attention.backend import PortableBackend
+from turnkv.attention.backend import PortableBackend, PortableStep
 from turnkv.attention.lse import lse_attention
 from turnkv.attention.reference import reference_attention
 from turnkv.attention.route import Verdict, single_attention
@@ -114,4 +114,30 @@ def test_a_ragged_step_equals_each_window_alone_and_labels_its_routes():
         assert torch.equal(out[rows], alone)
         ref = reference_attention(q[rows].transpose(0, 1), w.layer_views(1), d**-0.5).transpose(0, 1)
         torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+        start += w.rows
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_windows_split_over_threads_equal_each_window_alone(threads):
+    """A CPU step of narrow windows runs them in slices on the attention pool, one torch thread
+    each (backend.PortableStep): the same bits as each window alone, in the step's row order."""
+    hq, hkv, d = 4, 2, 16
+    shapes = [([8], 1), ([8, 3], 1), ([8, 3, 9], 4), ([5, 7], 1), ([2] * 12, 32)]
+    windows = [_window(hkv, lengths, m, d, seed) for seed, (lengths, m) in enumerate(shapes)]
+    n = sum(w.rows for w in windows)
+    q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step = PortableBackend(Verdict()).plan(windows)
+        assert step.threads == threads  # the split path, whatever the machine's cores
+        out = step.attend(1, q, d**-0.5)
+        assert torch.get_num_threads() == threads  # restored after the layer
+    finally:
+        torch.set_num_threads(before)
+    start = 0
+    for w in windows:
+        rows = slice(start, start + w.rows)
+        alone = PortableStep._attend(1, q, d**-0.5, [start], [w])
+        assert torch.equal(out[rows], alone)
         start += w.rows

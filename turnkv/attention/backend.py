@@ -20,6 +20,8 @@ windows it was planned for.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import Protocol
 
 import torch
@@ -77,16 +79,19 @@ class PortableStep:
         self.windows = list(windows)
         self.starts = row_starts(self.windows)
         self.labels = [window_label("single" if len(w.views) == 1 else "lse", w.rows) for w in self.windows]
-        # CPU decode and verify windows are many tiny matmuls: run them on one thread. With OpenMP
-        # waiting passively (turnkv/threads.py) every parallel region wakes sleeping threads; 8
-        # windows x 4 views x 30 layers of 256-row matmuls took 171 ms per step on 2 threads and
-        # 84 ms on one (2-core VM). Prefill windows (torch's flash kernel) keep every thread.
-        self.one_thread = (
-            bool(self.windows)
+        # CPU decode and verify windows are many tiny matmuls: each runs on one thread, and the
+        # windows are split over the cores (``_cpu_pool``). With OpenMP waiting passively
+        # (turnkv/threads.py) every parallel region wakes sleeping threads: 8 windows x 4 views x
+        # 30 layers of 256-row matmuls took 171 ms per step on 2 OpenMP threads, 51 ms on one, and
+        # 31 ms as two halves on two Python threads (2-core VM). Prefill windows (torch's flash
+        # kernel) keep torch's threads.
+        self.threads = 1
+        if (
+            self.windows
             and self.windows[0].views[0][0].device.type == "cpu"
             and max(w.rows for w in self.windows) < CPU_FLASH_MIN_ROWS
-            and torch.get_num_threads() > 1
-        )
+        ):
+            self.threads = torch.get_num_threads()
 
     def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
         hq = qk.shape[1] - v.shape[1]
@@ -99,18 +104,33 @@ class PortableStep:
             w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        if not self.one_thread:
-            return self._attend(layer, q, scale)
-        threads = torch.get_num_threads()
+        if self.threads <= 1:
+            return self._attend(layer, q, scale, self.starts, self.windows)
+        parts = min(self.threads, len(self.windows))
+        cut = [len(self.windows) * i // parts for i in range(parts + 1)]
         torch.set_num_threads(1)
         try:
-            return self._attend(layer, q, scale)
+            pool = _cpu_pool(self.threads - 1)
+            jobs = [
+                pool.submit(self._attend_job, layer, q, scale, self.starts[a:b], self.windows[a:b])
+                for a, b in pairwise(cut[1:])
+            ]
+            first = self._attend(layer, q, scale, self.starts[: cut[1]], self.windows[: cut[1]])
+            outs = [first, *(j.result() for j in jobs)]
         finally:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(self.threads)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend_job(self, layer, q, scale, starts, windows) -> torch.Tensor:
+        with torch.inference_mode():  # the engine thread's mode is thread-local
+            return self._attend(layer, q, scale, starts, windows)
+
+    @staticmethod
+    def _attend(
+        layer: int, q: torch.Tensor, scale: float, starts: Sequence[int], windows: Sequence[KVWindow]
+    ) -> torch.Tensor:
         outs = []
-        for s, w in zip(self.starts, self.windows, strict=True):
+        for s, w in zip(starts, windows, strict=True):
             qs = q[s : s + w.rows].transpose(0, 1)  # [Hq, m, D], a view
             views = w.layer_views(layer)
             if len(views) == 1:
@@ -119,6 +139,18 @@ class PortableStep:
                 o = lse_attention(qs, views, scale)
             outs.append(o.transpose(0, 1))  # [m, Hq, D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _cpu_pool(workers: int) -> ThreadPoolExecutor:
+    """Threads that run slices of a step's CPU decode windows beside the engine thread (torch
+    releases the GIL inside its ops). One pool per process, grown to the largest ``workers``."""
+    global _POOL
+    if _POOL is None or _POOL._max_workers < workers:
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="turnkv-attend")
+    return _POOL
 
 
 class PortableBackend:
