@@ -32,6 +32,10 @@ Imports nothing of the server (runs on the GPU box without fastapi).
 
 from __future__ import annotations
 
+from turnkv.threads import prepare_env
+
+prepare_env()  # OpenMP waits passively (as the CLI sets it), before torch loads
+
 import argparse
 import copy
 import json
