@@ -85,11 +85,18 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def weight_bytes_per_step(engine: Engine) -> int:
-    """Bytes of weights one decode step reads: all parameters but an untied embedding table."""
+    """Bytes of weights one decode step reads: all parameters but an untied embedding table, and
+    the int4 planes and scales of packed CPU weights (``QuantWeight``; not their GGUF blocks,
+    which only embedding lookups gather)."""
+    from turnkv.models.quant import QuantWeight
+
     model = engine.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:  # untied: the embedding table is only gathered, a few rows
-        total -= model.embed.numel() * model.embed.element_size()
+    if model.lm_head is not None and isinstance(model.embed, torch.Tensor):
+        total -= model.embed.numel() * model.embed.element_size()  # untied: a few rows gathered
+    for m in model.modules():
+        if isinstance(m, QuantWeight) and m.packed is not None:
+            total += sum(t.numel() * t.element_size() for t in (m.packed, m.scale_zeros))
     return total
 
 
