@@ -61,6 +61,8 @@ def _child_turnkv(opts: dict) -> dict:
     from turnkv.config import EngineConfig
     from turnkv.engine.engine import Engine
     from turnkv.engine.sampling import SamplingParams
+    from turnkv.engine.scheduler import run_turn
+    from turnkv.engine.turn import GenEvent, TurnRequest
     from turnkv.threads import set_threads
 
     set_threads(opts["threads"])
@@ -70,13 +72,20 @@ def _child_turnkv(opts: dict) -> dict:
     rss = _rss_mib() - before
     tok = eng.tokenizer
     answer_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}])
-    answer = "".join(e.text for e in eng.generate(eng.new_cache(), answer_ids, SamplingParams(max_tokens=24)))
+    runs = iter(range(1 << 30))
+
+    def turn(ids: list[int], n: int, params: SamplingParams):
+        """One turn through the scheduler, in a namespace of its own (nothing banked is reused)."""
+        req = TurnRequest(list(ids), params, max_tokens=n, namespace=f"run{next(runs)}")
+        return [e for e in run_turn(eng, bank, req) if isinstance(e, GenEvent)]
+
+    bank = eng.new_bank("1G")
+    answer = "".join(e.text for e in turn(answer_ids, 24, SamplingParams()))
 
     def run(ids: list[int], n: int | None = None) -> tuple[float, float, float, float]:
         stats = None
-        params = SamplingParams(max_tokens=n or opts["gen"], ignore_eos=True)
         c0 = time.process_time()
-        for ev in eng.generate(eng.new_cache(), ids, params):
+        for ev in turn(ids, n or opts["gen"], SamplingParams(ignore_eos=True)):
             stats = ev.stats or stats
         return stats.prefill_s, stats.decode_tok_s, len(ids) / stats.prefill_s, time.process_time() - c0
 

@@ -141,3 +141,36 @@ def test_decode_windows_split_over_threads_equal_each_window_alone(threads):
         alone = PortableStep._attend(1, q, d**-0.5, [start], [w])
         assert torch.equal(out[rows], alone)
         start += w.rows
+
+
+def _truncated(views, n: int):
+    """The first ``n`` rows of the concatenated ``views`` (what a decode step at row n-1 sees)."""
+    out, left = [], n
+    for k, v in views:
+        take = min(left, k.shape[1])
+        out.append((k[:, :take], v[:, :take]))
+        left -= take
+    return [(k, v) for k, v in out if k.shape[1]] or out[:1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("m", [2, 9, 32])
+@pytest.mark.parametrize("lengths", [[223], [700, 190, 90]])
+def test_a_verify_window_row_is_the_same_bits_as_that_row_decoded_alone(threads, hq, hkv, m, lengths):
+    """Speculation's exactness on CPU: row i of a window of m rows (a verify window) equals, bit
+    for bit, a one-row decode window over the keys up to it (``lse.concat_segments``: rows padded
+    to ``MIN_GEMM_ROWS``, the last view's values summed per row over the keys it sees)."""
+    d = 64
+    views = _views(hkv, [*lengths[:-1], lengths[-1] + m], d, torch.float32)
+    q = torch.randn(hq, m, d, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t = sum(k.shape[1] for k, _ in views)
+        window = lse_attention(q, views, d**-0.5)
+        for i in range(m):
+            alone = lse_attention(q[:, i : i + 1], _truncated(views, t - m + i + 1), d**-0.5)
+            assert torch.equal(window[:, i : i + 1], alone), i
+    finally:
+        torch.set_num_threads(before)

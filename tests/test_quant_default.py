@@ -42,7 +42,6 @@ PROMPTS = [
 ]
 # Greedy text is identical for 32 tokens on these; on the others the two paths part at a near-tie
 # (measured: tokens 2-26, where the exact model's top two logits are close) -- covered below.
-SAME_TEXT = [0, 1, 3, 7]
 # Logits: where the exact model's top-1 leads by more, the packed model must agree. Measured over
 # these prompts' 518 positions: 14 disagreements, all where the lead was below 0.09.
 MARGIN = 0.5
@@ -75,11 +74,27 @@ def greedy(engine: Engine, prompt: str, n: int = 32) -> list[int]:
 
 
 def test_default_answer_and_greedy_text(models):
+    """The default answer says Paris, and the packed model's greedy text is the exact model's up
+    to the first position where the exact model's top two logits are within MARGIN (a near-tie
+    that rounding activations to bf16 may decide the other way; which prompts meet one moves with
+    any change of fp32 summation order, so no prompt is pinned to agree)."""
     packed, exact = models
     ep, ee = Engine(packed, EngineConfig(device="cpu")), Engine(exact, EngineConfig(device="cpu"))
     assert "Paris" in packed.tokenizer.decode(greedy(ep, PROMPTS[0]))
-    for i in SAME_TEXT:
-        assert greedy(ep, PROMPTS[i]) == greedy(ee, PROMPTS[i]), PROMPTS[i]
+    same = 0
+    for prompt in PROMPTS:
+        got, want = greedy(ep, prompt), greedy(ee, prompt)
+        if got == want:
+            same += 1
+            continue
+        # the first differing token (or where one of them ended: its EOS is not in the list)
+        j = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+        )
+        ids = ee.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        top2 = window_logits(exact, ids + want[:j])[-1].topk(2).values
+        assert float(top2[0] - top2[1]) < MARGIN, (prompt, j, top2.tolist())
+    assert same >= len(PROMPTS) // 2, f"only {same} of {len(PROMPTS)} prompts' greedy texts agree"
 
 
 def test_logits_and_decisions_along_the_exact_continuation(models, yard):

@@ -1,4 +1,5 @@
-"""Context-copy speculation on the default model (SmolLM2-135M, CPU, fp32): greedy text is the same
+"""Context-copy speculation on the default model (SmolLM2-135M, CPU, its default packed Q4 weights,
+fp32 activations and KV): greedy text is the same
 with speculation on and off -- for an edit (copy an email with one change), a list revision and
 free text, alone, in a batch of concurrent turns, and in a follow-up turn that revises the model's
 own earlier answer from the bank.

@@ -25,6 +25,12 @@ import torch
 from turnkv.attention.reference import visible_mask
 
 CPU_FLASH_MIN_ROWS = 33  # prefill windows; decode windows are cheaper as two matmuls
+# CPU matmuls of fewer rows take another kernel (MKL, measured with torch 2.13: a [3, 64] x
+# [64, 700] product differs in its last bits from the same rows inside a 4-row or larger one,
+# while from 4 rows up every row is bit-identical whatever the count and its position). Decode
+# windows pad to this many rows so a row's attention is the same bits alone (a decode step) and
+# inside a verify window: speculation's greedy text then equals plain decoding on CPU.
+MIN_GEMM_ROWS = 4
 
 
 def _cpu_flash_partial(
@@ -82,6 +88,12 @@ def segment_partial(
     return o.view(hq, m, -1), lse.reshape(hq, m)
 
 
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, R, C]`` with zero rows appended up to ``MIN_GEMM_ROWS`` on a CPU (see there)."""
+    pad = MIN_GEMM_ROWS - x.shape[1] if x.device.type == "cpu" else 0
+    return torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1) if pad > 0 else x
+
+
 def concat_segments(
     q: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]], scale: float, window_start: int
 ) -> torch.Tensor:
@@ -89,32 +101,54 @@ def concat_segments(
     of each view (one matmul each) side by side, one softmax over them, and the values summed view
     by view into one fp32 output. q ``[Hq, M, D]`` -> fp32 ``[Hq, M, D]``.
 
-    The same fp32 attention as per-view partials merged by their log-sum-exp, in 2S + 3 ops
-    rather than ~12 per view plus the merge: the scores are concatenated (``T`` floats per query
-    row), never the keys. Decode's hot path on CPU, where op count is the cost: 8 conversations of
-    1024 rows in 4 views, SmolLM2-135M on 2 cores, 277 ms per step through partials + merge
-    (bench/decode.py; docs/BENCHMARKS.md)."""
-    hq, m, _ = q.shape
+    The same fp32 attention as per-view partials merged by their log-sum-exp, in about 2S + 3
+    ops rather than ~12 per view plus the merge: the scores are concatenated (``T`` floats per
+    query row), never the keys. Decode's hot path on CPU, where op count is the cost: 8
+    conversations of 1024 rows in 4 views, SmolLM2-135M on 2 cores, 277 ms per step through
+    partials + merge (bench/decode.py; docs/BENCHMARKS.md).
+
+    A row's bits do not depend on the window around it (speculation's exactness: a verify
+    window's row equals that row decoded alone). Scores and the softmax are per row whatever the
+    row count (from ``MIN_GEMM_ROWS`` rows) and however many masked keys follow; the values'
+    matmul is not: its sum over keys rounds differently for another key count, even with zero
+    weights appended. The earlier views have the same keys for every row, so they take one
+    matmul for the window; the last view (the window's own rows) takes one per window row, over
+    exactly the keys that row sees, as a one-row decode window does."""
+    hq, m, d = q.shape
     hkv = views[0][0].shape[0]
     group = hq // hkv
+    views = [(k, v) for k, v in views if k.shape[1]]
+    if not views:
+        return torch.zeros(hq, m, d, dtype=torch.float32, device=q.device)
     t = sum(k.shape[1] for k, _ in views)
-    qg = q.float().reshape(hkv, group * m, -1)  # [Hkv, G*M, D]; row r is window row r % M
-    parts = [torch.bmm(qg, k.float().transpose(1, 2)) for k, _ in views if k.shape[1]]
-    if not parts:
-        return torch.zeros(hq, m, q.shape[-1], dtype=torch.float32, device=q.device)
-    s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [Hkv, G*M, T]
-    s = s.mul_(scale) if len(parts) > 1 else s * scale
+    rows = group * m
+    qg = _pad_rows(q.float().reshape(hkv, rows, d))  # [Hkv, G*M (+pad), D]; row r is window row r % M
+    parts = [torch.bmm(qg, k.float().transpose(1, 2)) for k, _ in views]
+    s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [Hkv, G*M (+pad), T]
+    s = s[:, :rows] * scale
     if t - 1 > window_start:  # some key is later than the first window row
         s = s.view(hkv, group, m, t).masked_fill(~visible_mask(m, t, window_start, q.device), float("-inf"))
-    p = torch.softmax(s.view(hkv, group * m, t), dim=-1)
-    o, lo = None, 0
-    for k, v in views:
-        n = k.shape[1]
-        if n:
-            pv = p[:, :, lo : lo + n]
+    p = torch.softmax(s.view(hkv, rows, t), dim=-1)
+    k_last, v_last = views[-1]
+    lo = t - k_last.shape[1]  # the last view's first key
+    o = None
+    if len(views) > 1:  # the earlier views: the same keys for every row, one matmul each
+        ph, at = _pad_rows(p[:, :, :lo]), 0
+        for _, v in views[:-1]:
+            n = v.shape[1]
+            pv = ph[:, :, at : at + n]
             o = torch.bmm(pv, v.float()) if o is None else o.baddbmm_(pv, v.float())
-            lo += n
-    return o.view(hq, m, -1)  # [Hq, M, Dv]
+            at += n
+        o = o[:, :rows]
+    p4 = p.view(hkv, group, m, t)
+    tail = []
+    for i in range(m):
+        n = min(max(window_start + i + 1 - lo, 0), k_last.shape[1])  # last-view keys row i sees
+        pi = _pad_rows(p4[:, :, i, lo : lo + n].contiguous())  # [Hkv, G (+pad), n]
+        tail.append(torch.bmm(pi, v_last[:, :n].float())[:, :group])  # [Hkv, G, Dv]
+    ot = torch.stack(tail, dim=2).reshape(hkv, rows, -1)  # rows in (g, i) order, as q's
+    o = ot if o is None else o + ot
+    return o.reshape(hq, m, -1)  # [Hq, M, Dv]
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
