@@ -122,31 +122,41 @@ def concat_segments(
         return torch.zeros(hq, m, d, dtype=torch.float32, device=q.device)
     t = sum(k.shape[1] for k, _ in views)
     rows = group * m
-    qg = _pad_rows(q.float().reshape(hkv, rows, d))  # [Hkv, G*M (+pad), D]; row r is window row r % M
+    masked = t - 1 > window_start  # some key is later than the first window row
+    # [Hkv, R, D]: R = G*M rows (row r is window row r % M), padded to MIN_GEMM_ROWS on a CPU;
+    # a padded (all-zero) query row gets a uniform softmax row that no output row reads
+    qg = _pad_rows(q.float().reshape(hkv, rows, d))
     parts = [torch.bmm(qg, k.float().transpose(1, 2)) for k, _ in views]
-    s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [Hkv, G*M (+pad), T]
-    s = s[:, :rows] * scale
-    if t - 1 > window_start:  # some key is later than the first window row
-        s = s.view(hkv, group, m, t).masked_fill(~visible_mask(m, t, window_start, q.device), float("-inf"))
-    p = torch.softmax(s.view(hkv, rows, t), dim=-1)
+    s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [Hkv, R, T]
+    if masked:  # window rows only (a padded row has no window position)
+        s = s[:, :rows].reshape(hkv, group, m, t) * scale
+        s = s.masked_fill(~visible_mask(m, t, window_start, q.device), float("-inf")).view(hkv, rows, t)
+    else:
+        s = s.mul_(scale) if len(parts) > 1 else s * scale
+    p = torch.softmax(s, dim=-1)  # [Hkv, R, T] (R = G*M when masked)
     k_last, v_last = views[-1]
     lo = t - k_last.shape[1]  # the last view's first key
     o = None
     if len(views) > 1:  # the earlier views: the same keys for every row, one matmul each
-        ph, at = _pad_rows(p[:, :, :lo]), 0
+        ph, at = _pad_rows(p), 0
         for _, v in views[:-1]:
             n = v.shape[1]
             pv = ph[:, :, at : at + n]
             o = torch.bmm(pv, v.float()) if o is None else o.baddbmm_(pv, v.float())
             at += n
         o = o[:, :rows]
-    p4 = p.view(hkv, group, m, t)
-    tail = []
-    for i in range(m):
-        n = min(max(window_start + i + 1 - lo, 0), k_last.shape[1])  # last-view keys row i sees
-        pi = _pad_rows(p4[:, :, i, lo : lo + n].contiguous())  # [Hkv, G (+pad), n]
-        tail.append(torch.bmm(pi, v_last[:, :n].float())[:, :group])  # [Hkv, G, Dv]
-    ot = torch.stack(tail, dim=2).reshape(hkv, rows, -1)  # rows in (g, i) order, as q's
+    if m == 1:  # a decode window: the last view's keys up to its row
+        n = min(max(window_start + 1 - lo, 0), k_last.shape[1])
+        pt = _pad_rows(p[:, :, lo : lo + n].contiguous())
+        ot = torch.bmm(pt, v_last[:, :n].float())[:, :rows]
+    else:  # one matmul per window row, over exactly the keys that row sees
+        p4 = p[:, :rows].view(hkv, group, m, t)
+        tail = []
+        for i in range(m):
+            n = min(max(window_start + i + 1 - lo, 0), k_last.shape[1])
+            pi = _pad_rows(p4[:, :, i, lo : lo + n].contiguous())  # [Hkv, G (+pad), n]
+            tail.append(torch.bmm(pi, v_last[:, :n].float())[:, :group])  # [Hkv, G, Dv]
+        ot = torch.stack(tail, dim=2).reshape(hkv, rows, -1)  # rows in (g, i) order, as q's
     o = ot if o is None else o + ot
     return o.reshape(hq, m, -1)  # [Hq, M, Dv]
 

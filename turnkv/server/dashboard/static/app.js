@@ -199,8 +199,11 @@
     if (!sp) {
       facts($("spec"), [["speculation", el("span", { class: "muted", text: "not reported" })]]);
     } else {
-      const rows = Object.entries(sp).map(([k, v]) => [k, value(k, v)]);
+      const rows = Object.entries(sp).filter(([k]) => k !== "by_window" && k !== "acceptance").map(([k, v]) => [k, value(k, v)]);
       if ("drafted" in sp && "accepted" in sp) rows.push(["acceptance", pct(sp.accepted, sp.drafted)]);
+      // per verify-window size: accepted of drafted, only sizes that ran
+      const used = Object.entries(sp.by_window || {}).filter(([, w]) => w.windows > 0);
+      if (used.length) rows.push(["by window rows", used.map(([b, w]) => `${b}: ${num(w.accepted)}/${num(w.drafted)}`).join(", ")]);
       facts($("spec"), rows);
     }
   }
