@@ -68,7 +68,7 @@ def test_packed_matmul_within_the_stated_bound(type_name, rows, m):
     qw = quant.QuantWeight((rows, cols), planes)
     assert qw.check_layout(planes) == (rows % 64 == 0)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    got = qw.mm(x).double()
+    got = qw.mm(x, quant.wide_rows([m])).double()  # one window of m rows
     assert got.shape == (m, rows)
     ref = gg.dequant_rows(raw, type_name)
     want = x.double() @ ref.double().T
@@ -77,6 +77,26 @@ def test_packed_matmul_within_the_stated_bound(type_name, rows, m):
     assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
     # the bound is not vacuous: it is far below the size of the outputs
     assert float(bound.max()) < 0.05 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_a_rows_path_and_bits_depend_on_its_own_window_only(type_name):
+    """A step of windows [3, 300, 5, 260, 270] rows: the wide path serves exactly the windows of
+    WIDE_ROWS rows or more, and every row is the same bits as its window run alone."""
+    rows, cols = 192, 96
+    planes = quant.planes_from_blocks(gguf_blocks(type_name, rows, cols, seed=5), type_name)
+    qw = quant.QuantWeight((rows, cols), planes)
+    assert qw.check_layout(planes)
+    sizes = [3, 300, 5, 260, 270]
+    assert quant.wide_rows(sizes) == ((3, 303), (308, 838))
+    x = torch.randn(sum(sizes), cols, generator=torch.Generator().manual_seed(2))
+    step = qw.mm(x, quant.wide_rows(sizes))
+    at = 0
+    for n in sizes:
+        alone = qw.mm(x[at : at + n], quant.wide_rows([n]))
+        assert torch.equal(step[at : at + n], alone.to(step.dtype)), (n, at)
+        at += n
+    assert not torch.equal(qw.mm(x[3:303]), qw.mm(x[3:303], ((0, 300),)))  # the two paths differ
 
 
 def test_self_check_catches_a_wrong_layout():
@@ -167,7 +187,7 @@ class Bf16Dense:
     def __init__(self, w: torch.Tensor):
         self.w = w
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, wide=()) -> torch.Tensor:
         return torch.nn.functional.linear(x.to(torch.bfloat16).float(), self.w).to(torch.bfloat16)
 
 

@@ -39,8 +39,11 @@ def engine() -> Engine:
     return Engine.from_config(EngineConfig(device="cpu"), progress=False)
 
 
-def answers(engine: Engine, mode: str, prompts: list[list[int]], bank=None, max_tokens: int = 32):
-    """Greedy answers to ``prompts`` as concurrent turns of one scheduler; texts and stats."""
+def answers(
+    engine: Engine, mode: str, prompts: list[list[int]], bank=None, max_tokens: int = 32, budget: int = 512
+):
+    """Greedy answers to ``prompts`` as concurrent turns of one scheduler (``budget``: its
+    ``max_batch_tokens``); texts and stats."""
     engine.speculation = speculation(mode)
     texts = [""] * len(prompts)
     stats: list = [None] * len(prompts)
@@ -51,7 +54,7 @@ def answers(engine: Engine, mode: str, prompts: list[list[int]], bank=None, max_
             stats[i] = ev.stats or stats[i]
 
     bank = bank if bank is not None else engine.new_bank("1G")
-    sched = Scheduler(engine, bank, max_running=8, max_batch_tokens=512)
+    sched = Scheduler(engine, bank, max_running=8, max_batch_tokens=budget)
     for i, p in enumerate(prompts):
         sched.submit(TurnRequest(p, SamplingParams(), max_tokens=max_tokens), lambda ev, i=i: emit(i, ev))
     while sched.busy:
@@ -86,3 +89,27 @@ def test_a_follow_up_that_revises_the_banked_answer_is_the_same_with_speculation
     on, [stats] = answers(engine, "auto", [ids], bank, max_tokens=48)
     assert on == off and "def fib" in on[0]
     assert stats.cached_tokens > 0 and stats.accepted >= 20  # restored from the bank, then copied
+
+
+def test_prefill_beside_verify_windows_is_chunked_as_without_speculation(engine, monkeypatch):
+    """A long prompt prefills in small chunks while the others decode (and draft): drafts only
+    take what prefill leaves of the token budget, so the long prompt is cut into the same chunks
+    on and off (a row's bits depend on its own window), and every text is the same."""
+    tok = engine.tokenizer
+    long = "Summarize these notes in one line.\n\n" + "\n\n".join([EMAIL] * 6)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in [*QUESTIONS.values(), long]]
+    chunks: list[int] = []
+    run_step = engine.run_step
+
+    def recording(windows):
+        chunks.extend(len(w.tokens) for w in windows if len(w.tokens) > 1 and w.logits <= 1)
+        return run_step(windows)
+
+    monkeypatch.setattr(engine, "run_step", recording)
+    off, _ = answers(engine, "off", prompts, budget=48)
+    chunks_off, chunks[:] = list(chunks), []
+    on, stats = answers(engine, "auto", prompts, budget=48)
+    assert sum(s.accepted for s in stats) >= 10  # the others did speculate meanwhile
+    prefill_on = [n for n in chunks if n > 1]
+    assert prefill_on == chunks_off and sum(chunks_off) >= len(prompts[-1])
+    assert on == off

@@ -87,20 +87,34 @@ class Scheduler:
         if control is not None and not control.announce(self):  # the other ranks run this step too
             return  # the group is down: every turn was failed
         self._admit()
-        budget = self.max_batch_tokens
-        work: list[tuple[_Entry, object]] = []
-        # decode rows first: one row each, they never wait behind a prefill; then prefill chunks
-        # in arrival order while the token budget lasts (a long prompt stalls others one chunk)
-        for e in sorted(self.running, key=lambda e: e.turn.phase != "decode"):
-            decoding = e.turn.phase == "decode"
-            if not decoding and budget <= 0 and work:
+        # every decoding turn has one row, so decode never waits behind a prefill; prefill chunks
+        # (and rebase rows) take the rest of the token budget in arrival order (a long prompt
+        # stalls the others one chunk); drafts share what prefill left. Prefill chunk sizes then
+        # never depend on speculation: a row's bits depend on its own window only, so turns
+        # answer alike with speculation on and off also in company (tests/test_scheduler.py).
+        decode = [e for e in self.running if e.turn.phase == "decode"]
+        budget = self.max_batch_tokens - len(decode)
+        prefill: list[tuple[_Entry, object]] = []
+        for e in self.running:
+            if e.turn.phase == "decode":
+                continue
+            if budget <= 0 and (prefill or decode):
                 continue  # waits for a later step
-            w = e.turn.window(max(budget, 1))  # a decode row, or a verify window within the budget
-            if w is None:  # nothing to compute: cancelled, or finishing
+            w = e.turn.window(max(budget, 1))
+            if w is None:  # nothing to compute: finishing
                 self._deliver(e, e.turn.advance(None))
                 continue
             budget -= len(w.tokens)
+            prefill.append((e, w))
+        work: list[tuple[_Entry, object]] = []
+        for e in decode:
+            w = e.turn.window(1 + max(budget, 0))  # a decode row, or a verify window with drafts
+            if w is None:  # cancelled
+                self._deliver(e, e.turn.advance(None))
+                continue
+            budget -= len(w.tokens) - 1
             work.append((e, w))
+        work += prefill
         if work:
             self._run(work)
         self.running = [e for e in self.running if not e.turn.done]

@@ -23,6 +23,7 @@ import torch
 
 from turnkv.attention.backend import AttentionBackend, StepAttention
 from turnkv.kv.cache import KVCache, KVWindow
+from turnkv.models.quant import wide_rows
 
 
 @dataclass
@@ -50,6 +51,7 @@ class StepPlan:
     logit_rows: torch.Tensor  # [R] int64, device
     logit_offsets: list[int]  # window i's logits are rows [off_i, off_i + windows[i].logits) of R
     attention: StepAttention
+    wide: tuple[tuple[int, int], ...] = ()  # rows of windows that take packed weights' wide path
 
     @property
     def rows(self) -> int:
@@ -89,11 +91,12 @@ def plan_step(windows: Sequence[Window], backend: AttentionBackend, device: torc
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
     attention = backend.plan(kv)
-    return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n :], offsets, attention)
+    wide = wide_rows([len(w.tokens) for w in windows])
+    return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n :], offsets, attention, wide)
 
 
 def forward(model, windows: Sequence[Window], backend: AttentionBackend) -> tuple[StepPlan, torch.Tensor]:
     """Plan and run one step of ``model`` (a ``LlamaModel``): the plan and fp32 logits ``[R, V]``."""
     plan = plan_step(windows, backend, model.device)
     model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
-    return plan, model(plan.ids, plan.positions, plan.logit_rows, plan.attention)
+    return plan, model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)

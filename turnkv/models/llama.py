@@ -19,6 +19,7 @@ tables computed in fp32, residual stream in the model dtype, logits returned in 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -244,10 +245,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         logit_rows: torch.Tensor,
         attention: StepAttention,
+        wide: Sequence[tuple[int, int]] = (),
     ) -> torch.Tensor:
         """One step: token ``ids`` ``[N]`` at ``positions`` ``[N]`` (device tensors; the step's
         windows back to back, as ``attention`` was planned) -> fp32 logits ``[R, V]`` of the rows
-        ``logit_rows`` ``[R]``. Positions must be covered by ``rope.ensure``. Never commits."""
+        ``logit_rows`` ``[R]``. ``wide``: the row ranges of packed CPU weights' wide path
+        (``quant.wide_rows``). Positions must be covered by ``rope.ensure``. Never commits."""
         cfg = self.cfg
         n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -259,7 +262,7 @@ class LlamaModel(nn.Module):
             x = tp.vocab_reduce(x, ids)  # rows of other ranks' ids zeroed, summed over ranks
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
+            qkv = linear(h, layer.qkv, layer.qkv_bias, wide).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
             qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]  # [N, Hq+Hkv, D], [N, Hkv, D]
             if layer.q_norm is not None:
                 qk = torch.cat(
@@ -267,22 +270,24 @@ class LlamaModel(nn.Module):
                 )
             q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
             o = attention.attend(i, q, self.scale)  # [N, Hq, D]
-            x = self._row_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias)
+            x = self._row_linear(x, o.reshape(n, hq * d), layer.o, layer.o_bias, wide)
             h = rms_norm(x, layer.mlp_norm, eps)
-            x = self._row_linear(x, silu_mul(linear(h, layer.gate_up)), layer.down, None)  # [N, 2I] -> [N, I]
+            x = self._row_linear(x, silu_mul(linear(h, layer.gate_up, None, wide)), layer.down, None, wide)
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps)  # [R, hidden]
         head = self.embed if self.lm_head is None else self.lm_head
         if tp is not None:
             return tp.gather_vocab(linear(x, head)).float()  # [R, V / n] per rank -> [R, V]
         return linear(x, head).float()  # [R, V]
 
-    def _row_linear(self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    def _row_linear(
+        self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, wide=()
+    ) -> torch.Tensor:
         """``x + h @ w.T (+ b)``, the residual add of o and down. Under tensor parallelism ``w``
         holds this rank's input columns (row-parallel): rank 0 adds the residual and the bias to
         its partial product, the other ranks compute theirs alone, and one all-reduce sums them
         (no extra kernel for the residual)."""
         tp = self.tp
         if tp is None:
-            return residual_linear(x, h, w, b)
-        y = residual_linear(x, h, w, b) if tp.rank == 0 else linear(h, w)  # [N, hidden]
+            return residual_linear(x, h, w, b, wide)
+        y = residual_linear(x, h, w, b, wide) if tp.rank == 0 else linear(h, w, None, wide)  # [N, hidden]
         return tp.all_reduce(y)

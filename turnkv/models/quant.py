@@ -30,6 +30,7 @@ Only the embedding *lookup* is exact: it dequantizes the gathered rows from the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,12 +153,14 @@ class QuantWeight(nn.Module):
         parts = (self.blocks, self.packed, self.scale_zeros)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, wide: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
         """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> bf16 ``[..., N]`` (fp32 when two planes).
 
-        Windows of ``WIDE_ROWS`` rows or more (prefill chunks) dequantize the planes to bf16 once
-        and take oneDNN's bf16 GEMM; fewer rows take the int4 kernel, which dequantizes per
-        4-row block (see ``WIDE_ROWS``)."""
+        Rows in the ``wide`` ranges ``[start, end)`` (the step's windows of ``WIDE_ROWS`` rows or
+        more: prefill chunks; ``wide_rows``) dequantize the planes to bf16 once and take oneDNN's
+        bf16 GEMM; the other rows take the int4 kernel, which dequantizes per 4-row block (see
+        ``WIDE_ROWS``). Chosen per window, not per call: a row's bits then depend on its own
+        window only (the int4 kernel is row-independent), never on what else shares the step."""
         if self.packed is None:
             raise RuntimeError("this quantized weight keeps no packed planes (an untied embedding)")
         # Only the calls that do something: a decode step makes ~120 of these (no-op .to/
@@ -165,9 +168,25 @@ class QuantWeight(nn.Module):
         a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
         a = a if a.dtype == torch.bfloat16 else a.to(torch.bfloat16)
         a = a if a.is_contiguous() else a.contiguous()
-        if self.wide_ok and a.shape[0] >= WIDE_ROWS:
-            y = torch.mm(a, self.dequant_t())  # [M, N]
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
+        wide = wide if self.wide_ok else ()
+        if not wide:
+            y = self._int4(a)
+        elif len(wide) == 1 and wide[0] == (0, a.shape[0]):
+            y = torch.mm(a, self.dequant_t())  # [M, N]: one prefill chunk alone
+        else:
+            w_t, pieces, at = self.dequant_t(), [], 0
+            for start, end in (*wide, (a.shape[0], a.shape[0])):
+                if start > at:
+                    pieces.append(self._int4(a[at:start]))
+                if end > start:
+                    pieces.append(torch.mm(a[start:end], w_t))
+                at = end
+            dtype = pieces[0].dtype if len({t.dtype for t in pieces}) == 1 else torch.float32
+            y = torch.cat([t.to(dtype) for t in pieces])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
+
+    def _int4(self, a: torch.Tensor) -> torch.Tensor:
+        """The int4 kernel over bf16 rows ``a`` ``[M, K]`` -> ``[M, N]`` (fp32 when two planes)."""
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = mm(a, self.packed[0], GROUP, self.scale_zeros[0])  # [M, Np]
         if self.packed.shape[0] > 1:
@@ -175,9 +194,7 @@ class QuantWeight(nn.Module):
             for i in range(1, self.packed.shape[0]):
                 y.add_(mm(a, self.packed[i], GROUP, self.scale_zeros[i]))
         n = self.shape[0]
-        if y.shape[-1] != n:
-            y = y[:, :n]
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+        return y if y.shape[-1] == n else y[:, :n]
 
     def dequant_t(self) -> torch.Tensor:
         """``W.T`` as bf16 ``[K, N]`` from the packed planes (each value rounded to bf16 once).
@@ -229,21 +246,41 @@ def _values(u: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 # ---- what the model calls ---------------------------------------------------------------------
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` in x's dtype, for a plain tensor or a ``QuantWeight``."""
+def wide_rows(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The row ranges of a step whose windows (``sizes``, back to back) take the wide path of
+    ``QuantWeight.mm``: windows of ``WIDE_ROWS`` rows or more, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for n in sizes:
+        if n >= WIDE_ROWS:
+            if out and out[-1][1] == at:
+                out[-1] = (out[-1][0], at + n)
+            else:
+                out.append((at, at + n))
+        at += n
+    return tuple(out)
+
+
+def linear(
+    x: torch.Tensor, w, bias: torch.Tensor | None = None, wide: Sequence[tuple[int, int]] = ()
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in x's dtype, for a plain tensor or a ``QuantWeight`` (``wide``: the
+    rows that take its wide path, ``wide_rows``)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    y = w.mm(x)
+    y = w.mm(x, wide)
     return y.to(x.dtype) if bias is None else torch.add(bias, y)  # add promotes to bias's dtype
 
 
-def residual_linear(x: torch.Tensor, h: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+def residual_linear(
+    x: torch.Tensor, h: torch.Tensor, w, bias: torch.Tensor | None, wide: Sequence[tuple[int, int]] = ()
+) -> torch.Tensor:
     """``x + h @ w.T (+ b)``; the add rides in the matmul (plain) or in the cast back (packed)."""
     if isinstance(w, torch.Tensor):
         if bias is None:
             return torch.addmm(x, h, w.t())
         return x + F.linear(h, w, bias)
-    y = torch.add(x, w.mm(h))  # fp32 + bf16 -> fp32 in one kernel
+    y = torch.add(x, w.mm(h, wide))  # fp32 + bf16 -> fp32 in one kernel
     return y if bias is None else y.add_(bias)
 
 
