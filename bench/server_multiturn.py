@@ -281,6 +281,7 @@ def main() -> None:
     ap.add_argument("--max-running", dest="max_running", type=int, default=64)
     ap.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculate", choices=["auto", "off"], default="auto", help="(--clients) the engine's")
     ap.add_argument("--tag", default="server_multiturn")
     args = ap.parse_args()
     from turnkv.threads import set_threads
@@ -340,7 +341,13 @@ def run_clients(args: argparse.Namespace) -> None:
     import clients
 
     model = f"random:{args.shape}" if args.shape else args.model
-    cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype, prefill_chunk=args.max_batch_tokens)
+    cfg = EngineConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        prefill_chunk=args.max_batch_tokens,
+        speculate=args.speculate,
+    )
     engine = Engine.from_config(cfg, progress=False)
     args.ignore_eos = bool(args.shape)  # random weights end answers at random: run each to its length
     per_client = args.rounds * (args.user_tokens + args.answer_tokens + 32)
@@ -353,7 +360,7 @@ def run_clients(args: argparse.Namespace) -> None:
     info = engine.info
     print(
         f"# {info.model_name} on {info.device} {info.dtype}, attention {info.verdict.route}, graphs "
-        f"{info.graphs}: {args.clients} clients x {args.rounds} rounds x {args.user_tokens}-token user "
+        f"{info.graphs}, speculation {args.speculate}: {args.clients} clients x {args.rounds} rounds x {args.user_tokens}-token user "
         f"turns, {args.answer_tokens}-token answers, budget {budget / 2**30:.2f} GiB",
         flush=True,
     )
