@@ -10,16 +10,19 @@ the context) print one line naming the problem -- and the flag or variable -- an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
 from dataclasses import asdict, fields
-from typing import NoReturn
+from typing import Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from turnkv.config import ConfigError, EngineConfig, env_name
 
 EXIT_USAGE = 2
 DEFAULTS = EngineConfig()
+# a flag of a Literal field offers exactly its values (config.py owns them)
+_CHOICES = {n: list(get_args(t)) for n, t in get_type_hints(EngineConfig).items() if get_origin(t) is Literal}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,31 +36,26 @@ def _flag_help(name: str, text: str) -> str:
     return f"{text} (default: {getattr(DEFAULTS, name)!s}; env {env_name(name)})"
 
 
+def _config_flag(p: argparse.ArgumentParser, flag: str, name: str, text: str, **kw) -> None:
+    """A flag of ``EngineConfig`` field ``name``: its default and env twin in the help, and the
+    field's values as the choices of a Literal field."""
+    if name in _CHOICES:
+        kw["choices"] = _CHOICES[name]
+    p.add_argument(flag, dest=name, help=_flag_help(name, text), **kw)
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-
-    def add(flag: str, name: str, text: str, **kw) -> None:
-        p.add_argument(flag, dest=name, help=_flag_help(name, text), **kw)
-
+    add = functools.partial(_config_flag, p)
     add("--model", "model", "HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or random:SHAPE")
     add("--device", "device", "auto | cpu | cuda | any torch device")
-    add("--dtype", "dtype", "weights and KV dtype", choices=["auto", "bfloat16", "float16", "float32"])
-    add(
-        "--kv-layout",
-        "kv_layout",
-        "KV layout (contiguous: the A/B baseline)",
-        choices=["segmented", "contiguous"],
-    )
-    add("--attention", "attention", "attention route", choices=["auto", "fused", "lse"])
+    add("--dtype", "dtype", "weights and KV dtype")
+    add("--kv-layout", "kv_layout", "KV layout (contiguous: the A/B baseline)")
+    add("--attention", "attention", "attention route")
     add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
-    add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA", choices=["auto", "off"])
-    add("--speculate", "speculate", "context-copy speculative decoding (auto: on)", choices=["auto", "off"])
-    add(
-        "--weights",
-        "weights",
-        "GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes",
-        choices=["auto", "packed", "dequant"],
-    )
+    add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA")
+    add("--speculate", "speculate", "context-copy speculative decoding (auto: on)")
+    add("--weights", "weights", "GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes")
     add("--threads", "threads", "torch CPU threads; 0 = the cores available to the process", type=int)
     add(
         "--tensor-parallel",
@@ -87,8 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_flags(s)
 
-    def add(flag: str, name: str, text: str, **kw) -> None:
-        s.add_argument(flag, dest=name, help=_flag_help(name, text), **kw)
+    add = functools.partial(_config_flag, s)
 
     add("--host", "host", "address to listen on")
     add("--port", "port", "TCP port; 0 = any free port", type=int)

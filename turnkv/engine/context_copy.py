@@ -28,9 +28,11 @@ keep failing, so free text pays almost nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import numpy as np
 
+from turnkv.config import Speculate
 from turnkv.engine.step import Window
 from turnkv.limits import MAX_WINDOW_ROWS
 
@@ -359,8 +361,8 @@ class Speculation:
     """The engine's speculation: ``--speculate auto|off``, the step cost model, the counters."""
 
     def __init__(self, mode: str = "auto") -> None:
-        if mode not in ("auto", "off"):
-            raise ValueError(f"--speculate must be auto or off, not {mode!r}")
+        if mode not in get_args(Speculate):
+            raise ValueError(f"--speculate must be one of {', '.join(get_args(Speculate))}, not {mode!r}")
         self.enabled = mode == "auto"
         self.cost = StepCost()
         self.stats = SpeculationStats(mode)

@@ -32,16 +32,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turnkv.config import Weights
+
 log = logging.getLogger(__name__)
 
 GROUP = 32  # values per GGUF block = the kernel's group size
 PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-WEIGHT_MODES = ("auto", "packed", "dequant")
+WEIGHT_MODES = get_args(Weights)  # config.py owns the values
 BF16_U = 2.0**-9  # unit roundoff of bfloat16 (8 significant bits)
 FP32_U = 2.0**-24
 _ROW_ALIGN = 16  # the packer wants a multiple of 16 rows; pad with zero rows
