@@ -11,7 +11,7 @@ is an error naming it rather than silently ignored (xgrammar 0.2.9 ignores ``not
 - ``Grammars`` compiles for one tokenizer and one logit width (thread-safe; the HTTP handlers
   compile in their thread pool, never on the engine thread). A compiled grammar is cached by its
   source, so an agent that resends the same tools every turn compiles them once.
-- ``Grammar.start()`` gives a turn its ``Constraint`` (a copy of the compiled matcher).
+- ``Grammar.start()`` gives a turn its ``Constraint`` (a matcher built from the grammar's text).
 - ``StepMasks.apply`` runs once per step, after the forward is launched and before the step's
   batched argmax: it fills the bitmask of every constrained row on the host (on CUDA this overlaps
   the forward; several rows are filled by llguidance's threads) and applies them to those rows of
@@ -66,14 +66,11 @@ class Grammar:
     copies against 2.6 ms from fresh matchers; building one costs about a millisecond, once per
     turn, where ``begin`` runs."""
 
-    def __init__(self, matcher: Any, source: str, ll_tokenizer: Any = None, text: str = "") -> None:
-        self._matcher = matcher  # never advanced: the fallback copied per turn
+    def __init__(self, source: str, ll_tokenizer: Any, text: str) -> None:
         self.source = source  # what it was compiled from (the cache key)
-        self._ll, self._text = ll_tokenizer, text  # what a fresh matcher is built from
+        self._ll, self._text = ll_tokenizer, text  # what each turn's matcher is built from
 
     def start(self) -> Constraint:
-        if self._ll is None:
-            return Constraint(self._matcher.deep_copy())
         import llguidance
 
         return Constraint(llguidance.LLMatcher(self._ll, self._text, log_level=0))
@@ -131,7 +128,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), source, log_level=0)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
-        grammar = Grammar(matcher, key, self.ll_tokenizer(), source)
+        grammar = Grammar(key, self.ll_tokenizer(), source)  # compiled once to check it
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_ENTRIES:
