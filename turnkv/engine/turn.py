@@ -405,6 +405,14 @@ class Turn:
         return [self._last, Banked(eid, snap.num_tokens, self.stats.rebase_rows)]
 
 
+def prompt_too_long(limit: int, prompt: int | str) -> str:
+    """The message of a prompt (``prompt`` tokens, or a bound on them) that leaves no room to answer."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt} "
+        f"tokens (at least one more is needed to answer). Shorten the messages."
+    )
+
+
 def _check_context(ids: list[int], max_tokens: int | None, limit: int, vocab: int) -> Failed | None:
     """The one context check: ids in the vocabulary, the prompt plus one answer token (or the
     explicit max_tokens) fit."""
@@ -413,11 +421,7 @@ def _check_context(ids: list[int], max_tokens: int | None, limit: int, vocab: in
     if min(ids) < 0 or max(ids) >= vocab:
         return Failed("invalid_request_error", f"prompt token ids must be in [0, {vocab})")
     if limit and len(ids) + 1 > limit:
-        return Failed(
-            "context_length_exceeded",
-            f"This model's maximum context length is {limit} tokens. However, your prompt has "
-            f"{len(ids)} tokens (at least one more is needed to answer). Shorten the messages.",
-        )
+        return Failed("context_length_exceeded", prompt_too_long(limit, len(ids)))
     if max_tokens is not None and limit and len(ids) + max_tokens > limit:
         return Failed(
             "context_length_exceeded",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from turnkv.engine.history import ChatHistory, TextHistory
+from turnkv.engine.turn import prompt_too_long
 from turnkv.server.schemas import ApiError, bad_request
 
 if TYPE_CHECKING:
@@ -34,13 +35,7 @@ def longest_token_bytes(tokenizer) -> int:
 
 
 def context_error(limit: int, prompt: str) -> ApiError:
-    return ApiError(
-        400,
-        f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt} "
-        f"tokens (at least one more is needed to answer). Shorten the messages.",
-        code="context_length_exceeded",
-        param="messages",
-    )
+    return ApiError(400, prompt_too_long(limit, prompt), code="context_length_exceeded", param="messages")
 
 
 History = Callable[[str], list[int]]  # ChatHistory / TextHistory: records, sendable to other ranks
