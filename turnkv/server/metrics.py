@@ -24,12 +24,20 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def _counters(*rows: tuple[str, int, str]):
-    """One unlabelled counter family per ``(name, value, doc)``."""
+def _families(kind, rows):
+    """One unlabelled ``kind`` family (counter or gauge) per ``(name, value, doc)``."""
     for name, value, doc in rows:
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], value)
-        yield c
+        f = kind(name, doc)
+        f.add_metric([], value)
+        yield f
+
+
+def _counters(*rows: tuple[str, int, str]):
+    return _families(CounterMetricFamily, rows)
+
+
+def _gauges(*rows: tuple[str, int, str]):
+    return _families(GaugeMetricFamily, rows)
 
 
 class _StateCollector(Collector):
@@ -41,20 +49,16 @@ class _StateCollector(Collector):
         bank = self.bank
         banked = bank.unique_bytes(live=False)
         total = bank.unique_bytes(live=True)
-        g = GaugeMetricFamily("turnkv_kv_banked_bytes", "Unique KV bytes held by the session bank")
-        g.add_metric([], banked)
-        yield g
-        g = GaugeMetricFamily(
-            "turnkv_kv_live_bytes", "Unique KV bytes held by live requests beyond what the bank holds"
+        yield from _gauges(
+            ("turnkv_kv_banked_bytes", banked, "Unique KV bytes held by the session bank"),
+            (
+                "turnkv_kv_live_bytes",
+                max(total - banked, 0),
+                "Unique KV bytes held by live requests beyond what the bank holds",
+            ),
+            ("turnkv_kv_budget_bytes", bank.budget_bytes, "Byte budget of the session bank"),
+            ("turnkv_bank_entries", len(bank), "Snapshots in the session bank"),
         )
-        g.add_metric([], max(total - banked, 0))
-        yield g
-        g = GaugeMetricFamily("turnkv_kv_budget_bytes", "Byte budget of the session bank")
-        g.add_metric([], bank.budget_bytes)
-        yield g
-        g = GaugeMetricFamily("turnkv_bank_entries", "Snapshots in the session bank")
-        g.add_metric([], len(bank))
-        yield g
         s = bank.stats
         yield from _counters(
             ("turnkv_bank_evictions", s.evictions, "Bank entries evicted to make room"),
@@ -87,14 +91,8 @@ _DISK_COUNTERS = {
 def _disk_metrics(bank: SessionBank):
     """``turnkv_disk_*``: the numbers of ``/health.disk`` (zeros without a tier)."""
     h = bank.tier.health() if bank.tier is not None else disabled_health()
-    for key, doc in _DISK_GAUGES.items():
-        g = GaugeMetricFamily(f"turnkv_disk_{key}", doc)
-        g.add_metric([], h[key])
-        yield g
-    for key, doc in _DISK_COUNTERS.items():
-        c = CounterMetricFamily(f"turnkv_disk_{key}", doc)
-        c.add_metric([], h[key])
-        yield c
+    yield from _gauges(*((f"turnkv_disk_{k}", h[k], doc) for k, doc in _DISK_GAUGES.items()))
+    yield from _counters(*((f"turnkv_disk_{k}", h[k], doc) for k, doc in _DISK_COUNTERS.items()))
 
 
 class _SpeculationCollector(Collector):
