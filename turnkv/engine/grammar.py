@@ -12,11 +12,13 @@ is an error naming it rather than silently ignored (xgrammar 0.2.9 ignores ``not
   compile in their thread pool, never on the engine thread). A compiled grammar is cached by its
   source, so an agent that resends the same tools every turn compiles them once.
 - ``Grammar.start()`` gives a turn its ``Constraint`` (a matcher built from the grammar's text).
-- ``StepMasks.apply`` runs once per step, after the forward is launched and before the step's
-  batched argmax: it fills the bitmask of every constrained row on the host (on CUDA this overlaps
-  the forward; several rows are filled by llguidance's threads) and applies them to those rows of
-  the step's logits in one batched op, so the batched argmax and every sampler see masked rows.
-  Unconstrained rows are not touched.
+- ``StepMasks`` fills the bitmasks of constrained rows on the host and applies them to those rows
+  of the step's logits in one batched op, before the step's batched argmax, so the argmax and
+  every sampler see masked rows; unconstrained rows are not touched. The fill of a step's masks
+  starts as soon as the previous step's tokens are accepted (``prefetch``, on a background
+  thread; llguidance fills several rows on its own threads and releases the GIL): it overlaps the
+  scheduler's host work between steps and, on CUDA, the forward itself. ``apply`` waits for it and
+  fills only rows it did not know of (a turn whose first answer token this step samples).
 
 JSON is constrained to the layout ``json.dumps`` writes (``", "`` and ``": "``, no newlines):
 chat templates re-render a tool call's arguments with ``tojson``, so the banked rows of a tool
@@ -26,6 +28,7 @@ call match what the next request renders, and no model can loop on whitespace.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +40,8 @@ import torch
 
 if TYPE_CHECKING:
     from turnkv.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # json.dumps's separators, and so tojson's in a chat template; no other whitespace
 CANONICAL = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -182,60 +187,121 @@ def _first_line(message: str) -> str:
 _BITS = {}  # device -> [32] int32: 1 << k
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Set ``logits[r, t]`` (fp32 ``[R, V]``, in place) to -inf wherever bit ``t`` of ``bitmask[r]``
-    (int32 ``[R, ceil(V / 32)]``, on the logits' device) is 0, for each ``r`` in ``rows``: one batched
-    op for all rows (a handful of kernels on CUDA)."""
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set ``logits[rows[i], t]`` (fp32 ``[R, V]``, in place) to -inf wherever bit ``t`` of
+    ``masks[i]`` (int32 ``[len(rows), ceil(V / 32)]``, on the logits' device) is 0: one batched op
+    for all rows (a handful of kernels on CUDA)."""
     n, vocab = logits.shape
     bits = _BITS.get(logits.device)
     if bits is None:
         bits = _BITS[logits.device] = torch.ones(32, dtype=torch.int32, device=logits.device) << torch.arange(
             32, dtype=torch.int32, device=logits.device
         )
-    every = len(rows) == n and list(rows) == list(range(n))
-    index = None if every else torch.tensor(list(rows), dtype=torch.long).to(logits.device, non_blocking=True)
-    masks = bitmask if every else bitmask.index_select(0, index)  # [C, W]
     drop = (masks.unsqueeze(-1) & bits).eq(0).view(masks.shape[0], -1)[:, :vocab]  # [C, V] bool
-    if every:
+    if len(rows) == n and list(rows) == list(range(n)):
         logits.masked_fill_(drop, float("-inf"))
     else:
+        index = torch.tensor(list(rows), dtype=torch.long).to(logits.device, non_blocking=True)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(drop, float("-inf")))
 
 
 class StepMasks:
-    """The bitmask buffer of a step and the figures of its use (host seconds; see module doc)."""
+    """The bitmask buffer of the steps, its background fill, and the figures of its use.
+
+    Invariant: a matcher's state changes only in ``Constraint.accept``, which the scheduler calls
+    after ``apply`` and before ``prefetch``; so a prefetched mask is the mask of the state ``apply``
+    masks, whichever rows the next step gives its turn (none: the mask is unused). The pinned
+    buffer is rewritten only after the step that copied it synchronized (its argmax)."""
 
     def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, pinned on CUDA
+        self._host: torch.Tensor | None = None  # [slots, ceil(V / 32)] int32, pinned on CUDA
+        self._pin = False
+        self._words = 0  # int32 words per row (the logit width / 32), known from the first apply
         self._executor: Any = None  # llguidance's thread pool for several rows, made on first use
+        self._thread: Any = None  # one background thread running prefetched fills
+        self._pending: tuple[Any, list[Constraint]] | None = None  # (future, the slots' constraints)
         self.rows = 0  # constrained rows masked, over all steps
-        self.fill_s = 0.0  # host time filling bitmasks
+        self.fill_s = 0.0  # host time filling bitmasks (background or not)
+        self.wait_s = 0.0  # time ``apply`` waited for a prefetched fill (what it did not hide)
         self.apply_s = 0.0  # host time launching (CUDA) or running (CPU) the masking
+
+    def prefetch(self, constraints: Sequence[Constraint]) -> None:
+        """Start filling the masks of ``constraints`` (the turns that decode next step) into slots
+        ``0..len-1`` in the background; ``apply`` picks them up."""
+        try:
+            self._wait()
+        except Exception:  # a fill no step used failed: the step that needs it fills anew
+            log.exception("a prefetched grammar mask failed")
+        if not constraints or not self._words:
+            return
+        import concurrent.futures
+
+        host = self._buffer(len(constraints), keep=0)
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="turnkv-masks")
+        cons = list(constraints)
+        self._pending = (self._thread.submit(self._fill, host, list(enumerate(cons))), cons)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) -> None:
         """Mask ``logits`` ``[R, V]`` (fp32, in place) at each ``(row, constraint)``."""
+        t0 = time.perf_counter()
+        self._pin = logits.device.type == "cuda"
+        ready = self._wait()
+        t1 = time.perf_counter()
+        self.wait_s += t1 - t0
         if not rows:
             return
-        t0 = time.perf_counter()
-        n, vocab = logits.shape
-        words = (vocab + 31) // 32
+        self._words = words = (logits.shape[1] + 31) // 32
+        if self._host is not None and self._host.shape[1] != words:
+            ready = []  # another logit width: nothing prefetched fits
+        slot_of = {id(c): i for i, c in enumerate(ready)}
+        missing = [c for _, c in rows if id(c) not in slot_of]
+        host = self._buffer(len(ready) + len(missing), keep=len(ready))
+        if missing:
+            base = len(ready)
+            self._fill(host, [(base + i, c) for i, c in enumerate(missing)])
+            slot_of.update({id(c): base + i for i, c in enumerate(missing)})
+        t2 = time.perf_counter()
+        slots = [slot_of[id(c)] for _, c in rows]
+        every = slots == list(range(len(slots)))
+        masks = host[: len(slots)] if every else host[torch.tensor(slots)]  # [C, W] in row order
+        with torch.inference_mode():  # the step's logits are inference tensors
+            apply_bitmask(logits, masks.to(logits.device, non_blocking=True), [r for r, _ in rows])
+        self.rows += len(rows)
+        self.apply_s += time.perf_counter() - t2
+
+    def _wait(self) -> list[Constraint]:
+        """The constraints of the prefetched slots, once their fill is done ([] if none)."""
+        if self._pending is None:
+            return []
+        future, cons = self._pending
+        self._pending = None
+        future.result()  # re-raises a fill's error here, on the engine thread
+        return cons
+
+    def _buffer(self, slots: int, keep: int) -> torch.Tensor:
+        """The host buffer with at least ``slots`` rows, its first ``keep`` rows kept."""
         host = self._host
-        if host is None or host.shape[0] < n or host.shape[1] != words:
-            pin = logits.device.type == "cuda"
-            host = self._host = torch.empty((max(n, 8), words), dtype=torch.int32, pin_memory=pin)
-        one = words * 4
-        if len(rows) == 1:
-            r, c = rows[0]
-            c.matcher.unsafe_compute_mask_ptr(host[r].data_ptr(), one)
+        if host is None or host.shape[0] < slots or host.shape[1] != self._words:
+            new = torch.empty((max(2 * slots, 8), self._words), dtype=torch.int32, pin_memory=self._pin)
+            if keep and host is not None:
+                new[:keep] = host[:keep]
+            host = self._host = new
+        return host
+
+    def _fill(self, host: torch.Tensor, slots: Sequence[tuple[int, Constraint]]) -> None:
+        """Fill ``host[slot]`` with the mask of each ``(slot, constraint)``."""
+        t0 = time.perf_counter()
+        one = host.shape[1] * 4
+        if len(slots) == 1:
+            i, c = slots[0]
+            c.matcher.unsafe_compute_mask_ptr(host[i].data_ptr(), one)
         else:
             if self._executor is None:
                 import llguidance
 
                 self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr([(c.matcher, r) for r, c in rows], host.data_ptr(), one, n)
-        t1 = time.perf_counter()
-        with torch.inference_mode():  # the step's logits are inference tensors
-            apply_bitmask(logits, host[:n].to(logits.device, non_blocking=True), [r for r, _ in rows])
-        self.rows += len(rows)
-        self.fill_s += t1 - t0
-        self.apply_s += time.perf_counter() - t1
+            self._executor.unsafe_compute_mask_ptr(
+                [(c.matcher, i) for i, c in slots], host.data_ptr(), one, host.shape[0]
+            )
+        self.fill_s += time.perf_counter() - t0
