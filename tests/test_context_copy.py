@@ -364,3 +364,22 @@ def test_an_unmeasured_verify_step_is_priced_by_its_extra_rows():
         c.observe([SimpleNamespace(tokens=[0], logits=1)] * 8, 0.100)  # batch 8, plain
     assert c.cost(8, True) == pytest.approx(0.100)  # no verify step seen yet: only extra rows cost
     assert c.cost(8 + 32, True) == pytest.approx(0.100 * (1 + 32 * StepCost.PRIOR_ROW))
+
+
+def test_auto_drafts_nothing_where_verify_windows_would_run_eagerly_beside_graphs():
+    """``--speculate auto`` is on where decode steps run eagerly (CPU), off with the reason where
+    they replay CUDA graphs (verify windows would not) and under tensor parallelism."""
+    from types import SimpleNamespace
+
+    from turnkv.engine.engine import _speculation_off
+
+    cpu = SimpleNamespace(tp=None, graphs=SimpleNamespace(status="off: no CUDA (cpu)"))
+    graphs = SimpleNamespace(tp=None, graphs=SimpleNamespace(status="on"))
+    tp = SimpleNamespace(tp=object(), graphs=SimpleNamespace(status="on"))
+    assert _speculation_off(cpu) is None and Speculation("auto", None).enabled
+    for engine in (graphs, tp):
+        s = Speculation("auto", _speculation_off(engine))
+        assert not s.enabled and s.for_turn([1, 2, 3]) is None
+        assert s.stats.health()["status"].startswith("off: ") and s.stats.health()["mode"] == "auto"
+    off = Speculation("off").stats.health()
+    assert off["status"] == "off: --speculate off"

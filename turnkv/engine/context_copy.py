@@ -316,8 +316,9 @@ class SpeculationStats:
     """Engine-wide counters (``/health.speculation``, Prometheus). Written by the engine thread;
     readers get ints that only grow (every bucket exists from the start)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, status: str = "on") -> None:
         self.mode = mode
+        self.status = status  # "on", or "off: <why>"
         self.drafted = 0
         self.accepted = 0
         self.windows = 0  # decode windows with a draft (verify windows)
@@ -340,11 +341,13 @@ class SpeculationStats:
         bucket[2] += accepted
 
     def health(self) -> dict:
-        """``mode``, ``drafted``, ``accepted``, ``windows``, ``acceptance`` (accepted / drafted),
+        """``mode``, ``status`` (``on`` or ``off: <why>``), ``drafted``, ``accepted``, ``windows``,
+        ``acceptance`` (accepted / drafted),
         ``tokens_per_forward`` (decode tokens per decode window), ``by_window`` (per window-size
         bucket ``"<=b"``: ``windows``, ``drafted``, ``accepted``)."""
         return {
             "mode": self.mode,
+            "status": self.status,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "windows": self.windows,
@@ -360,12 +363,14 @@ class SpeculationStats:
 class Speculation:
     """The engine's speculation: ``--speculate auto|off``, the step cost model, the counters."""
 
-    def __init__(self, mode: str = "auto") -> None:
+    def __init__(self, mode: str = "auto", off_because: str | None = None) -> None:
+        """``off_because``: why ``auto`` drafts nothing on this engine (None: it drafts)."""
         if mode not in get_args(Speculate):
             raise ValueError(f"--speculate must be one of {', '.join(get_args(Speculate))}, not {mode!r}")
-        self.enabled = mode == "auto"
+        self.enabled = mode == "auto" and off_because is None
         self.cost = StepCost()
-        self.stats = SpeculationStats(mode)
+        status = "on" if self.enabled else f"off: {off_because or '--speculate off'}"
+        self.stats = SpeculationStats(mode, status)
 
     def for_turn(self, prompt: Sequence[int]) -> TurnDrafts | None:
         """A new turn's drafts over its prompt (every earlier turn plus this request), or None."""

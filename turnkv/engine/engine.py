@@ -82,9 +82,7 @@ class Engine:
         self.graphs = make_graphs(self, cfg.cuda_graphs)
         # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
         self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
-        # context-copy drafts, step costs, counters; off under tensor parallelism: every rank runs
-        # its own scheduler, and the governor sizes drafts from step times each rank measures itself
-        self.speculation = Speculation(cfg.speculate if self.tp is None else "off")
+        self.speculation = Speculation(cfg.speculate, _speculation_off(self))
         self.info = EngineInfo(
             loaded.name,
             cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
@@ -209,6 +207,17 @@ class Engine:
             if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
                 self.tp.group.down(f"a step failed on rank {self.tp.rank}: {type(exc).__name__}: {exc}")
             raise
+
+
+def _speculation_off(engine: Engine) -> str | None:
+    """Why context-copy speculation drafts nothing on ``engine`` (None: ``auto`` drafts)."""
+    if engine.tp is not None:  # every rank runs its own scheduler and would time its own steps
+        return "tensor parallelism (each rank would size drafts from the step times it measures)"
+    if engine.graphs.status == "on":
+        # verify windows run eagerly beside replayed decode steps; measured on the H200 with the
+        # default model (docs/BENCHMARKS.md): edits decoded at 0.29x, a batch of 8 at 0.51x
+        return "decode steps replay CUDA graphs and verify windows would run eagerly (slower)"
+    return None
 
 
 def _group_auto_budget(group, device: torch.device) -> int:

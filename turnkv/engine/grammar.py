@@ -12,13 +12,14 @@ is an error naming it rather than silently ignored (xgrammar 0.2.9 ignores ``not
   compile in their thread pool, never on the engine thread). A compiled grammar is cached by its
   source, so an agent that resends the same tools every turn compiles them once.
 - ``Grammar.start()`` gives a turn its ``Constraint`` (a matcher built from the grammar's text).
-- ``StepMasks`` fills the bitmasks of constrained rows on the host and applies them to those rows
-  of the step's logits in one batched op, before the step's batched argmax, so the argmax and
-  every sampler see masked rows; unconstrained rows are not touched. The fill of a step's masks
-  starts as soon as the previous step's tokens are accepted (``prefetch``, on a background
-  thread; llguidance fills several rows on its own threads and releases the GIL): it overlaps the
-  scheduler's host work between steps and, on CUDA, the forward itself. ``apply`` waits for it and
-  fills only rows it did not know of (a turn whose first answer token this step samples).
+- ``StepMasks.apply`` runs once per step, after the forward is launched and before the step's
+  batched argmax: it fills the bitmask of every constrained row on the host (on CUDA this overlaps
+  the forward; several rows are filled by llguidance's threads) and applies them to those rows of
+  the step's logits in one batched op (on CUDA one Triton launch, ``mask_kernel.py``), so the
+  batched argmax and every sampler see masked rows. Unconstrained rows are not touched. Filling
+  the masks earlier, on a background thread as soon as the previous step's tokens are accepted,
+  was measured slower on the H200 (batch 32: 7.25 against 7.07 ms a step): the thread waits for
+  the GIL while the engine thread runs Python, and the fill then slows that host work.
 
 JSON is constrained to the layout ``json.dumps`` writes (``", "`` and ``": "``, no newlines):
 chat templates re-render a tool call's arguments with ``tojson``, so the banked rows of a tool
@@ -28,7 +29,6 @@ call match what the next request renders, and no model can loop on whitespace.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -40,8 +40,6 @@ import torch
 
 if TYPE_CHECKING:
     from turnkv.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 # json.dumps's separators, and so tojson's in a chat template; no other whitespace
 CANONICAL = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -189,8 +187,8 @@ _BITS = {}  # device -> [32] int32: 1 << k
 
 def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:
     """Set ``logits[rows[i], t]`` (fp32 ``[R, V]``, in place) to -inf wherever bit ``t`` of
-    ``masks[i]`` (int32 ``[len(rows), ceil(V / 32)]``, on the logits' device) is 0: one batched op
-    for all rows (a handful of kernels on CUDA)."""
+    ``masks[i]`` (int32 ``[len(rows), ceil(V / 32)]``, on the logits' device) is 0: torch ops for
+    all rows at once (the path off CUDA, and the reference of ``mask_kernel.mask_logits``)."""
     n, vocab = logits.shape
     bits = _BITS.get(logits.device)
     if bits is None:
@@ -206,102 +204,49 @@ def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]
 
 
 class StepMasks:
-    """The bitmask buffer of the steps, its background fill, and the figures of its use.
-
-    Invariant: a matcher's state changes only in ``Constraint.accept``, which the scheduler calls
-    after ``apply`` and before ``prefetch``; so a prefetched mask is the mask of the state ``apply``
-    masks, whichever rows the next step gives its turn (none: the mask is unused). The pinned
-    buffer is rewritten only after the step that copied it synchronized (its argmax)."""
+    """The bitmask buffer of a step and the figures of its use (host seconds; see module doc)."""
 
     def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # [slots, ceil(V / 32)] int32, pinned on CUDA
-        self._pin = False
-        self._words = 0  # int32 words per row (the logit width / 32), known from the first apply
+        # C masks of ceil(V / 32) int32 words, then their C logit rows: one upload (pinned on CUDA)
+        self._host: torch.Tensor | None = None
         self._executor: Any = None  # llguidance's thread pool for several rows, made on first use
-        self._thread: Any = None  # one background thread running prefetched fills
-        self._pending: tuple[Any, list[Constraint]] | None = None  # (future, the slots' constraints)
         self.rows = 0  # constrained rows masked, over all steps
-        self.fill_s = 0.0  # host time filling bitmasks (background or not)
-        self.wait_s = 0.0  # time ``apply`` waited for a prefetched fill (what it did not hide)
+        self.fill_s = 0.0  # host time filling bitmasks
         self.apply_s = 0.0  # host time launching (CUDA) or running (CPU) the masking
-
-    def prefetch(self, constraints: Sequence[Constraint]) -> None:
-        """Start filling the masks of ``constraints`` (the turns that decode next step) into slots
-        ``0..len-1`` in the background; ``apply`` picks them up."""
-        try:
-            self._wait()
-        except Exception:  # a fill no step used failed: the step that needs it fills anew
-            log.exception("a prefetched grammar mask failed")
-        if not constraints or not self._words:
-            return
-        import concurrent.futures
-
-        host = self._buffer(len(constraints), keep=0)
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="turnkv-masks")
-        cons = list(constraints)
-        self._pending = (self._thread.submit(self._fill, host, list(enumerate(cons))), cons)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) -> None:
         """Mask ``logits`` ``[R, V]`` (fp32, in place) at each ``(row, constraint)``."""
-        t0 = time.perf_counter()
-        self._pin = logits.device.type == "cuda"
-        ready = self._wait()
-        t1 = time.perf_counter()
-        self.wait_s += t1 - t0
         if not rows:
             return
-        self._words = words = (logits.shape[1] + 31) // 32
-        if self._host is not None and self._host.shape[1] != words:
-            ready = []  # another logit width: nothing prefetched fits
-        slot_of = {id(c): i for i, c in enumerate(ready)}
-        missing = [c for _, c in rows if id(c) not in slot_of]
-        host = self._buffer(len(ready) + len(missing), keep=len(ready))
-        if missing:
-            base = len(ready)
-            self._fill(host, [(base + i, c) for i, c in enumerate(missing)])
-            slot_of.update({id(c): base + i for i, c in enumerate(missing)})
-        t2 = time.perf_counter()
-        slots = [slot_of[id(c)] for _, c in rows]
-        every = slots == list(range(len(slots)))
-        masks = host[: len(slots)] if every else host[torch.tensor(slots)]  # [C, W] in row order
-        with torch.inference_mode():  # the step's logits are inference tensors
-            apply_bitmask(logits, masks.to(logits.device, non_blocking=True), [r for r, _ in rows])
-        self.rows += len(rows)
-        self.apply_s += time.perf_counter() - t2
-
-    def _wait(self) -> list[Constraint]:
-        """The constraints of the prefetched slots, once their fill is done ([] if none)."""
-        if self._pending is None:
-            return []
-        future, cons = self._pending
-        self._pending = None
-        future.result()  # re-raises a fill's error here, on the engine thread
-        return cons
-
-    def _buffer(self, slots: int, keep: int) -> torch.Tensor:
-        """The host buffer with at least ``slots`` rows, its first ``keep`` rows kept."""
-        host = self._host
-        if host is None or host.shape[0] < slots or host.shape[1] != self._words:
-            new = torch.empty((max(2 * slots, 8), self._words), dtype=torch.int32, pin_memory=self._pin)
-            if keep and host is not None:
-                new[:keep] = host[:keep]
-            host = self._host = new
-        return host
-
-    def _fill(self, host: torch.Tensor, slots: Sequence[tuple[int, Constraint]]) -> None:
-        """Fill ``host[slot]`` with the mask of each ``(slot, constraint)``."""
         t0 = time.perf_counter()
-        one = host.shape[1] * 4
-        if len(slots) == 1:
-            i, c = slots[0]
-            c.matcher.unsafe_compute_mask_ptr(host[i].data_ptr(), one)
+        words = (logits.shape[1] + 31) // 32
+        c = len(rows)
+        size = c * (words + 1)
+        host = self._host
+        if host is None or host.numel() < size:
+            pin = logits.device.type == "cuda"
+            host = self._host = torch.empty(max(size, 8 * (words + 1)), dtype=torch.int32, pin_memory=pin)
+        masks = host[: c * words].view(c, words)
+        if c == 1:
+            rows[0][1].matcher.unsafe_compute_mask_ptr(masks.data_ptr(), words * 4)
         else:
             if self._executor is None:
                 import llguidance
 
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(
-                [(c.matcher, i) for i, c in slots], host.data_ptr(), one, host.shape[0]
+                [(con.matcher, i) for i, (_, con) in enumerate(rows)], masks.data_ptr(), words * 4, c
             )
-        self.fill_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        index = [r for r, _ in rows]
+        with torch.inference_mode():  # the step's logits are inference tensors
+            if logits.device.type == "cuda":
+                from turnkv.engine.mask_kernel import mask_logits
+
+                host.numpy()[c * words : size] = index
+                mask_logits(logits, host[:size].to(logits.device, non_blocking=True), c)
+            else:
+                apply_bitmask(logits, masks, index)
+        self.rows += c
+        self.fill_s += t1 - t0
+        self.apply_s += time.perf_counter() - t1

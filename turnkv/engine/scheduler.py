@@ -118,10 +118,6 @@ class Scheduler:
         if work:
             self._run(work)
         self.running = [e for e in self.running if not e.turn.done]
-        # the next step's masks start filling now, behind this host work and the next forward
-        self.masks.prefetch(
-            [e.turn.constraint for e in self.running if e.turn.phase == "decode" and e.turn.constraint]
-        )
         self.snapshot = self._info()
 
     def fail_all(self, failed: Failed) -> None:
