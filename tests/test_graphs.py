@@ -59,7 +59,10 @@ def conversations(engine: Engine, batch: int, rounds: int) -> list[str]:
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_replays_are_bit_identical_to_eager_steps(batch):
-    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", attention="auto")
+    # the same steps on both: speculation (on where decode runs eagerly) would change them
+    cfg = EngineConfig(
+        model="random:test", device="cuda", dtype="bfloat16", attention="auto", speculate="off"
+    )
     graphs = Engine.from_config(cfg)
     assert graphs.backend.name == "fused" and graphs.info.graphs == "on"
     eager = Engine(graphs.loaded, replace(cfg, cuda_graphs="off"))
