@@ -257,6 +257,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--layouts", default="segmented,contiguous")
     ap.add_argument("--cuda-graphs", default="auto")
+    ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
     ap.add_argument("--prefill", default="", help="first-turn sizes to time against the FLOP floor")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill rows per step (--prefill)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -294,7 +295,7 @@ def measure(args, group=None) -> dict:
     size = 1 if group is None else args.tensor_parallel
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
-                        tensor_parallel=size)  # fmt: skip
+                        tensor_parallel=size, speculate=args.speculate)  # fmt: skip
     first = Engine.from_config(replace(base, kv_layout=args.layouts.split(",")[0]), progress=False)
     engines = {first.cfg.kv_layout: first}
     for name in args.layouts.split(",")[1:]:
