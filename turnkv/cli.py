@@ -54,7 +54,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
     add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA")
-    add("--speculate", "speculate", "context-copy speculative decoding (auto: on)")
+    add(
+        "--speculate",
+        "speculate",
+        "context-copy speculative decoding (auto: on unless decode replays CUDA graphs)",
+    )
     add("--weights", "weights", "GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes")
     add("--threads", "threads", "torch CPU threads; 0 = the cores available to the process", type=int)
     add(

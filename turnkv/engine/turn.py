@@ -274,8 +274,9 @@ class Turn:
     @property
     def _fast_greedy(self) -> bool:
         """The step's batched argmax is the greedy token unless a logit_bias changes the row (a
-        constrained row was masked before that argmax, see engine/grammar.py)."""
-        return self.params.greedy and not self.params.logit_bias
+        constrained row was masked before that argmax, see engine/grammar.py). Read from the
+        sampler, which decided both once: ``SamplingParams.greedy`` builds a tensor per call."""
+        return self.sampler.greedy and self.sampler.bias is None
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
         """The step this turn was in broke: bank nothing of it (what was banked before stays)."""
