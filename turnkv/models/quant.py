@@ -130,6 +130,7 @@ class QuantWeight(nn.Module):
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scale_zeros", None, persistent=False)
         self.wide_ok = False  # the wide-window path is enabled by check_layout
+        self._views: tuple = (None, [])  # (packed, [(plane, scale_zeros)]) see _planes
         if planes:
             n, k = self.shape
             pad = -n % _ROW_ALIGN
@@ -188,14 +189,25 @@ class QuantWeight(nn.Module):
             y = torch.cat([t.to(dtype) for t in pieces])
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
 
+    def _planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each plane's packed values and scales/zeros, indexed once: a decode step makes ~120
+        int4 calls, and indexing ``packed[i]`` every time is two more ops per call."""
+        if self._views[0] is not self.packed:
+            self._views = (
+                self.packed,
+                [(p, sz) for p, sz in zip(self.packed, self.scale_zeros, strict=True)],
+            )
+        return self._views[1]
+
     def _int4(self, a: torch.Tensor) -> torch.Tensor:
         """The int4 kernel over bf16 rows ``a`` ``[M, K]`` -> ``[M, N]`` (fp32 when two planes)."""
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        y = mm(a, self.packed[0], GROUP, self.scale_zeros[0])  # [M, Np]
-        if self.packed.shape[0] > 1:
+        (p0, sz0), *more = self._planes()
+        y = mm(a, p0, GROUP, sz0)  # [M, Np]
+        if more:
             y = y.float()
-            for i in range(1, self.packed.shape[0]):
-                y.add_(mm(a, self.packed[i], GROUP, self.scale_zeros[i]))
+            for p, sz in more:
+                y.add_(mm(a, p, GROUP, sz))
         n = self.shape[0]
         return y if y.shape[-1] == n else y[:, :n]
 
