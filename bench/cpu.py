@@ -68,7 +68,8 @@ def _child_turnkv(opts: dict) -> dict:
     set_threads(opts["threads"])
     torch.zeros(8, 8) @ torch.zeros(8, 8)  # torch's own start-up is not the model's memory
     before = _rss_mib()
-    eng = Engine.from_config(EngineConfig(device="cpu", weights=opts["weights"]), progress=False)
+    cfg = EngineConfig(device="cpu", weights=opts["weights"], threads=opts["threads"])  # fixed count
+    eng = Engine.from_config(cfg, progress=False)
     rss = _rss_mib() - before
     tok = eng.tokenizer
     answer_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}])
@@ -118,8 +119,8 @@ def _child_llama(opts: dict) -> dict:
     llm = Llama(
         opts["gguf"],
         n_ctx=opts["context"] + opts["gen"] + 64,
-        n_threads=opts["threads"],
-        n_threads_batch=opts["threads"],
+        n_threads=opts["threads"] or len(os.sched_getaffinity(0)),
+        n_threads_batch=opts["threads"] or len(os.sched_getaffinity(0)),
         n_batch=512,
         verbose=False,
     )
@@ -218,7 +219,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--engines", default="turnkv-packed,turnkv-dequant,llama.cpp")
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument(
+        "--threads",
+        default="1,2,auto",
+        help="counts, or auto: turnkv's --threads 0 (measured per step) against llama.cpp on every core",
+    )
     ap.add_argument("--neighbour", default="off,on", help="off, on or off,on: a busy process on one core")
     ap.add_argument("--gen", type=int, default=64, help="tokens decoded per measurement")
     ap.add_argument("--context", type=int, default=2048, help="tokens of the long context")
@@ -256,7 +261,7 @@ def run_parent(args: argparse.Namespace) -> None:
         f"# {gguf.name}, {len(ids)}-token prompt, {len(long_ids)}-token context, load average {load[0]:.2f}"
     )
     rows = []
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for threads in [0 if t == "auto" else int(t) for t in args.threads.split(",")]:
         for neighbour in [n == "on" for n in args.neighbour.split(",")]:
             for engine in engines:
                 opts = {
@@ -294,7 +299,7 @@ def _prompt_ids(context: int) -> tuple[list[int], list[int]]:
 
 def _print_row(r: dict) -> None:
     print(
-        f"{r['engine']:>15} t={r['threads']} nb={'on ' if r['neighbour'] else 'off'} | "
+        f"{r['engine']:>15} t={r['threads'] or 'auto'} nb={'on ' if r['neighbour'] else 'off'} | "
         f"decode {r['decode_short_tok_s']:6.1f} tok/s short, {r['decode_long_tok_s']:6.1f} at "
         f"{r['long_context']} | prefill {r['prefill_tok_s']:7.1f} tok/s | RSS +{r['rss_mib']:.0f} MiB "
         f"| decode CPU {r['decode_cpu_ms_per_token']:.1f} ms/token "
@@ -314,7 +319,7 @@ def _ratios(rows: list[dict]) -> None:
         }
         v = r["vs_llama_cpp"]
         print(
-            f"{r['engine']:>15} t={r['threads']} nb={'on ' if r['neighbour'] else 'off'} / llama.cpp: "
+            f"{r['engine']:>15} t={r['threads'] or 'auto'} nb={'on ' if r['neighbour'] else 'off'} / llama.cpp: "
             f"decode {v['decode_short_tok_s']:.2f}x short, {v['decode_long_tok_s']:.2f}x long; "
             f"prefill {v['prefill_tok_s']:.2f}x"
         )
@@ -334,7 +339,7 @@ def markdown(rows: list[dict]) -> str:
             return f"{r[key]:.1f}" + (f" ({v[key]:.2f}x)" if key in v else "")
 
         out.append(
-            f"| {r['engine']} | {r['threads']} | {'busy core' if r['neighbour'] else 'none'} | "
+            f"| {r['engine']} | {r['threads'] or 'auto'} | {'busy core' if r['neighbour'] else 'none'} | "
             f"{cell('decode_short_tok_s')} | {cell('decode_long_tok_s')} | {cell('prefill_tok_s')} | "
             f"{r['rss_mib']:.0f} | {r['decode_cpu_ms_per_token']:.1f} |"
         )
@@ -343,7 +348,7 @@ def markdown(rows: list[dict]) -> str:
 
 def _plot(results: dict, plt, path: Path) -> None:
     rows = results["rows"]
-    labels = [f"{r['engine']}\nt{r['threads']}{' +nb' if r['neighbour'] else ''}" for r in rows]
+    labels = [f"{r['engine']}\nt{r['threads'] or 'auto'}{' +nb' if r['neighbour'] else ''}" for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key, title in zip(
         axes,

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from turnkv.threads import prepare_env
 
-prepare_env()  # OpenMP waits passively (as the CLI sets it), before torch loads: its spinning
-# threads would take the cores llguidance fills masks on
+prepare_env()  # OpenMP spins briefly (as the CLI sets it), before torch loads
 
 import argparse
 import random

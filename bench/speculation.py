@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from turnkv.threads import prepare_env
 
-prepare_env()  # OpenMP waits passively (as the CLI sets it), before torch loads
+prepare_env()  # OpenMP spins briefly (as the CLI sets it), before torch loads
 
 import argparse
 import copy

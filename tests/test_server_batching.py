@@ -74,6 +74,7 @@ def test_eight_conversations_at_once_match_the_same_conversations_one_at_a_time(
         assert len(results) == 8
         h = batched.health()["scheduler"]
         assert h["steps"] > 0 and h["rows_per_step"] > 0
+        assert h["threads"]["mode"] in ("auto", "fixed")
         m = httpx.get(batched.url + "/metrics").text
         for name in (
             "turnkv_queue_time_seconds_bucket",

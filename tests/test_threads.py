@@ -1,4 +1,4 @@
-"""CPU thread set-up (turnkv/threads.py): passive OpenMP waiting unless the user chose otherwise,
+"""CPU thread set-up (turnkv/threads.py): a short OpenMP spin unless the user chose how to wait,
 torch threads = the cores this process may run on, and the CLI applying both before torch loads."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from turnkv.threads import OMP_DEFAULTS, available_cores, prepare_env, set_threads
 
 
-def test_prepare_env_fills_only_what_is_unset():
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert prepare_env(env) == {k: v for k, v in OMP_DEFAULTS.items() if k != "OMP_WAIT_POLICY"}
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+def test_prepare_env_leaves_a_users_waiting_policy_alone():
+    for key, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0")):
+        env = {key: value}
+        assert prepare_env(env) == {} and env == {key: value}
     fresh: dict[str, str] = {}
     assert prepare_env(fresh) == OMP_DEFAULTS and fresh == OMP_DEFAULTS
 
@@ -30,15 +30,17 @@ def test_threads_follow_the_affinity_mask():
         torch.set_num_threads(before)
 
 
-def test_cli_sets_passive_waiting_before_torch_loads():
+def test_cli_sets_the_spin_before_torch_loads():
     code = (
         "import os, sys\n"
-        "os.environ.pop('OMP_WAIT_POLICY', None)\n"
+        "os.environ.pop('GOMP_SPINCOUNT', None)\n"
         "import turnkv.cli as cli\n"
         "cli.build_parser = lambda: (_ for _ in ()).throw(SystemExit(0))\n"
         "try:\n    cli.main([])\nexcept SystemExit:\n    pass\n"
-        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    }
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.stdout.split() == ["PASSIVE", "False"], out.stderr
+    assert out.stdout.split() == [OMP_DEFAULTS["GOMP_SPINCOUNT"], "False"], out.stderr

@@ -3,12 +3,15 @@
 ``prepare_env()`` must run before torch is imported (``cli.main`` calls it first; the CLI imports
 torch lazily); ``set_threads()`` after. Both leave alone anything the user set explicitly.
 
-Why: libgomp's threads spin between parallel regions. A decode step is hundreds of tiny regions,
-so with another process busy on one of the two cores a spinning thread burns the time slice its
-partner needs (issue 11: decode fell from 24.1 to 4.1 tok/s). Passive waiting lets the scheduler
-run the partner at once. Measured on the shared 2-core VM (load average 9-10, default model
-packed, 2 threads): 0.5 tok/s with libgomp's default, 5-13 with ``GOMP_SPINCOUNT=10000``, 20-23
-with ``OMP_WAIT_POLICY=PASSIVE`` (docs/BENCHMARKS.md).
+Why a short spin: a decode step is ~120 small parallel regions (the int4 matmuls). Threads that
+spin between them keep the team awake; threads that wait passively pay a wake-up in each. On the
+quiet 2-core VM (default model, packed, 2 threads): 40 tok/s passive, 60-67 spinning
+(``GOMP_SPINCOUNT`` 30000 or libgomp's 300000 alike). A spinning team collapses when another
+process is busy on a core (19.5 tok/s, and 0.5 at load average 9-10): that is what the engine's
+thread governor handles (``turnkv/engine/cpu_threads.py`` measures steps and falls back to one
+thread, 51-53 tok/s there). The spin is finite, so a worker left idle by one-thread steps sleeps
+within about a millisecond instead of competing for the busy core (``OMP_WAIT_POLICY=ACTIVE``
+spins forever: 30 tok/s with the neighbour even on one thread). Figures: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,16 +20,20 @@ import math
 import os
 from pathlib import Path
 
-# Set only where the user has not: the user's own OpenMP settings always win.
-OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Set only where the user has set no waiting policy: the user's own OpenMP settings always win
+# (libgomp lets an explicit GOMP_SPINCOUNT override OMP_WAIT_POLICY, so neither may be set).
+OMP_DEFAULTS = {"GOMP_SPINCOUNT": "30000"}
+_USER_WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def prepare_env(environ: dict | None = None) -> dict[str, str]:
-    """Put ``OMP_DEFAULTS`` into the environment where unset; returns what it set."""
+    """Put ``OMP_DEFAULTS`` into the environment unless the user chose how OpenMP waits; returns
+    what it set."""
     env = os.environ if environ is None else environ
-    added = {k: v for k, v in OMP_DEFAULTS.items() if k not in env}
-    env.update(added)
-    return added
+    if any(k in env for k in _USER_WAIT_KEYS):
+        return {}
+    env.update(OMP_DEFAULTS)
+    return dict(OMP_DEFAULTS)
 
 
 def available_cores() -> int:

@@ -80,10 +80,10 @@ class PortableStep:
         self.starts = row_starts(self.windows)
         self.labels = [window_label("single" if len(w.views) == 1 else "lse", w.rows) for w in self.windows]
         # CPU decode and verify windows are many tiny matmuls: each runs on one thread, and the
-        # windows are split over the cores (``_cpu_pool``). With OpenMP waiting passively
-        # (turnkv/threads.py) every parallel region wakes sleeping threads: 8 windows x 4 views x
+        # windows are split over the cores (``_cpu_pool``). Measured with OpenMP waiting passively
+        # (every parallel region woke sleeping threads) on the 2-core VM: 8 windows x 4 views x
         # 30 layers of 256-row matmuls took 171 ms per step on 2 OpenMP threads, 51 ms on one, and
-        # 31 ms as two halves on two Python threads (2-core VM). Prefill windows (torch's flash
+        # 31 ms as two halves on two Python threads. Prefill windows (torch's flash
         # kernel) keep torch's threads.
         self.threads = 1
         if (
@@ -104,7 +104,10 @@ class PortableStep:
             w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.threads <= 1:
+        # one window keeps torch's threads: with OpenMP spinning briefly (turnkv/threads.py) its
+        # matmuls over a long history gain from them (2-core VM, one view of 2048 keys: 209 us a
+        # layer on one thread, 158 on two; 38 and 40 us over 64 keys)
+        if self.threads <= 1 or len(self.windows) == 1:
             return self._attend(layer, q, scale, self.starts, self.windows)
         parts = min(self.threads, len(self.windows))
         cut = [len(self.windows) * i // parts for i in range(parts + 1)]

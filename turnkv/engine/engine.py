@@ -10,6 +10,7 @@ share a step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -20,6 +21,7 @@ from turnkv.bank.budget import auto_budget_bytes
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.context_copy import Speculation
+from turnkv.engine.cpu_threads import make_thread_policy
 from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot
@@ -83,6 +85,8 @@ class Engine:
         # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
         self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
         self.speculation = Speculation(cfg.speculate, _speculation_off(self))
+        # torch's CPU threads per step: measured per kind of step with --threads 0 (cpu_threads.py)
+        self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
         self.info = EngineInfo(
             loaded.name,
             cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
@@ -202,7 +206,12 @@ class Engine:
             replay = self.graphs.run(windows)
             if replay is not None:
                 return replay
-            return StepResult(*forward(self.model, windows, self.backend))
+            rows = [len(w.tokens) for w in windows]
+            self.threads.begin(rows)
+            t0 = time.perf_counter()
+            result = StepResult(*forward(self.model, windows, self.backend))
+            self.threads.end(time.perf_counter() - t0, sum(rows))  # on a CPU the forward is done
+            return result
         except Exception as exc:
             if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
                 self.tp.group.down(f"a step failed on rank {self.tp.rank}: {type(exc).__name__}: {exc}")

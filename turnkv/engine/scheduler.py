@@ -203,6 +203,7 @@ class Scheduler:
             "step_ms": round(self.step_ms, 3),
             "rows_per_step": round(self.rows_per_step, 2),
             "graphs": {"status": graphs.status, "captures": graphs.captures, "replays": graphs.replays},
+            "threads": self.engine.threads.health(),
             "route_counts": dict(self.route_counts),
         }
 

@@ -6,7 +6,7 @@ Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``a
 ``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
 ``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (``mode``, ``drafted``,
 ``accepted``, ``windows``, ``acceptance``, ``tokens_per_forward``, ``by_window``: see
-``SpeculationStats.health``), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``),
+``SpeculationStats.health``), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``, ``threads``),
 ``tensor_parallel`` (``size``, ``status`` ``ok``/``down``, ``dead_ranks``, ``error``; while it is
 down, ``status`` is ``unavailable``). Under tensor parallelism the ``bank`` bytes are rank 0's:
 every rank holds the same rows' ``1/size`` share of the KV heads.

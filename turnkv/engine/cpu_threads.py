@@ -1,0 +1,176 @@
+"""Torch's CPU threads per step, chosen by measuring steps (``--threads 0`` on a CPU).
+
+Why measured and not fixed: OpenMP threads that spin between parallel regions keep a decode step's
+~120 small int4 matmuls cheap on several cores, and threads that wait passively pay a wake-up in
+every one of them. On the 2-core VM (default model, packed, one conversation): 2 threads decode at
+40 tok/s waiting passively, 60-67 spinning, 53 on one thread. But with another process busy on
+one core, a spinning team waits for its partner's time slice: 2 spinning threads fell to 19.5
+tok/s, one thread kept 51-53 (docs/BENCHMARKS.md, issue 11). No fixed count is right on both
+machines, and a neighbour can come and go while the server runs.
+
+So the governor measures decode steps (every window shorter than the CPU flash kernel's
+``CPU_FLASH_MIN_ROWS`` rows: frequent, alike from one step to the next, and the most sensitive
+to a team's wake-ups): it runs ``probes`` of them at each candidate count, interleaved, keeps the
+count with the lowest median seconds per row, and probes again after ``period`` decode steps, or
+as soon as the recent median of the kept count is ``drift`` times what the probe measured (a
+neighbour arrived). Candidates: the cores available, half of them, and one. Prefill steps take
+the kept count without being timed: their chunks differ in size, so their times do not compare,
+and they follow the same contention (2-core VM, default model, 2K-token prefill: 536 tok/s on 2
+spinning threads and 344 on one when quiet, 132 and 361 beside a busy process).
+
+Switching counts between steps must not change a row's bits, or cached and uncached answers
+could part: ``tests/test_cpu_threads.py`` pins a prefill step's and a decode step's logits
+bit-identical on 1 and 2 threads (the int4 kernel, the wide bf16 GEMM, the CPU flash kernel) and
+greedy text with the count alternating every step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from turnkv.attention.lse import CPU_FLASH_MIN_ROWS
+
+
+def is_decode(window_rows: Sequence[int]) -> bool:
+    """A decode step: every window shorter than a CPU prefill window (decode rows, verify windows)."""
+    return max(window_rows, default=0) < CPU_FLASH_MIN_ROWS
+
+
+def candidates(cores: int) -> tuple[int, ...]:
+    """The counts a governor tries on ``cores`` cores: all, half, one (deduplicated)."""
+    return tuple(dict.fromkeys((cores, max(1, cores // 2), 1)))
+
+
+class ThreadGovernor:
+    """Sets torch's thread count before each CPU step and times decode steps (see the module doc).
+
+    ``begin(window_rows)`` before the forward, ``end(seconds, rows)`` after it (the engine thread
+    only; a step that raised calls no ``end``). ``set_threads`` is injectable so the policy is
+    testable without timing anything.
+
+    State: ``queue`` the counts still to probe (in order), ``samples`` the seconds per row measured
+    per count in the current probe, ``chosen`` the kept count, ``baseline`` its median in the probe
+    that chose it, ``recent`` its latest decode steps.
+    """
+
+    def __init__(
+        self,
+        cores: int,
+        probes: int = 4,
+        period: int = 256,
+        drift: float = 1.5,
+        set_threads: Callable[[int], None] | None = None,
+    ) -> None:
+        self.counts = candidates(cores)
+        self.probes = max(1, probes)
+        self.period = max(1, period)
+        self.drift = drift
+        self._set = set_threads or _torch_set_threads
+        self.chosen = self.counts[0]
+        self.queue: list[int] = []
+        self.samples: dict[int, list[float]] = {}
+        self.baseline = 0.0
+        self.since = 0  # decode steps since the last probe ended
+        self.recent: deque[float] = deque(maxlen=16)
+        self.probes_done = 0
+        self._timing: int | None = None  # the count of the decode step begun last
+        self._start_probe()
+
+    @property
+    def mode(self) -> str:
+        return "auto"
+
+    def begin(self, window_rows: Sequence[int]) -> int:
+        """Set the thread count for a step of windows of ``window_rows`` rows; returns it."""
+        decode = is_decode(window_rows)
+        n = self.queue[0] if decode and self.queue else self.chosen
+        self._set(n)
+        self._timing = n if decode else None
+        return n
+
+    def end(self, seconds: float, rows: int) -> None:
+        """Record the step begun last: ``seconds`` of forward for ``rows`` rows."""
+        n, self._timing = self._timing, None
+        if n is None or rows <= 0:
+            return
+        per_row = seconds / rows
+        if self.queue:
+            self.samples.setdefault(n, []).append(per_row)
+            self.queue.pop(0)
+            if not self.queue:
+                self._choose()
+            return
+        self.since += 1
+        self.recent.append(per_row)
+        full = len(self.recent) == self.recent.maxlen
+        if self.since >= self.period or (
+            full and statistics.median(self.recent) > self.drift * self.baseline
+        ):
+            self._start_probe()
+
+    def health(self) -> dict:
+        """``/health.scheduler.threads``: the mode, the candidates, the count in use, probes run."""
+        return {
+            "mode": self.mode,
+            "candidates": list(self.counts),
+            "threads": self.chosen,
+            "probes": self.probes_done,
+        }
+
+    def _start_probe(self) -> None:
+        # the kept count first, then the others, round after round: neighbours in time are compared
+        order = [self.chosen, *(c for c in self.counts if c != self.chosen)]
+        self.queue = order * self.probes if len(order) > 1 else []
+        self.samples = {}
+        self.since = 0
+        self.recent.clear()
+
+    def _choose(self) -> None:
+        medians = {n: statistics.median(v) for n, v in self.samples.items()}
+        self.chosen = min(medians, key=lambda n: (medians[n], -n))
+        self.baseline = medians[self.chosen]
+        self.probes_done += 1
+        self.samples = {}
+
+
+class FixedThreads:
+    """``--threads N`` (or a device that is not a CPU, or one core): nothing is chosen per step."""
+
+    def __init__(self, threads: int | None) -> None:
+        self.threads = threads
+
+    @property
+    def mode(self) -> str:
+        return "fixed" if self.threads else "none"
+
+    def begin(self, window_rows: Sequence[int]) -> int:
+        return self.threads or 0
+
+    def end(self, seconds: float, rows: int) -> None:
+        pass
+
+    def health(self) -> dict:
+        return {"mode": self.mode, "threads": self.threads}
+
+
+def make_thread_policy(device: torch.device, threads: int, tensor_parallel: bool):
+    """The engine's policy: a ``ThreadGovernor`` on a CPU with more than one core and
+    ``--threads 0``; else ``FixedThreads`` (torch's count as the CLI set it, or None off CPU).
+    Not under tensor parallelism: every rank must run the same steps the same way."""
+    from turnkv.threads import available_cores
+
+    if device.type != "cpu":
+        return FixedThreads(None)
+    cores = available_cores()
+    if threads > 0 or cores <= 1 or tensor_parallel:
+        return FixedThreads(threads or torch.get_num_threads())
+    return ThreadGovernor(cores)
+
+
+def _torch_set_threads(n: int) -> None:
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
