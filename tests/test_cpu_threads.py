@@ -51,10 +51,21 @@ def test_it_probes_interleaved_then_keeps_the_fastest_count():
 
 
 def test_a_slower_team_loses_to_one_thread():
-    m = Clocked(2, {2: 0.051, 1: 0.019}, probes=2)
+    m = Clocked(2, {2: 0.030, 1: 0.019}, probes=2)
     for _ in range(4):
         m.step()
     assert [m.step() for _ in range(3)] == [1, 1, 1]
+
+
+def test_a_count_twice_as_slow_is_dropped_after_one_step():
+    m = Clocked(4, {4: 0.200, 2: 0.019, 1: 0.025}, probes=4)
+    assert [m.step() for _ in range(3)] == [4, 2, 1]  # 4 lost at once: 2 and 1 go on
+    assert m.gov.queue == [2, 1, 2, 1, 2, 1]
+    for _ in range(6):
+        m.step()
+    assert m.gov.health()["threads"] == 2 and len(m.gov.samples) == 0
+    m = Clocked(2, {2: 0.200, 1: 0.019}, probes=4)
+    assert [m.step() for _ in range(4)] == [2, 1, 1, 1]  # 2 steps of the probe, not 8
 
 
 def test_it_probes_again_after_a_period():
@@ -84,7 +95,7 @@ def test_a_slowdown_of_the_kept_count_starts_a_probe_at_once():
 
 
 def test_prefill_steps_take_the_kept_count_and_are_not_timed():
-    m = Clocked(2, {2: 0.051, 1: 0.019}, probes=2)
+    m = Clocked(2, {2: 0.030, 1: 0.019}, probes=2)
     assert m.step(window_rows=512) == 2  # nothing measured yet: every core
     assert m.gov.queue == [2, 1, 2, 1] and not m.gov.samples
     assert m.step() == 2 and m.step(window_rows=512) == 2  # mid-probe: still the kept count

@@ -11,7 +11,8 @@ machines, and a neighbour can come and go while the server runs.
 So the governor measures decode steps (every window shorter than the CPU flash kernel's
 ``CPU_FLASH_MIN_ROWS`` rows: frequent, alike from one step to the next, and the most sensitive
 to a team's wake-ups): it runs ``probes`` of them at each candidate count, interleaved, keeps the
-count with the lowest median seconds per row, and probes again after ``period`` decode steps, or
+count with the lowest median seconds per row (a count whose best step is twice another's is
+dropped at once), and probes again after ``period`` decode steps, or
 as soon as the recent median of the kept count is ``drift`` times what the probe measured (a
 neighbour arrived). Candidates: the cores available, half of them, and one. Prefill steps take
 the kept count without being timed: their chunks differ in size, so their times do not compare,
@@ -63,12 +64,14 @@ class ThreadGovernor:
         probes: int = 4,
         period: int = 256,
         drift: float = 1.5,
+        cut: float = 2.0,
         set_threads: Callable[[int], None] | None = None,
     ) -> None:
         self.counts = candidates(cores)
         self.probes = max(1, probes)
         self.period = max(1, period)
         self.drift = drift
+        self.cut = cut
         self._set = set_threads or _torch_set_threads
         self.chosen = self.counts[0]
         self.queue: list[int] = []
@@ -101,6 +104,7 @@ class ThreadGovernor:
         if self.queue:
             self.samples.setdefault(n, []).append(per_row)
             self.queue.pop(0)
+            self._drop_losers()
             if not self.queue:
                 self._choose()
             return
@@ -128,6 +132,18 @@ class ThreadGovernor:
         self.samples = {}
         self.since = 0
         self.recent.clear()
+
+    def _drop_losers(self) -> None:
+        """Stop probing a count whose best step is ``cut`` times another's best: beside a busy
+        process one step of a spinning team took 100-355 ms where one thread took 18 (2-core VM),
+        so each such probe step costs the server what ten steps would."""
+        best = {n: min(v) for n, v in self.samples.items()}
+        fastest = min(best.values())
+        losers = {n for n, b in best.items() if b > self.cut * fastest}
+        if losers:
+            self.queue = [n for n in self.queue if n not in losers]
+            if len(set(self.queue)) == 1:  # no rival left to compare with
+                self.queue = []
 
     def _choose(self) -> None:
         medians = {n: statistics.median(v) for n, v in self.samples.items()}
