@@ -17,16 +17,16 @@ from turnkv.models import quant
 
 
 class Clocked:
-    """A governor under a fake machine: ``cost[n]`` seconds per row on ``n`` threads."""
+    """A governor under a fake machine: ``cost[n]`` seconds per window on ``n`` threads."""
 
     def __init__(self, cores: int, cost: dict[int, float], **kw) -> None:
         self.set_calls: list[int] = []
         self.gov = ThreadGovernor(cores, set_threads=self.set_calls.append, **kw)
         self.cost = cost
 
-    def step(self, rows: int = 1, window_rows: int = 1) -> int:
-        n = self.gov.begin([window_rows] * rows)
-        self.gov.end(self.cost[n] * rows, rows)
+    def step(self, windows: int = 1, window_rows: int = 1) -> int:
+        n = self.gov.begin([window_rows] * windows)
+        self.gov.end(self.cost[n] * windows)
         return n
 
 
@@ -36,10 +36,21 @@ def test_candidates_are_all_half_and_one_core():
     assert candidates(16) == (16, 8, 1)
 
 
-def test_steps_are_decode_below_the_cpu_prefill_window():
+def test_only_steps_of_one_row_windows_are_timed():
     assert is_decode([1, 1, 1])
-    assert is_decode([1, 8])  # a verify window
-    assert not is_decode([1, 512])
+    assert not is_decode([1, 8])  # a verify window costs more than a decode row
+    assert not is_decode([1, 512]) and not is_decode([])
+
+
+def test_steps_are_timed_per_window():
+    gov = ThreadGovernor(2, set_threads=lambda n: None)
+    gov.begin([1])
+    gov.end(0.020)
+    gov.begin([1, 1])  # two conversations decoding
+    gov.end(0.040)
+    gov.begin([8])  # a verify window: the kept count, not timed
+    gov.end(0.030)
+    assert gov.samples == {2: [0.020], 1: [0.020]}
 
 
 def test_it_probes_interleaved_then_keeps_the_fastest_count():
@@ -97,6 +108,7 @@ def test_a_slowdown_of_the_kept_count_starts_a_probe_at_once():
 def test_prefill_steps_take_the_kept_count_and_are_not_timed():
     m = Clocked(2, {2: 0.030, 1: 0.019}, probes=2)
     assert m.step(window_rows=512) == 2  # nothing measured yet: every core
+    assert m.step(window_rows=6) == 2  # a verify window, likewise
     assert m.gov.queue == [2, 1, 2, 1] and not m.gov.samples
     assert m.step() == 2 and m.step(window_rows=512) == 2  # mid-probe: still the kept count
     assert m.gov.queue == [1, 2, 1] and len(m.gov.samples[2]) == 1

@@ -8,16 +8,17 @@ one core, a spinning team waits for its partner's time slice: 2 spinning threads
 tok/s, one thread kept 51-53 (docs/BENCHMARKS.md, issue 11). No fixed count is right on both
 machines, and a neighbour can come and go while the server runs.
 
-So the governor measures decode steps (every window shorter than the CPU flash kernel's
-``CPU_FLASH_MIN_ROWS`` rows: frequent, alike from one step to the next, and the most sensitive
-to a team's wake-ups): it runs ``probes`` of them at each candidate count, interleaved, keeps the
-count with the lowest median seconds per row (a count whose best step is twice another's is
-dropped at once), and probes again after ``period`` decode steps, or
-as soon as the recent median of the kept count is ``drift`` times what the probe measured (a
-neighbour arrived). Candidates: the cores available, half of them, and one. Prefill steps take
-the kept count without being timed: their chunks differ in size, so their times do not compare,
-and they follow the same contention (2-core VM, default model, 2K-token prefill: 536 tok/s on 2
-spinning threads and 344 on one when quiet, 132 and 361 beside a busy process).
+So the governor measures decode steps (every window one row: frequent, alike from one step to
+the next, and the most sensitive to a team's wake-ups): it runs ``probes`` of them at each
+candidate count, interleaved, keeps the count with the lowest median seconds per window (a count
+whose best step is twice another's is dropped at once), and probes again after ``period`` decode
+steps, or as soon as the recent median of the kept count is ``drift`` times what the probe
+measured (a neighbour arrived). Candidates: the cores available, half of them, and one. Other
+steps take the kept count without being timed, because their times do not compare: prefill
+chunks differ in size, and a verify window of drafts costs more than a decode row (2-core VM: 32
+ms for 6 rows, 44 for 11, against 13 for one). Prefill suffers the same contention (default
+model, 2K-token prefill: 536 tok/s on 2 spinning threads and 344 on one when quiet, 132 and 361
+beside a busy process).
 
 Switching counts between steps must not change a row's bits, or cached and uncached answers
 could part: ``tests/test_cpu_threads.py`` pins a prefill step's and a decode step's logits
@@ -33,12 +34,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from turnkv.attention.lse import CPU_FLASH_MIN_ROWS
-
 
 def is_decode(window_rows: Sequence[int]) -> bool:
-    """A decode step: every window shorter than a CPU prefill window (decode rows, verify windows)."""
-    return max(window_rows, default=0) < CPU_FLASH_MIN_ROWS
+    """A decode step, the kind the governor times: every window one row."""
+    return bool(window_rows) and max(window_rows) == 1
 
 
 def candidates(cores: int) -> tuple[int, ...]:
@@ -49,11 +48,11 @@ def candidates(cores: int) -> tuple[int, ...]:
 class ThreadGovernor:
     """Sets torch's thread count before each CPU step and times decode steps (see the module doc).
 
-    ``begin(window_rows)`` before the forward, ``end(seconds, rows)`` after it (the engine thread
+    ``begin(window_rows)`` before the forward, ``end(seconds)`` after it (the engine thread
     only; a step that raised calls no ``end``). ``set_threads`` is injectable so the policy is
     testable without timing anything.
 
-    State: ``queue`` the counts still to probe (in order), ``samples`` the seconds per row measured
+    State: ``queue`` the counts still to probe (in order), ``samples`` the seconds per window measured
     per count in the current probe, ``chosen`` the kept count, ``baseline`` its median in the probe
     that chose it, ``recent`` its latest decode steps.
     """
@@ -80,7 +79,7 @@ class ThreadGovernor:
         self.since = 0  # decode steps since the last probe ended
         self.recent: deque[float] = deque(maxlen=16)
         self.probes_done = 0
-        self._timing: int | None = None  # the count of the decode step begun last
+        self._timing: tuple[int, int] | None = None  # (count, windows) of the decode step begun last
         self._start_probe()
 
     @property
@@ -92,24 +91,25 @@ class ThreadGovernor:
         decode = is_decode(window_rows)
         n = self.queue[0] if decode and self.queue else self.chosen
         self._set(n)
-        self._timing = n if decode else None
+        self._timing = (n, len(window_rows)) if decode else None
         return n
 
-    def end(self, seconds: float, rows: int) -> None:
-        """Record the step begun last: ``seconds`` of forward for ``rows`` rows."""
-        n, self._timing = self._timing, None
-        if n is None or rows <= 0:
+    def end(self, seconds: float) -> None:
+        """Record the step begun last: ``seconds`` of forward."""
+        timing, self._timing = self._timing, None
+        if timing is None:
             return
-        per_row = seconds / rows
+        n, windows = timing
+        per_window = seconds / windows
         if self.queue:
-            self.samples.setdefault(n, []).append(per_row)
+            self.samples.setdefault(n, []).append(per_window)
             self.queue.pop(0)
             self._drop_losers()
             if not self.queue:
                 self._choose()
             return
         self.since += 1
-        self.recent.append(per_row)
+        self.recent.append(per_window)
         full = len(self.recent) == self.recent.maxlen
         if self.since >= self.period or (
             full and statistics.median(self.recent) > self.drift * self.baseline
@@ -166,7 +166,7 @@ class FixedThreads:
     def begin(self, window_rows: Sequence[int]) -> int:
         return self.threads or 0
 
-    def end(self, seconds: float, rows: int) -> None:
+    def end(self, seconds: float) -> None:
         pass
 
     def health(self) -> dict:

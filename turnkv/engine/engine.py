@@ -206,11 +206,10 @@ class Engine:
             replay = self.graphs.run(windows)
             if replay is not None:
                 return replay
-            rows = [len(w.tokens) for w in windows]
-            self.threads.begin(rows)
+            self.threads.begin([len(w.tokens) for w in windows])
             t0 = time.perf_counter()
             result = StepResult(*forward(self.model, windows, self.backend))
-            self.threads.end(time.perf_counter() - t0, sum(rows))  # on a CPU the forward is done
+            self.threads.end(time.perf_counter() - t0)  # on a CPU the forward is done here
             return result
         except Exception as exc:
             if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
