@@ -114,13 +114,16 @@ def _child_llama(opts: dict) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
+    from turnkv.threads import available_cores
+
     ids = opts["prompt_ids"]
+    threads = opts["threads"] or available_cores()  # auto: every core, as turnkv's count
     before = _rss_mib()
     llm = Llama(
         opts["gguf"],
         n_ctx=opts["context"] + opts["gen"] + 64,
-        n_threads=opts["threads"] or len(os.sched_getaffinity(0)),
-        n_threads_batch=opts["threads"] or len(os.sched_getaffinity(0)),
+        n_threads=threads,
+        n_threads_batch=threads,
         n_batch=512,
         verbose=False,
     )

@@ -118,14 +118,14 @@ def test_prefill_steps_take_the_kept_count_and_are_not_timed():
 
 
 def test_the_governor_is_on_only_for_threads_0_on_a_cpu_with_cores(monkeypatch):
-    import turnkv.threads
+    import turnkv.engine.cpu_threads as ct
 
-    monkeypatch.setattr(turnkv.threads, "available_cores", lambda: 2)
+    monkeypatch.setattr(ct, "available_cores", lambda: 2)
     assert isinstance(make_thread_policy(torch.device("cpu"), 0, False), ThreadGovernor)
     assert make_thread_policy(torch.device("cpu"), 3, False).health() == {"mode": "fixed", "threads": 3}
     assert isinstance(make_thread_policy(torch.device("cpu"), 0, True), FixedThreads)  # tensor parallel
     assert make_thread_policy(torch.device("meta"), 0, False).health()["mode"] == "none"
-    monkeypatch.setattr(turnkv.threads, "available_cores", lambda: 1)
+    monkeypatch.setattr(ct, "available_cores", lambda: 1)
     assert isinstance(make_thread_policy(torch.device("cpu"), 0, False), FixedThreads)
 
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from turnkv.threads import OMP_DEFAULTS, available_cores, prepare_env, set_threads
+from turnkv.threads import OMP_DEFAULTS, USER_WAIT_KEYS, available_cores, prepare_env, set_threads
 
 
 def test_prepare_env_leaves_a_users_waiting_policy_alone():
@@ -39,8 +39,6 @@ def test_cli_sets_the_spin_before_torch_loads():
         "try:\n    cli.main([])\nexcept SystemExit:\n    pass\n"
         "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
     )
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in USER_WAIT_KEYS}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.split() == [OMP_DEFAULTS["GOMP_SPINCOUNT"], "False"], out.stderr

@@ -23,14 +23,14 @@ from pathlib import Path
 # Set only where the user has set no waiting policy: the user's own OpenMP settings always win
 # (libgomp lets an explicit GOMP_SPINCOUNT override OMP_WAIT_POLICY, so neither may be set).
 OMP_DEFAULTS = {"GOMP_SPINCOUNT": "30000"}
-_USER_WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+USER_WAIT_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def prepare_env(environ: dict | None = None) -> dict[str, str]:
     """Put ``OMP_DEFAULTS`` into the environment unless the user chose how OpenMP waits; returns
     what it set."""
     env = os.environ if environ is None else environ
-    if any(k in env for k in _USER_WAIT_KEYS):
+    if any(k in env for k in USER_WAIT_KEYS):
         return {}
     env.update(OMP_DEFAULTS)
     return dict(OMP_DEFAULTS)

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from turnkv.threads import available_cores, set_threads
+
 
 def is_decode(window_rows: Sequence[int]) -> bool:
     """A decode step, the kind the governor times: every window one row."""
@@ -57,6 +59,8 @@ class ThreadGovernor:
     that chose it, ``recent`` its latest decode steps.
     """
 
+    mode = "auto"
+
     def __init__(
         self,
         cores: int,
@@ -71,7 +75,7 @@ class ThreadGovernor:
         self.period = max(1, period)
         self.drift = drift
         self.cut = cut
-        self._set = set_threads or _torch_set_threads
+        self._set = set_threads or _set_count
         self.chosen = self.counts[0]
         self.queue: list[int] = []
         self.samples: dict[int, list[float]] = {}
@@ -81,10 +85,6 @@ class ThreadGovernor:
         self.probes_done = 0
         self._timing: tuple[int, int] | None = None  # (count, windows) of the decode step begun last
         self._start_probe()
-
-    @property
-    def mode(self) -> str:
-        return "auto"
 
     def begin(self, window_rows: Sequence[int]) -> int:
         """Set the thread count for a step of windows of ``window_rows`` rows; returns it."""
@@ -177,8 +177,6 @@ def make_thread_policy(device: torch.device, threads: int, tensor_parallel: bool
     """The engine's policy: a ``ThreadGovernor`` on a CPU with more than one core and
     ``--threads 0``; else ``FixedThreads`` (torch's count as the CLI set it, or None off CPU).
     Not under tensor parallelism: every rank must run the same steps the same way."""
-    from turnkv.threads import available_cores
-
     if device.type != "cpu":
         return FixedThreads(None)
     cores = available_cores()
@@ -187,6 +185,5 @@ def make_thread_policy(device: torch.device, threads: int, tensor_parallel: bool
     return ThreadGovernor(cores)
 
 
-def _torch_set_threads(n: int) -> None:
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
+def _set_count(n: int) -> None:
+    set_threads(n)  # n >= 1: that count exactly, torch called only when it differs
