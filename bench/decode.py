@@ -358,8 +358,10 @@ def measure(args, group=None) -> dict:
 
         control_us = round(message_cost_us(group), 1)
         say(f"control message per step (rank 0 to the others, gloo): {control_us} us")
+        say(f"all-reduce: {group.health.all_reduce}")
     return {"device": info.device, "model": info.model_name, "dtype": info.dtype, "gpus": size,
             "control_us_per_step": control_us,
+            "all_reduce": group.health.all_reduce if group is not None else None,
             "attention": info.verdict.route, "graphs": info.graphs, "copy_bytes_s": bw,
             "matmul_flop_s": rate, "weight_bytes_per_step": wbytes, "kv_capacity": capacity,
             "runs": runs, "prefill": prefills}  # fmt: skip

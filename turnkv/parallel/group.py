@@ -50,6 +50,7 @@ class GroupHealth:
     size: int
     error: str | None = None
     dead_ranks: list[int] = field(default_factory=list)
+    all_reduce: str = ""  # which all-reduce the model's collectives take (one_shot.make_one_shot)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -72,6 +73,7 @@ class GroupHealth:
                 "status": "ok" if self.error is None else "down",
                 "dead_ranks": list(self.dead_ranks),
                 "error": self.error,
+                "all_reduce": self.all_reduce,
             }
 
 
@@ -161,12 +163,16 @@ def init_group(rank: int, size: int, device: str, init_method: str, local_rank: 
 class TensorParallel:
     """``LlamaModel.tp``: this rank's shard plan and the collectives of a step (module docstring)."""
 
-    def __init__(self, group: Group, plan: ShardPlan) -> None:
+    def __init__(self, group: Group, plan: ShardPlan, dtype: torch.dtype) -> None:
+        from turnkv.parallel.one_shot import make_one_shot
+
         self.group = group
         self.plan = plan
         self.rank, self.size = plan.rank, plan.size
         self.lo, self.hi = plan.vocab_range
         self.vocab = plan.full.vocab_size
+        # decode-sized all-reduces in one kernel on symmetric memory where the GPUs allow it
+        self.one_shot, group.health.all_reduce = make_one_shot(group, group.device, dtype)
 
     def vocab_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[N]`` as rows of this rank's embedding shard (others' ids read row 0)."""
@@ -181,7 +187,11 @@ class TensorParallel:
         return self.all_reduce(x)
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum ``y`` over ranks, in place (every rank ends with the same bytes)."""
+        """``y`` summed over ranks (every rank ends with the same bytes): decode-sized messages
+        through the one-shot kernel into a new tensor (``one_shot.py``), others in place by NCCL
+        (gloo on a CPU). Use the returned tensor."""
+        if self.one_shot is not None and self.one_shot.takes(y):
+            return self.one_shot(y)
         dist.all_reduce(y, group=self.group.data)
         return y
 
@@ -203,5 +213,5 @@ def shard_model(cfg, device: torch.device, dtype: torch.dtype, group: Group):
 
     plan = ShardPlan(group.rank, group.size, cfg)
     model = LlamaModel(plan.config, device, dtype)
-    model.tp = TensorParallel(group, plan)
+    model.tp = TensorParallel(group, plan, dtype)
     return model
