@@ -463,6 +463,11 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=480, help="seconds; later cases are skipped")
     ap.add_argument("--out", default=str(report.OUT), help="folder for attention.json/.png")
     ap.add_argument("--json", action="store_true", help="the whole result as one JSON line, last")
+    ap.add_argument(
+        "--heads", default="", help="HQ,HKV,D instead of llama3-8b's (e.g. 16,4,128: its TP2 shard)"
+    )
+    ap.add_argument("--decode-batches", default="", help="comma list replacing the decode sweep's batches")
+    ap.add_argument("--decode-keys", default="", help="comma list replacing the decode sweep's key counts")
     args = ap.parse_args()
     DEV = torch.device(args.device)
     if DEV.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -471,6 +476,13 @@ def main() -> int:
     if unknown := set(sections) - set(SECTIONS):
         sys.exit(f"unknown sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
     p = QUICK if args.quick else Plan()
+    ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
+    if args.heads:
+        p = dataclasses.replace(p, heads=ints(args.heads))
+    if args.decode_batches:
+        p = dataclasses.replace(p, d_batches=ints(args.decode_batches))
+    if args.decode_keys:
+        p = dataclasses.replace(p, d_keys=ints(args.decode_keys))
     est = estimate(p, sections)
     print(f"estimate (assumed costs, H200): {est} s, {sum(est.values())} s in all", flush=True)
     res = {"device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "cpu (interpreter)",

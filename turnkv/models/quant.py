@@ -29,6 +29,7 @@ Only the embedding *lookup* is exact: it dequantizes the gathered rows from the 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -276,12 +277,32 @@ def wide_rows(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_gemv():
+    try:
+        from turnkv.models import triton_gemv
+    except ImportError:  # no Triton: cuBLAS everywhere
+        return None
+    return triton_gemv
+
+
+def _gemv_for(x: torch.Tensor, w: torch.Tensor):
+    """``triton_gemv`` where it serves ``x @ w.T`` (one row on CUDA: batch-1 decode), else None."""
+    if not (w.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+        return None
+    mod = _triton_gemv()
+    return mod if mod is not None and mod.takes(x, w) else None
+
+
 def linear(
     x: torch.Tensor, w, bias: torch.Tensor | None = None, wide: Sequence[tuple[int, int]] = ()
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in x's dtype, for a plain tensor or a ``QuantWeight`` (``wide``: the
-    rows that take its wide path, ``wide_rows``)."""
+    rows that take its wide path, ``wide_rows``). One row on CUDA takes the Triton GEMV."""
     if isinstance(w, torch.Tensor):
+        gemv = _gemv_for(x, w)
+        if gemv is not None:
+            return gemv.gemv(x, w, bias)
         return F.linear(x, w, bias)
     y = w.mm(x, wide)
     return y.to(x.dtype) if bias is None else torch.add(bias, y)  # add promotes to bias's dtype
@@ -290,8 +311,12 @@ def linear(
 def residual_linear(
     x: torch.Tensor, h: torch.Tensor, w, bias: torch.Tensor | None, wide: Sequence[tuple[int, int]] = ()
 ) -> torch.Tensor:
-    """``x + h @ w.T (+ b)``; the add rides in the matmul (plain) or in the cast back (packed)."""
+    """``x + h @ w.T (+ b)``; the add rides in the matmul (plain; one row on CUDA: the Triton GEMV)
+    or in the cast back (packed)."""
     if isinstance(w, torch.Tensor):
+        gemv = _gemv_for(h, w) if x.dtype == h.dtype else None
+        if gemv is not None:
+            return gemv.gemv(h, w, bias, residual=x)
         if bias is None:
             return torch.addmm(x, h, w.t())
         return x + F.linear(h, w, bias)

@@ -1,0 +1,72 @@
+"""The batch-1 GEMV (turnkv/models/triton_gemv.py) against the fp32 product, rounded once.
+
+CI runs it through Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes; on a CUDA
+machine the same tests run compiled, and ``quant.linear`` is checked to route one row through it.
+Widths and depths are chosen so that both of ``pick``'s tiles run, with ragged last tiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
+
+from turnkv.models import quant  # noqa: E402
+from turnkv.models.triton_gemv import WIDE_N, gemv, pick, takes  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def rounded_once(x, w, bias=None, residual=None) -> torch.Tensor:
+    y = x.float() @ w.float().T
+    y = y if bias is None else y + bias.float()
+    y = y if residual is None else y + residual.float()
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 200), (64, 96), (WIDE_N + 5, 72), (5, 2100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_is_the_fp32_product_rounded_once(n, k, dtype):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    b, r = torch.randn(n, generator=gen), torch.randn(1, n, generator=gen)
+    x, w, b, r = (t.to(DEVICE, dtype) for t in (x, w, b, r))
+    for bias, res in ((None, None), (b, None), (None, r), (b, r)):
+        got = gemv(x, w, bias, res)
+        want = rounded_once(x, w, bias, res)
+        assert got.shape == (1, n) and got.dtype == dtype
+        # fp32 sums in another order than the oracle's: equal, or one rounding apart where they
+        # straddle a rounding boundary
+        ulp = 2**-7 if dtype == torch.bfloat16 else 2**-20
+        assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-4 * k**0.5).all()
+
+
+def test_pick_gives_narrow_outputs_long_slices_and_wide_outputs_many_programs():
+    assert pick(4096, 4096)[:2] == (4, 2048)
+    assert pick(4096, 1000)[:2] == (4, 1024)  # never longer than K rounded up
+    assert pick(128256, 4096)[:2] == (16, 256)
+
+
+def test_takes_one_contiguous_row_of_the_weights_dtype():
+    w = torch.zeros(8, 16, device=DEVICE, dtype=torch.bfloat16)
+    assert takes(torch.zeros(1, 16, device=DEVICE, dtype=torch.bfloat16), w)
+    assert not takes(torch.zeros(2, 16, device=DEVICE, dtype=torch.bfloat16), w)  # a GEMM
+    assert not takes(torch.zeros(1, 16, device=DEVICE), w)  # another dtype
+    assert not takes(torch.zeros(1, 16, device=DEVICE, dtype=torch.bfloat16), w.T.contiguous().T)
+
+
+@pytest.mark.skipif(not CUDA, reason="the route to the GEMV is CUDA's")
+def test_linear_layers_take_the_gemv_for_one_row_on_cuda():
+    w = torch.randn(300, 256, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
+    res = torch.randn(1, 300, device=DEVICE, dtype=torch.bfloat16)
+    assert torch.equal(quant.linear(x, w), gemv(x, w))
+    assert torch.equal(quant.residual_linear(res, x, w, None), gemv(x, w, residual=res))
+    two = torch.randn(2, 256, device=DEVICE, dtype=torch.bfloat16)
+    assert torch.equal(quant.linear(two, w), torch.nn.functional.linear(two, w))  # cuBLAS

@@ -1,0 +1,105 @@
+"""A Triton GEMV for decode-sized matmuls: ``x @ W.T (+ bias) (+ residual)`` for a few rows.
+
+At batch 1 every linear layer of a decode step is a matrix-vector product that reads its weight
+once; what matters is how close the read gets to the copy rate. cuBLAS picks tiles for these
+shapes that leave bandwidth on the table where the output is narrow: on the H200 at batch 1
+(8B shape, per step, torch.profiler) qkv and o ran at 72 % of the copy rate on one GPU and, cut
+over two GPUs, o at 57 %, qkv at 63 %, down at 78 % plus split-K reduce passes (64 a step).
+
+Here each program owns ``BLOCK_N`` output columns (weight rows) for every row of ``x`` and
+walks the whole ``K`` in ``BLOCK_K`` slices: weight tiles are read once, coalesced along K, the
+products summed in fp32 in registers, the bias and the residual added in fp32 and the result
+rounded once -- what ``torch.addmm`` computes, in one launch and without a split-K pass (a row's
+sum always runs in the same order: the step is deterministic, so a CUDA graph replay equals an
+eager step bit for bit). ``pick`` chooses the tile from the shape (``bench/gemv.py`` sweeps it).
+
+Imported lazily, on CUDA only (``quant.linear``); tested on the CPU through the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from turnkv.attention.triton_segments import INTERPRET, downcast
+
+MAX_ROWS = 1  # rows of x this kernel takes; more rows are a GEMM (cuBLAS keeps its rate there)
+WIDE_N = 12288  # outputs at least this wide take the wide tile (``pick``)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, B, R, Y, N, K, swn,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
+    cmask = cols < N
+    wrow = W + cols[:, None].to(tl.int64) * swn
+    # products summed elementwise over the K slices and reduced across lanes once at the end:
+    # the loop is loads and FMAs only
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        w = tl.load(wrow + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
+        x = tl.load(X + ks, mask=kmask, other=0.0)  # [BK]
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)  # [BN]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(R + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(Y + cols, downcast(y, Y.dtype.element_ty, INTERP), mask=cmask)
+
+
+@functools.lru_cache(maxsize=256)
+def pick(n: int, k: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, warps, stages)`` for ``[1, k] @ [n, k].T``.
+
+    From the sweep of ``bench/gemv.py`` on the H200 (8B shapes on one GPU and cut over two;
+    docs/BENCHMARKS.md): a narrow output (o, qkv, down: N <= 6144) wants few columns and long
+    K slices per program (4 x 2048), a wide one (gate|up, the LM head) many short programs
+    (16 x 256). Each rule is within 3 % of the best tile of every shape it covers."""
+    if n >= WIDE_N:
+        return 16, min(256, triton.next_power_of_2(k)), 4, 2
+    return 4, min(2048, triton.next_power_of_2(k)), 4, 2
+
+
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``gemv`` serves ``x @ w.T``: one contiguous row, a weight of its dtype with unit
+    stride along K."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == MAX_ROWS
+        and x.dtype == w.dtype
+        and w.dim() == 2
+        and w.stride(1) == 1
+        and x.is_contiguous()
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``residual + x @ w.T + bias`` for x ``[1, K]``, w ``[N, K]`` -> ``[1, N]`` in x's dtype.
+
+    ``bias`` ``[N]`` and ``residual`` ``[1, N]`` are optional (fp32 adds, one rounding)."""
+    k = x.shape[1]
+    n = w.shape[0]
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config or pick(n, k)
+    res = residual.contiguous() if residual is not None else y
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, bias if bias is not None else y, res, y, n, k, w.stride(0),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, INTERP=INTERPRET, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
