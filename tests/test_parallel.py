@@ -81,6 +81,15 @@ def test_sizes_that_do_not_divide_the_heads_are_refused_with_the_ones_that_work(
     assert valid_sizes(SHAPES["llama3-8b"]) == [1, 2, 4, 8]
 
 
+def test_the_all_reduce_on_a_cpu_is_gloo_and_a_bad_setting_is_refused(monkeypatch):
+    from turnkv.parallel.one_shot import ENV, make_one_shot
+
+    assert make_one_shot(None, torch.device("cpu"), torch.float32) == (None, "gloo")
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ValueError, match="expected auto or nccl"):
+        make_one_shot(None, torch.device("cpu"), torch.float32)
+
+
 def test_the_command_refuses_before_loading(capsys, monkeypatch):
     assert main(["generate", "--model", "default", "--tensor-parallel", "2", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -245,7 +254,7 @@ def test_a_served_group_runs_turns_and_refuses_new_ones_once_a_rank_died(tmp_pat
         assert srv.chat(msgs, temperature=1.0).status_code == 200  # still in step: no rank diverged
         h = srv.health()
         assert h["status"] == "ok" and h["tensor_parallel"] == {
-            "size": 2, "status": "ok", "dead_ranks": [], "error": None,
+            "size": 2, "status": "ok", "dead_ranks": [], "error": None, "all_reduce": "gloo",
         }  # fmt: skip
         os.kill(srv.rank1_pid(), signal.SIGKILL)
         h = srv.wait_for(lambda h: h["status"] != "ok", 30)

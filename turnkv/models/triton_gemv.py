@@ -63,7 +63,7 @@ def pick(n: int, k: int) -> tuple[int, int, int, int]:
     From the sweep of ``bench/gemv.py`` on the H200 (8B shapes on one GPU and cut over two;
     docs/BENCHMARKS.md): a narrow output (o, qkv, down: N <= 6144) wants few columns and long
     K slices per program (4 x 2048), a wide one (gate|up, the LM head) many short programs
-    (16 x 256). Each rule is within 3 % of the best tile of every shape it covers."""
+    (16 x 256). Each rule is within 6 % of the best tile of every shape it covers."""
     if n >= WIDE_N:
         return 16, min(256, triton.next_power_of_2(k)), 4, 2
     return 4, min(2048, triton.next_power_of_2(k)), 4, 2
