@@ -31,6 +31,7 @@ from turnkv.threads import prepare_env
 prepare_env()  # OpenMP spins briefly (as the CLI sets it), before torch loads
 
 import argparse
+import itertools
 import json
 import time
 from dataclasses import replace
@@ -120,7 +121,7 @@ def synthetic_history(engine: Engine, context: int, seed: int) -> SegmentedSnaps
 
 
 # -- decode -------------------------------------------------------------------------------------
-def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict:
+def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, run_ahead: str = "auto") -> dict:
     b = len(histories)
     device = engine.shape.device
     # room for the histories, a contiguous copy of each, and the turns' own rows
@@ -129,7 +130,8 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict
     g = torch.Generator().manual_seed(7)
     vocab = engine.loaded.config.vocab_size
     eos = set(engine.tokenizer.eos_token_ids)
-    sched = Scheduler(engine, bank, max_running=b, max_batch_tokens=b * args.new)
+    ahead = {"auto": None, "on": True, "off": False}[run_ahead]
+    sched = Scheduler(engine, bank, max_running=b, max_batch_tokens=b * args.new, run_ahead=ahead)
     for i, snap in enumerate(histories):
         bank.insert(f"c{i}", snap)
         new = [
@@ -144,19 +146,21 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict
     for _ in range(min(args.warmup, args.gen // 4)):  # graph captures, contiguous first-use copies
         sched.step()
     cached = sum(e.turn.stats.cached_tokens for e in sched.running)
-    steps, t_all, waited0 = 0, 0.0, sched.wait_s
+    steps, waited0 = 0, sched.wait_s
     gpu_ms = None
+    # the loop is timed whole: with run-ahead (CUDA graphs) a step() launches one decode step and
+    # takes the previous one's tokens, so per-call timing with a sync around it would undo it
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     while (
         sched.running
         and all(e.turn.phase == "decode" for e in sched.running)
         and steps < args.gen - args.warmup - 8
     ):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         sched.step()
-        t_all += time.perf_counter() - t0
         steps += 1
+    t_all = time.perf_counter() - t0
     host = t_all - (sched.wait_s - waited0)
     if device.type == "cuda" and sched.running:
         gpu_ms = profile_gpu_ms(sched, 4, args.profile_top)
@@ -175,7 +179,7 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args) -> dict
     while sched.busy:
         sched.step()
     return {"steps": steps, "wall_s": t_all, "host_s": host, "gpu_ms": gpu_ms, "cached": cached,
-            "graph_replays": engine.graphs.replays}  # fmt: skip
+            "graph_replays": engine.graphs.replays, "run_ahead_steps": sched.ahead_steps}  # fmt: skip
 
 
 def profile_gpu_ms(sched: Scheduler, n: int, top: int = 0) -> float:
@@ -258,6 +262,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="segmented,contiguous")
     ap.add_argument("--cuda-graphs", default="auto")
     ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
+    ap.add_argument(
+        "--run-ahead",
+        default="auto",
+        help="the scheduler's run-ahead: auto (on with CUDA graphs) | on | off, or a list (A/B)",
+    )
     ap.add_argument("--prefill", default="", help="first-turn sizes to time against the FLOP floor")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill rows per step (--prefill)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -313,9 +322,9 @@ def measure(args, group=None) -> dict:
     runs = []
     for b in [int(x) for x in args.batch.split(",") if x]:
         histories = [synthetic_history(first, args.context, seed=i) for i in range(b)]
-        for name, engine in engines.items():
+        for (name, engine), ahead in itertools.product(engines.items(), args.run_ahead.split(",")):
             try:
-                r = run_decode(engine, histories, args)
+                r = run_decode(engine, histories, args, ahead)
             except Exception as exc:  # one failed run must not lose the others' figures
                 import traceback
 
@@ -333,9 +342,10 @@ def measure(args, group=None) -> dict:
                 "gpu_ms": r["gpu_ms"] and round(r["gpu_ms"], 3),
                 "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
                 "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
+                "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
             })  # fmt: skip
             x = runs[-1]
-            say(f"{name:>10} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
+            say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
                 f"  host {x['host_ms']:>7.3f} ms  gpu {x['gpu_ms']} ms  roof {x['roof_tok_s']} tok/s ({x['roof_pct']} %)",
                 flush=True)  # fmt: skip
         del histories

@@ -27,8 +27,8 @@ def record(engine: Engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     inner = engine.run_step
 
-    def run_step(windows):
-        res = inner(windows)
+    def run_step(windows, ids=None):
+        res = inner(windows, ids)
         if all(len(w.tokens) == 1 for w in windows):
             seen.append(res.logits.clone())
         return res
@@ -38,7 +38,11 @@ def record(engine: Engine) -> list[torch.Tensor]:
 
 
 def conversations(engine: Engine, batch: int, rounds: int) -> list[str]:
-    sched = Scheduler(engine, engine.new_bank("8G"), max_running=batch, max_batch_tokens=4096)
+    # step for step alike on both engines: no run-ahead (it adds a row after an answer's end;
+    # tests/test_run_ahead.py compares it with the plain loop)
+    sched = Scheduler(
+        engine, engine.new_bank("8G"), max_running=batch, max_batch_tokens=4096, run_ahead=False
+    )
     history = [[256, *(t % 250 for t in range(10 + i, 10 + i + 300 + 97 * i))] for i in range(batch)]
     texts = []
     for r in range(rounds):

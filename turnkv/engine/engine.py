@@ -200,15 +200,17 @@ class Engine:
         return logits
 
     # -- one step -----------------------------------------------------------------------------
-    def run_step(self, windows: Sequence[Window]) -> StepResult:
-        """One forward over ``windows`` (each a different cache); the caller commits afterwards."""
+    def run_step(self, windows: Sequence[Window], ids: torch.Tensor | None = None) -> StepResult:
+        """One forward over ``windows`` (each a different cache); the caller commits afterwards.
+        ``ids`` (device ``[N]``, optional): the step's token ids, instead of the windows' own
+        (the scheduler's run-ahead: the previous step's argmax, never copied to the host)."""
         try:
-            replay = self.graphs.run(windows)
+            replay = self.graphs.run(windows, ids)
             if replay is not None:
                 return replay
             self.threads.begin([len(w.tokens) for w in windows])
             t0 = time.perf_counter()
-            result = StepResult(*forward(self.model, windows, self.backend))
+            result = StepResult(*forward(self.model, windows, self.backend, ids))
             self.threads.end(time.perf_counter() - t0)  # on a CPU the forward is done here
             return result
         except Exception as exc:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
-from turnkv.engine.step import StepPlan, Window, host_inputs
+from turnkv.engine.step import StepPlan, Window, host_inputs, open_kv
 from turnkv.limits import MAX_SEGMENTS
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class NoGraphs:
         self.replays = 0
         self.captures = 0
 
-    def run(self, windows: Sequence[Window]) -> StepResult | None:
+    def run(self, windows: Sequence[Window], ids: torch.Tensor | None = None) -> StepResult | None:
         return None
 
 
@@ -66,13 +66,15 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
 
-    def run(self, windows: Sequence[Window]) -> StepResult | None:
+    def run(self, windows: Sequence[Window], ids: torch.Tensor | None = None) -> StepResult | None:
+        """Replay (capturing first) the graph of this decode step, or None: it runs eagerly.
+        ``ids`` (device ``[B]``): the rows' token ids, replacing the windows' host ``tokens``."""
         from turnkv.engine.engine import StepResult
 
         b = len(windows)
         if b > MAX_GRAPH_BATCH or any(len(w.tokens) != 1 or w.logits != 1 for w in windows):
             return None
-        kv = [w.cache.open_window(1) for w in windows]
+        kv = [open_kv(w) for w in windows]
         if any(len(k.views) > MAX_SEGMENTS for k in kv):
             return None
         bs = padded_batch(b)
@@ -90,6 +92,8 @@ class DecodeGraphs:
         if fresh:
             captured = self._new_buffers(bs)
         captured.inputs.copy_(host, non_blocking=True)
+        if ids is not None:  # the run-ahead's ids: the step in flight's argmax, never on the host
+            captured.inputs[:b].copy_(ids)
         step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
         ids, pos, rows = captured.inputs[:bs], captured.inputs[bs : 2 * bs], captured.inputs[2 * bs :]
         if fresh:

@@ -7,6 +7,16 @@ others in arrival order within the token budget (``max_batch_tokens``) -- runs t
 that asked for logits (one batched argmax for the greedy ones) and hands each turn its token.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
+**Run-ahead** (CUDA graphs on): a step whose windows are all greedy decode rows stays in flight;
+the next ``step()`` launches the following decode rows first -- their token ids are the step in
+flight's argmax, still on the device, and their KV rows follow its uncommitted ones -- and only
+then waits for that step's tokens and hands them to the turns (detokenizing, stop strings,
+events, the next plan) while the GPU runs the new step. The host's work per step then hides
+behind the device's instead of adding to it. A turn whose answer ended in the step it waited for
+had one more row computed, never committed (its KV row is dropped as a rejected draft's is) and
+its token ignored. Any other step (admission, prefill, drafts, grammars, sampling) runs as before:
+the step in flight completes first.
+
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.
 """
@@ -21,9 +31,12 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from turnkv.bank.session_bank import SessionBank
-from turnkv.engine.engine import Engine
+from turnkv.engine.engine import Engine, StepResult
 from turnkv.engine.grammar import StepMasks
+from turnkv.engine.step import Window
 from turnkv.engine.turn import Failed, Turn, TurnEvent, TurnRequest, WindowOutput
 
 log = logging.getLogger(__name__)
@@ -38,6 +51,18 @@ class _Entry:
     submitted: float = 0.0  # time.monotonic() at submit
 
 
+@dataclass
+class _Launched:
+    """A step on the device whose tokens have not been handed to its turns yet."""
+
+    work: list[tuple[_Entry, Window]]
+    result: StepResult
+    argmax: torch.Tensor | None  # [R] on the device: every logit row's argmax
+    host: torch.Tensor | None = None  # [R] pinned: its asynchronous copy (CUDA)
+    ready: torch.cuda.Event | None = None  # recorded after that copy
+    t0: float = 0.0
+
+
 class Scheduler:
     """Not thread-safe: ``submit`` and ``step`` run on one thread (the server's engine thread)."""
 
@@ -49,9 +74,11 @@ class Scheduler:
         max_batch_tokens: int = 0,
         queue_timeout: float = 0.0,
         observe: Callable[[int, int, float], None] | None = None,
+        run_ahead: bool | None = None,
     ) -> None:
         """``queue_timeout`` (s, 0 = none): a turn still waiting for admission after it fails with
-        ``queue_timeout`` (HTTP 503). ``observe(windows, rows, seconds)`` hears of every step."""
+        ``queue_timeout`` (HTTP 503). ``observe(windows, rows, seconds)`` hears of every step.
+        ``run_ahead`` (module docstring): None = where decode steps replay CUDA graphs."""
         self.engine = engine
         self.queue_timeout = queue_timeout
         self.observe = observe
@@ -67,11 +94,16 @@ class Scheduler:
         self.step_ms = 0.0  # moving averages over recent steps
         self.rows_per_step = 0.0
         self.masks = StepMasks()  # grammar masks of constrained turns' rows
+        self.inflight: _Launched | None = None  # a decode step whose tokens are not taken yet
+        # run-ahead where decode steps replay CUDA graphs (module docstring)
+        self.run_ahead = engine.graphs.status == "on" if run_ahead is None else run_ahead
+        self.ahead_steps = 0  # steps launched before the previous one completed
+        self._done_at = 0.0  # when the last step's tokens were taken
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
         control = self.engine.control
@@ -86,6 +118,17 @@ class Scheduler:
         control = self.engine.control
         if control is not None and not control.announce(self):  # the other ranks run this step too
             return  # the group is down: every turn was failed
+        if self.inflight is not None:
+            run, self.inflight = self.inflight, None
+            ahead = self._ahead_work(run)
+            if ahead:  # the next decode rows go to the device before this step's tokens come back
+                self.inflight = self._launch(ahead, ids=run.argmax)
+                self.ahead_steps += self.inflight is not None
+            self._complete(run)
+            self.running = [e for e in self.running if not e.turn.done]
+            if self.inflight is not None:
+                self.snapshot = self._info()
+                return
         self._admit()
         # every decoding turn has one row, so decode never waits behind a prefill; prefill chunks
         # (and rebase rows) take the rest of the token budget in arrival order (a long prompt
@@ -116,12 +159,40 @@ class Scheduler:
             work.append((e, w))
         work += prefill
         if work:
-            self._run(work)
+            launched = self._launch(work)
+            if launched is not None and self._may_defer(work):
+                self.inflight = launched  # its tokens are taken by the next step()
+            elif launched is not None:
+                self._complete(launched)
         self.running = [e for e in self.running if not e.turn.done]
         self.snapshot = self._info()
 
+    def _may_defer(self, work: list[tuple[_Entry, Window]]) -> bool:
+        """Whether this step may stay in flight while the next is launched: run-ahead is on,
+        nobody waits for admission, and every running turn has a decode row here that can be
+        followed by the next (``Turn.can_run_ahead``)."""
+        return (
+            self.run_ahead
+            and not self.waiting
+            and len(work) == len(self.running)
+            and all(e.turn.can_run_ahead() for e, _ in work)
+        )
+
+    def _ahead_work(self, run: _Launched) -> list[tuple[_Entry, Window]] | None:
+        """The decode rows that follow ``run``'s, one per turn, if every turn of it continues
+        alike (``_may_defer`` once more: a turn may have been cancelled, one may wait)."""
+        entries = [e for e, _ in run.work]
+        if len(entries) != len(self.running) or any(
+            a is not b for a, b in zip(entries, self.running, strict=True)
+        ):
+            return None
+        if not self._may_defer(run.work):
+            return None
+        return [(e, e.turn.window_ahead()) for e in entries]
+
     def fail_all(self, failed: Failed) -> None:
         """End every waiting and running turn with ``failed`` (steps can no longer run)."""
+        self.inflight = None
         for e in [*self.waiting, *self.running]:
             e.turn.fail(RuntimeError(failed.message))  # releases its lease; its own event is dropped
             e.emit(failed)
@@ -153,22 +224,43 @@ class Scheduler:
             if not e.turn.done:
                 self.running.append(e)
 
-    def _run(self, work: list[tuple[_Entry, object]]) -> None:
+    def _launch(self, work: list[tuple[_Entry, Window]], ids: torch.Tensor | None = None) -> _Launched | None:
+        """Run one forward over ``work``'s windows and start taking its argmax to the host; None
+        if the step broke (its turns failed)."""
         windows = [w for _, w in work]
         t0 = time.perf_counter()
         try:
-            result = self.engine.run_step(windows)
+            result = self.engine.run_step(windows) if ids is None else self.engine.run_step(windows, ids)
             # constrained rows are masked first (host work that overlaps the forward on CUDA)
             self.masks.apply(result.logits, _constrained(work, result.plan.logit_offsets))
-            # every logit row's argmax in one op and one host transfer (the step's only sync)
-            t_sync = time.perf_counter()
-            argmax = result.logits.argmax(-1).tolist() if result.logits.shape[0] else []
-            self.wait_s += time.perf_counter() - t_sync
-            self.engine.speculation.cost.observe(windows, time.perf_counter() - t0)
+            # every logit row's argmax in one op and one transfer (the step's only sync)
+            argmax = result.logits.argmax(-1) if result.logits.shape[0] else None
+            run = _Launched(work, result, argmax, t0=t0)
+            if argmax is not None and argmax.is_cuda:
+                run.host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
+                run.host.copy_(argmax, non_blocking=True)
+                run.ready = torch.cuda.Event()
+                run.ready.record()
+            return run
         except Exception as exc:  # a broken step fails its turns, never the loop
-            log.exception("step failed")
-            for e, _ in work:
-                self._deliver(e, e.turn.fail(exc))
+            self._fail_step(work, exc)
+            return None
+
+    def _complete(self, run: _Launched) -> None:
+        """Wait for ``run``'s tokens and hand each window's rows to its turn."""
+        work, result = run.work, run.result
+        windows = [w for _, w in work]
+        try:
+            t_sync = time.perf_counter()
+            if run.ready is not None:
+                run.ready.synchronize()
+                argmax = run.host.tolist()
+            else:
+                argmax = run.argmax.tolist() if run.argmax is not None else []
+            self.wait_s += time.perf_counter() - t_sync
+            self.engine.speculation.cost.observe(windows, time.perf_counter() - run.t0)
+        except Exception as exc:
+            self._fail_step(work, exc)
             return
         rows = sum(len(w.tokens) for w in windows)
         self.steps += 1
@@ -179,6 +271,8 @@ class Scheduler:
             self.route_counts[label] += layers
         offsets = result.plan.logit_offsets
         for i, (e, w) in enumerate(work):
+            if not e.turn.owns(w):  # a run-ahead row of an answer that ended one row earlier
+                continue
             lo, hi = offsets[i], offsets[i] + w.logits
             out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], labels[i], layers)
             try:
@@ -187,12 +281,20 @@ class Scheduler:
                 log.exception("turn failed")
                 events = e.turn.fail(exc)
             self._deliver(e, events)
+        now = time.perf_counter()
+        seconds = now - max(run.t0, self._done_at)  # overlapped steps: from the previous one's end
+        self._done_at = now
         a = 0.1 if self.steps > 1 else 1.0
-        seconds = time.perf_counter() - t0
         self.step_ms += a * (seconds * 1e3 - self.step_ms)
         if self.observe is not None:
             self.observe(len(windows), rows, seconds)
         self.rows_per_step += a * (rows - self.rows_per_step)
+
+    def _fail_step(self, work: list[tuple[_Entry, Window]], exc: Exception) -> None:
+        log.error("step failed", exc_info=exc)
+        for e, w in work:
+            if e.turn.owns(w, ahead=True):
+                self._deliver(e, e.turn.fail(exc))
 
     def _info(self) -> dict:
         graphs = self.engine.graphs
@@ -203,6 +305,7 @@ class Scheduler:
             "step_ms": round(self.step_ms, 3),
             "rows_per_step": round(self.rows_per_step, 2),
             "graphs": {"status": graphs.status, "captures": graphs.captures, "replays": graphs.replays},
+            "run_ahead": {"enabled": self.run_ahead, "steps": self.ahead_steps},
             "threads": self.engine.threads.health(),
             "route_counts": dict(self.route_counts),
         }
@@ -213,7 +316,7 @@ class Scheduler:
             e.emit(ev)
 
 
-def _constrained(work: list[tuple[_Entry, object]], offsets: list[int]) -> list:
+def _constrained(work: list[tuple[_Entry, Window]], offsets: list[int]) -> list:
     """``(logit row, constraint)`` of each window whose turn decodes under a grammar (its one
     logits row: a constrained turn never drafts)."""
     return [

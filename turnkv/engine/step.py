@@ -28,12 +28,19 @@ from turnkv.models.quant import wide_rows
 
 @dataclass
 class Window:
-    """One conversation's rows in a step: ``tokens`` go to rows ``[n, n + len(tokens))`` of
-    ``cache``; the logits of the last ``logits`` rows come back. The caller commits afterwards."""
+    """One conversation's rows in a step: ``tokens`` go to rows ``[n + ahead, n + ahead +
+    len(tokens))`` of ``cache``; the logits of the last ``logits`` rows come back. The caller
+    commits afterwards.
+
+    ``ahead`` > 0: a decode row launched before the step in flight was committed (the
+    scheduler's run-ahead): its rows follow ``ahead`` uncommitted rows that the step in flight
+    writes first (same stream), and its token ids come from that step's argmax on the device
+    (``ids`` of ``Engine.run_step``); ``tokens`` are then placeholders until it completes."""
 
     cache: KVCache
     tokens: Sequence[int]
     logits: int = 1
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens or not 0 <= self.logits <= len(self.tokens):
@@ -63,6 +70,14 @@ class StepPlan:
         return self.attention.labels
 
 
+def open_kv(w: Window) -> KVWindow:
+    """The KV rows of ``w`` (``KVCache.open_window``; past its ``ahead`` rows in flight)."""
+    if not w.ahead:
+        return w.cache.open_window(len(w.tokens))
+    kv = w.cache.open_window(w.ahead + len(w.tokens))  # the rows in flight are in the views
+    return KVWindow(kv.views, kv.start + w.ahead, len(w.tokens))
+
+
 def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list[int], int, list[int]]:
     """The step's ``ids + positions + logit_rows`` as one list, ``N`` and the logit offsets."""
     if all(len(w.tokens) == 1 == w.logits for w in windows):  # a decode step: one row each
@@ -83,20 +98,30 @@ def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list
     return ids + pos + rows, n, offsets
 
 
-def plan_step(windows: Sequence[Window], backend: AttentionBackend, device: torch.device) -> StepPlan:
-    """Open every window's KV rows and build the step's inputs and attention plan (see module doc)."""
+def plan_step(
+    windows: Sequence[Window],
+    backend: AttentionBackend,
+    device: torch.device,
+    ids: torch.Tensor | None = None,
+) -> StepPlan:
+    """Open every window's KV rows and build the step's inputs and attention plan (see module doc).
+    ``ids`` (device, ``[N]``): the step's token ids, replacing the windows' host ``tokens``."""
     windows = list(windows)
-    kv = [w.cache.open_window(len(w.tokens)) for w in windows]
+    kv = [open_kv(w) for w in windows]
     words, n, offsets = host_inputs(windows, kv)
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
+    if ids is not None:
+        dev[:n].copy_(ids)
     attention = backend.plan(kv)
     wide = wide_rows([len(w.tokens) for w in windows])
     return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n :], offsets, attention, wide)
 
 
-def forward(model, windows: Sequence[Window], backend: AttentionBackend) -> tuple[StepPlan, torch.Tensor]:
+def forward(
+    model, windows: Sequence[Window], backend: AttentionBackend, ids: torch.Tensor | None = None
+) -> tuple[StepPlan, torch.Tensor]:
     """Plan and run one step of ``model`` (a ``LlamaModel``): the plan and fp32 logits ``[R, V]``."""
-    plan = plan_step(windows, backend, model.device)
+    plan = plan_step(windows, backend, model.device, ids)
     model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
     return plan, model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)

@@ -166,6 +166,7 @@ class Turn:
         self._pending: list[int] = []  # rows of the current phase not yet computed
         self._next: int | None = None  # the sampled token to feed next (decode)
         self._open: Window | None = None
+        self._ahead: Window | None = None  # the decode row launched while ``_open`` is in flight
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._t_last = 0.0
@@ -230,6 +231,7 @@ class Turn:
     def window(self, budget: int) -> Window | None:
         """This turn's rows for the next step (at most ``budget`` rows of prefill), or None when it
         has nothing to compute (finished, or finishing without a rebase)."""
+        self._ahead = None  # a run-ahead window is only ever completed through ``advance``
         if self.phase == _DECODE and self.request.cancel.is_set():
             self._open = None  # a window of a step that was interrupted (Ctrl-C) is not pending
             return None
@@ -244,9 +246,50 @@ class Turn:
             self._open = None
         return self._open
 
+    def can_run_ahead(self) -> bool:
+        """Whether the next decode row may be launched before the one in flight completes: a
+        greedy turn (the step's argmax is its token) without a grammar or drafts, not cancelled,
+        whose answer has room for both rows (so the tail, pre-sized for the answer, never grows
+        -- a copy that would miss the row in flight)."""
+        return (
+            self.phase == _DECODE
+            and self._open is not None
+            and len(self._open.tokens) == 1
+            and self._ahead is None
+            and self.constraint is None
+            and self.drafts is None
+            and self._fast_greedy
+            and self.stats.completion_tokens + 2 <= self.max_tokens
+            and not self.request.cancel.is_set()
+        )
+
+    def window_ahead(self) -> Window:
+        """The decode row after the one in flight (``can_run_ahead``); its token id is that
+        step's argmax, which the scheduler passes on the device. ``advance`` of the row in flight
+        then makes it this turn's open window, or drops it if the answer ended there."""
+        assert self.can_run_ahead()
+        self._ahead = Window(self.cache, [0], logits=1, ahead=1)
+        return self._ahead
+
+    def owns(self, w: Window, ahead: bool = False) -> bool:
+        """Whether ``w`` is this turn's window still to complete (a run-ahead window of an answer
+        that ended one row earlier is not); with ``ahead``, also its run-ahead window."""
+        return not self.done and (w is self._open or (ahead and w is self._ahead))
+
     def advance(self, out: WindowOutput | None) -> list[TurnEvent]:
         """After the step that ran ``window``'s rows (``out``; None when ``window`` gave none):
         commit them, sample the next token(s) from their logits (stop checks, text); may finish."""
+        events = self._advance(out)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.phase == _DECODE and self._open is None:
+            # the row in flight is now the open window: its id is the token just taken, and the
+            # cache's window covers it (the commit above closed the cache's window)
+            ahead.tokens, ahead.ahead = [self._next], 0
+            self._open = ahead
+            self.cache.open_window(1)
+        return events
+
+    def _advance(self, out: WindowOutput | None) -> list[TurnEvent]:
         w = self._open
         self._open = None
         if w is None:  # nothing was computed: cancelled before its decode row, or done
