@@ -6,6 +6,8 @@ arriving mid-answer and a cancellation."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -131,6 +133,34 @@ def test_a_stop_string_and_a_rebase_end_the_answer_at_the_same_token(engine):
         # puts the rows that follow in steps of other sizes, and a CPU GEMM's rounding of a row
         # depends on how many rows it multiplies (lse.MIN_GEMM_ROWS)
         torch.testing.assert_close(kv_on, kv_off, rtol=1e-5, atol=1e-5)
+
+
+def test_turns_under_a_grammar_run_ahead_and_answer_alike(engine):
+    from turnkv.engine.grammar import Grammars
+
+    grammars = Grammars(engine.tokenizer, engine.loaded.config.vocab_size)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "b": {"type": "string", "maxLength": 5}, "c": {"enum": ["x", "yz"]}},
+        "required": ["a", "b", "c"],
+    }  # fmt: skip
+    grammar = grammars.json_schema(schema)
+
+    def script(run: Run) -> None:
+        for i in range(3):  # the grammar ends each answer (an end-of-sequence token) at its own step
+            run.submit(f"g{i}", TurnRequest(prompt(15 + i, 40 + i), SamplingParams(), 60, namespace=f"g{i}",
+                                            grammar=grammar))  # fmt: skip
+        run.submit("free", TurnRequest(prompt(12, 77), SamplingParams(ignore_eos=True), 30, namespace="f"))
+        run.drain()
+
+    off, on = both(engine, script)
+    assert on.sched.ahead_steps > 0 and on.sched.masks.rows > 0
+    for name in ("g0", "g1", "g2", "free"):
+        assert on.answer(name) == off.answer(name), name
+    for i in range(3):
+        text = "".join(t for _, t, _ in on.answer(f"g{i}"))
+        assert on.answer(f"g{i}")[-1][2] == "stop" and json.loads(text)["c"] in ("x", "yz")
 
 
 def test_a_cancelled_turn_ends_cancelled_and_banks_the_rows_of_its_tokens(engine):

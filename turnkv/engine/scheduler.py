@@ -14,8 +14,10 @@ then waits for that step's tokens and hands them to the turns (detokenizing, sto
 events, the next plan) while the GPU runs the new step. The host's work per step then hides
 behind the device's instead of adding to it. A turn whose answer ended in the step it waited for
 had one more row computed, never committed (its KV row is dropped as a rejected draft's is) and
-its token ignored. Any other step (admission, prefill, drafts, grammars, sampling) runs as before:
-the step in flight completes first.
+its token ignored. A step with rows under a grammar is launched ahead without its masks and
+argmax: they need the tokens of the step in flight, so the next ``step()`` adds them (the masks
+filled while the forward runs) before launching the one after. Any other step (admission,
+prefill, drafts, sampling) runs as before: the step in flight completes first.
 
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.
@@ -61,6 +63,7 @@ class _Launched:
     host: torch.Tensor | None = None  # [R] pinned: its asynchronous copy (CUDA)
     ready: torch.cuda.Event | None = None  # recorded after that copy
     t0: float = 0.0
+    final: bool = False  # masked, argmax taken and on its way to the host (``_finalize``)
 
 
 class Scheduler:
@@ -120,9 +123,12 @@ class Scheduler:
             return  # the group is down: every turn was failed
         if self.inflight is not None:
             run, self.inflight = self.inflight, None
-            ahead = self._ahead_work(run)
+            # its grammar masks (if any) from the tokens taken last step, and its argmax
+            ahead = self._ahead_work(run) if self._finalize(run) else None
             if ahead:  # the next decode rows go to the device before this step's tokens come back
-                self.inflight = self._launch(ahead, ids=run.argmax)
+                # a constrained row's mask needs the token this step brings: taken next step()
+                later = any(e.turn.constraint is not None for e, _ in ahead)
+                self.inflight = self._launch(ahead, ids=run.argmax, finalize=not later)
                 self.ahead_steps += self.inflight is not None
             self._complete(run)
             self.running = [e for e in self.running if not e.turn.done]
@@ -224,30 +230,47 @@ class Scheduler:
             if not e.turn.done:
                 self.running.append(e)
 
-    def _launch(self, work: list[tuple[_Entry, Window]], ids: torch.Tensor | None = None) -> _Launched | None:
-        """Run one forward over ``work``'s windows and start taking its argmax to the host; None
-        if the step broke (its turns failed)."""
+    def _launch(
+        self, work: list[tuple[_Entry, Window]], ids: torch.Tensor | None = None, finalize: bool = True
+    ) -> _Launched | None:
+        """Run one forward over ``work``'s windows (and ``_finalize`` it unless told not to);
+        None if the step broke (its turns failed)."""
         windows = [w for _, w in work]
         t0 = time.perf_counter()
         try:
             result = self.engine.run_step(windows) if ids is None else self.engine.run_step(windows, ids)
-            # constrained rows are masked first (host work that overlaps the forward on CUDA)
-            self.masks.apply(result.logits, _constrained(work, result.plan.logit_offsets))
-            # every logit row's argmax in one op and one transfer (the step's only sync)
-            argmax = result.logits.argmax(-1) if result.logits.shape[0] else None
-            run = _Launched(work, result, argmax, t0=t0)
+        except Exception as exc:  # a broken step fails its turns, never the loop
+            self._fail_step(work, exc)
+            return None
+        run = _Launched(work, result, None, t0=t0)
+        return run if not finalize or self._finalize(run) else None
+
+    def _finalize(self, run: _Launched) -> bool:
+        """Mask the constrained rows of ``run`` (each grammar as it stands after the tokens taken so
+        far: host work that overlaps the forward on CUDA), take every logit row's argmax in one op,
+        and start its copy to the host (the step's only sync comes at ``_complete``). False if
+        that broke (the step's turns failed)."""
+        if run.final:
+            return True
+        run.final = True
+        result = run.result
+        try:
+            self.masks.apply(result.logits, _constrained(run.work, result.plan.logit_offsets))
+            argmax = run.argmax = result.logits.argmax(-1) if result.logits.shape[0] else None
             if argmax is not None and argmax.is_cuda:
                 run.host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
                 run.host.copy_(argmax, non_blocking=True)
                 run.ready = torch.cuda.Event()
                 run.ready.record()
-            return run
-        except Exception as exc:  # a broken step fails its turns, never the loop
-            self._fail_step(work, exc)
-            return None
+            return True
+        except Exception as exc:
+            self._fail_step(run.work, exc)
+            return False
 
     def _complete(self, run: _Launched) -> None:
         """Wait for ``run``'s tokens and hand each window's rows to its turn."""
+        if not self._finalize(run):
+            return
         work, result = run.work, run.result
         windows = [w for _, w in work]
         try:
@@ -322,7 +345,7 @@ def _constrained(work: list[tuple[_Entry, Window]], offsets: list[int]) -> list:
     return [
         (offsets[i] + w.logits - 1, e.turn.constraint)
         for i, (e, w) in enumerate(work)
-        if w.logits and e.turn.constraint is not None
+        if w.logits and e.turn.constraint is not None and e.turn.owns(w)
     ]
 
 

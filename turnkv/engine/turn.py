@@ -248,15 +248,14 @@ class Turn:
 
     def can_run_ahead(self) -> bool:
         """Whether the next decode row may be launched before the one in flight completes: a
-        greedy turn (the step's argmax is its token) without a grammar or drafts, not cancelled,
-        whose answer has room for both rows (so the tail, pre-sized for the answer, never grows
-        -- a copy that would miss the row in flight)."""
+        greedy turn (the step's argmax, masked by its grammar if it has one, is its token) without
+        drafts, not cancelled, whose answer has room for both rows (so the tail, pre-sized for
+        the answer, never grows -- a copy that would miss the row in flight)."""
         return (
             self.phase == _DECODE
             and self._open is not None
             and len(self._open.tokens) == 1
             and self._ahead is None
-            and self.constraint is None
             and self.drafts is None
             and self._fast_greedy
             and self.stats.completion_tokens + 2 <= self.max_tokens
