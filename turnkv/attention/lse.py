@@ -20,6 +20,8 @@ Runs on any torch device.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from turnkv.attention.reference import visible_mask
@@ -88,9 +90,19 @@ def segment_partial(
     return o.view(hq, m, -1), lse.reshape(hq, m)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[B, R, C]`` with zero rows appended up to ``MIN_GEMM_ROWS`` on a CPU (see there)."""
-    pad = MIN_GEMM_ROWS - x.shape[1] if x.device.type == "cpu" else 0
+@functools.lru_cache(maxsize=8)
+def _cpu_scalar(value: float) -> torch.Tensor:
+    """``value`` as a 0-dim fp32 CPU tensor: a Python float operand costs a CPU op a 0-dim copy
+    to the tensor's dtype (~2 us of a 3 us ``mul``, torch 2.13); the product's bits are the same."""
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """``x`` ``[B, R, C]`` with zero rows appended up to ``rows`` (default: ``MIN_GEMM_ROWS`` on a
+    CPU, none elsewhere; see ``MIN_GEMM_ROWS``)."""
+    if rows is None:
+        rows = MIN_GEMM_ROWS if x.device.type == "cpu" else 0
+    pad = rows - x.shape[1]
     return torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1) if pad > 0 else x
 
 
@@ -117,28 +129,32 @@ def concat_segments(
     hq, m, d = q.shape
     hkv = views[0][0].shape[0]
     group = hq // hkv
-    views = [(k, v) for k, v in views if k.shape[1]]
-    if not views:
+    if len(views) > 1:
+        views = [(k, v) for k, v in views if k.shape[1]]
+    t = sum(k.shape[1] for k, _ in views) if len(views) > 1 else views[0][0].shape[1]
+    if not t:
         return torch.zeros(hq, m, d, dtype=torch.float32, device=q.device)
-    t = sum(k.shape[1] for k, _ in views)
+    cpu = q.device.type == "cpu"
+    pad = MIN_GEMM_ROWS if cpu else 0  # (the checks once, not per op: ~3 us of Python a layer)
+    scale_by = _cpu_scalar(scale) if cpu else scale
     rows = group * m
     masked = t - 1 > window_start  # some key is later than the first window row
     # [Hkv, R, D]: R = G*M rows (row r is window row r % M), padded to MIN_GEMM_ROWS on a CPU;
     # a padded (all-zero) query row gets a uniform softmax row that no output row reads
-    qg = _pad_rows(q.float().reshape(hkv, rows, d))
+    qg = _pad_rows(q.float().reshape(hkv, rows, d), pad)
     parts = [torch.bmm(qg, k.float().transpose(1, 2)) for k, _ in views]
     s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [Hkv, R, T]
     if masked:  # window rows only (a padded row has no window position)
-        s = s[:, :rows].reshape(hkv, group, m, t) * scale
+        s = s[:, :rows].reshape(hkv, group, m, t).mul_(scale_by)  # (in place: a fresh product)
         s = s.masked_fill(~visible_mask(m, t, window_start, q.device), float("-inf")).view(hkv, rows, t)
     else:
-        s = s.mul_(scale) if len(parts) > 1 else s * scale
+        s = s.mul_(scale_by)
     p = torch.softmax(s, dim=-1)  # [Hkv, R, T] (R = G*M when masked)
     k_last, v_last = views[-1]
     lo = t - k_last.shape[1]  # the last view's first key
     o = None
     if len(views) > 1:  # the earlier views: the same keys for every row, one matmul each
-        ph, at = _pad_rows(p), 0
+        ph, at = _pad_rows(p, pad), 0
         for _, v in views[:-1]:
             n = v.shape[1]
             pv = ph[:, :, at : at + n]
@@ -147,14 +163,17 @@ def concat_segments(
         o = o[:, :rows]
     if m == 1:  # a decode window: the last view's keys up to its row
         n = min(max(window_start + 1 - lo, 0), k_last.shape[1])
-        pt = _pad_rows(p[:, :, lo : lo + n].contiguous())
-        ot = torch.bmm(pt, v_last[:, :n].float())[:, :rows]
+        # (slices skipped where they are the whole tensor: each is a dispatch, ~1 us on a CPU)
+        pt = p if lo == 0 and n == t else _pad_rows(p[:, :, lo : lo + n].contiguous(), pad)
+        vt = v_last if n == v_last.shape[1] else v_last[:, :n]
+        ot = torch.bmm(pt, vt.float())
+        ot = ot if ot.shape[1] == rows else ot[:, :rows]
     else:  # one matmul per window row, over exactly the keys that row sees
         p4 = p[:, :rows].view(hkv, group, m, t)
         tail = []
         for i in range(m):
             n = min(max(window_start + i + 1 - lo, 0), k_last.shape[1])
-            pi = _pad_rows(p4[:, :, i, lo : lo + n].contiguous())  # [Hkv, G (+pad), n]
+            pi = _pad_rows(p4[:, :, i, lo : lo + n].contiguous(), pad)  # [Hkv, G (+pad), n]
             tail.append(torch.bmm(pi, v_last[:, :n].float())[:, :group])  # [Hkv, G, Dv]
         ot = torch.stack(tail, dim=2).reshape(hkv, rows, -1)  # rows in (g, i) order, as q's
     o = ot if o is None else o + ot
@@ -181,7 +200,8 @@ def lse_attention(
     t = sum(k.shape[1] for k, _ in views)
     ws = t - q.shape[1] if window_start is None else window_start
     if ws >= 0 and not _takes_flash(q, views[0][0]):
-        return concat_segments(q, views, scale, ws).to(q.dtype)
+        o = concat_segments(q, views, scale, ws)
+        return o if o.dtype == q.dtype else o.to(q.dtype)
     parts = []
     offset = 0
     for k, v in views:

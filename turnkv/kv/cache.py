@@ -22,6 +22,7 @@ Invariants (pinned by tests):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -67,13 +68,21 @@ class KVWindow:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's window rows; ``k``, ``v``: ``[Hkv, rows, D]`` (any strides)."""
+        tk, tv = self._rows
+        if k.shape != tk.shape[1:] or v.shape != tk.shape[1:]:
+            want = list(tk.shape[1:])
+            raise ValueError(f"write expects k, v of {want}; got {list(k.shape)}, {list(v.shape)}")
+        tk[layer].copy_(k)
+        tv[layer].copy_(v)
+
+    @functools.cached_property
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's rows of every layer ``[L, Hkv, rows, D]`` in the last view, sliced once per
+        step: a write then indexes one layer (a select, ~0.5 us on a CPU) instead of a select and
+        two slices (~3 us), twice a layer."""
         tk, tv = self.views[-1]
         t = tk.shape[2]
-        want = (tk.shape[1], self.rows, tk.shape[3])
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"write expects k, v of {list(want)}; got {list(k.shape)}, {list(v.shape)}")
-        tk[layer, :, t - self.rows :].copy_(k)
-        tv[layer, :, t - self.rows :].copy_(v)
+        return tk[:, :, t - self.rows :], tv[:, :, t - self.rows :]
 
 
 @runtime_checkable
