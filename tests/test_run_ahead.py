@@ -136,6 +136,7 @@ def test_a_stop_string_and_a_rebase_end_the_answer_at_the_same_token(engine):
 
 
 def test_turns_under_a_grammar_run_ahead_and_answer_alike(engine):
+    pytest.importorskip("llguidance")  # a project dependency; absent on the bare GPU machine
     from turnkv.engine.grammar import Grammars
 
     grammars = Grammars(engine.tokenizer, engine.loaded.config.vocab_size)
