@@ -107,6 +107,21 @@ def test_run_ahead_answers_and_banks_what_the_plain_loop_does(engine):
         assert ids_on == ids_off and torch.equal(k_on, k_off), ns
 
 
+def test_seeded_sampled_turns_run_ahead_and_draw_the_same_tokens(engine):
+    def script(run: Run) -> None:
+        for i, (temp, top_p, top_k) in enumerate(((0.8, 1.0, 0), (1.3, 0.9, 0), (0.7, 1.0, 20))):
+            params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, seed=100 + i, ignore_eos=True)
+            run.submit(f"s{i}", TurnRequest(prompt(16 + i, 60 + i), params, 12 + 5 * i, namespace=f"s{i}"))
+        run.submit("g", TurnRequest(prompt(14, 90), SamplingParams(ignore_eos=True), 10, namespace="g"))
+        run.drain()
+
+    off, on = both(engine, script)
+    assert on.sched.ahead_steps > 0
+    for name in ("s0", "s1", "s2", "g"):
+        assert on.answer(name) == off.answer(name), name
+    assert len({t for t, _, _ in on.answer("s1") if t is not None}) > 1  # it did sample
+
+
 def test_a_stop_string_and_a_rebase_end_the_answer_at_the_same_token(engine):
     # this prompt's greedy answer on random:test starts with two control characters, then "$"s
     stop = "$"

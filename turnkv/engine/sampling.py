@@ -91,7 +91,14 @@ def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tens
 
 
 class Sampler:
-    """Draws one token id from a row of logits under one request's parameters."""
+    """Draws one token id from a row of logits under one request's parameters, on the logits'
+    device: a sampled request draws from its own ``torch.Generator`` on that device.
+
+    ``draw`` keeps the token on the device, so the scheduler can draw a step's one-row windows
+    there before anything reaches the host (and launch the next step from them: run-ahead). A
+    sample is the exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` is distributed as
+    ``p``, one draw of ``V`` exponentials per token -- the same draws whichever path asks, so a
+    seed gives the same tokens with or without run-ahead and speculation."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
@@ -99,7 +106,7 @@ class Sampler:
         self.greedy = params.greedy
         self.generator: torch.Generator | None = None
         if not self.greedy:
-            self.generator = torch.Generator(device="cpu")
+            self.generator = torch.Generator(device=device)
             if params.seed is not None:
                 self.generator.manual_seed(params.seed)
             else:
@@ -107,12 +114,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits ``[V]`` (any float dtype) -> token id."""
+        return int(self.draw(logits).item())
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits ``[V]`` -> the token id as a 0-dim int64 tensor on the logits' device."""
         p = self.params
         if self.bias is not None:
             logits = apply_logit_bias(logits, *self.bias)  # [V] fp32
         if self.greedy:
-            return int(torch.argmax(logits).item())
-        x = logits.float().cpu()  # [V]
+            return torch.argmax(logits)
+        x = logits.float()  # [V]
+        if x.device != self.generator.device:  # e.g. rows copied to the host by a caller
+            x = x.to(self.generator.device)
         # shift first: the maximum becomes 0 and stays finite however small the temperature is
         x = (x - x.max()) / p.temperature  # [V], <= 0
         if p.top_k and p.top_k < x.numel():
@@ -127,4 +140,6 @@ class Sampler:
             drop[0] = False
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator).item())
+        race = torch.empty_like(probs).exponential_(generator=self.generator)  # [V] ~ Exp(1)
+        # (a draw of exactly 0 would make a masked token's 0/0 a NaN, which argmax would pick)
+        return torch.argmax(probs / race.clamp_min_(torch.finfo(torch.float32).tiny))

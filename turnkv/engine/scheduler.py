@@ -4,10 +4,12 @@ Each ``step()`` admits waiting turns while the running set has room (``Turn.begi
 admission), then takes one window from every running turn -- a decode row (or a verify window of
 context-copy drafts) from each decoding turn first, then prefill chunks (and rebase rows) of the
 others in arrival order within the token budget (``max_batch_tokens``) -- runs them as one ``Engine.run_step``, samples every row
-that asked for logits (one batched argmax for the greedy ones) and hands each turn its token.
+that asked for logits (one batched argmax; a sampled turn draws its row on the device into the
+same tensor) and hands each turn its token.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
-**Run-ahead** (CUDA graphs on): a step whose windows are all greedy decode rows stays in flight;
+**Run-ahead** (CUDA graphs on): a step whose windows are all decode rows (greedy or sampled:
+either way the token is chosen on the device) stays in flight;
 the next ``step()`` launches the following decode rows first -- their token ids are the step in
 flight's argmax, still on the device, and their KV rows follow its uncommitted ones -- and only
 then waits for that step's tokens and hands them to the turns (detokenizing, stop strings,
@@ -17,7 +19,7 @@ had one more row computed, never committed (its KV row is dropped as a rejected 
 its token ignored. A step with rows under a grammar is launched ahead without its masks and
 argmax: they need the tokens of the step in flight, so the next ``step()`` adds them (the masks
 filled while the forward runs) before launching the one after. Any other step (admission,
-prefill, drafts, sampling) runs as before: the step in flight completes first.
+prefill, drafts) runs as before: the step in flight completes first.
 
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.
@@ -31,7 +33,7 @@ import signal
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +66,7 @@ class _Launched:
     ready: torch.cuda.Event | None = None  # recorded after that copy
     t0: float = 0.0
     final: bool = False  # masked, argmax taken and on its way to the host (``_finalize``)
+    drawn: set[int] = field(default_factory=set)  # windows whose row a turn drew (``Turn.draw``)
 
 
 class Scheduler:
@@ -248,15 +251,22 @@ class Scheduler:
     def _finalize(self, run: _Launched) -> bool:
         """Mask the constrained rows of ``run`` (each grammar as it stands after the tokens taken so
         far: host work that overlaps the forward on CUDA), take every logit row's argmax in one op,
-        and start its copy to the host (the step's only sync comes at ``_complete``). False if
-        that broke (the step's turns failed)."""
+        put the sampled turns' draws in their rows (on the device), and start the copy to the host
+        (the step's only sync comes at ``_complete``). False if that broke (its turns failed)."""
         if run.final:
             return True
         run.final = True
         result = run.result
         try:
-            self.masks.apply(result.logits, _constrained(run.work, result.plan.logit_offsets))
+            offsets = result.plan.logit_offsets
+            self.masks.apply(result.logits, _constrained(run.work, offsets))
             argmax = run.argmax = result.logits.argmax(-1) if result.logits.shape[0] else None
+            for i, (e, w) in enumerate(run.work):  # sampled one-row windows: drawn on the device
+                if w.logits == 1 and e.turn.owns(w, ahead=True):
+                    tok = e.turn.draw(w, result.logits[offsets[i]])
+                    if tok is not None:
+                        argmax[offsets[i]] = tok
+                        run.drawn.add(i)
             if argmax is not None and argmax.is_cuda:
                 run.host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
                 run.host.copy_(argmax, non_blocking=True)
@@ -297,7 +307,7 @@ class Scheduler:
             if not e.turn.owns(w):  # a run-ahead row of an answer that ended one row earlier
                 continue
             lo, hi = offsets[i], offsets[i] + w.logits
-            out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], labels[i], layers)
+            out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], labels[i], layers, i in run.drawn)
             try:
                 events = e.turn.advance(out)
             except Exception as exc:  # e.g. a sampler or detokenizer error: that turn alone fails

@@ -107,6 +107,7 @@ class WindowOutput:
     argmax: list[int]  # k token ids
     route: str = ""
     calls: int = 0
+    drawn: bool = False  # ``argmax`` holds the turn's own draw for its one row (``Turn.draw``)
 
 
 @dataclass(frozen=True)
@@ -247,17 +248,16 @@ class Turn:
         return self._open
 
     def can_run_ahead(self) -> bool:
-        """Whether the next decode row may be launched before the one in flight completes: a
-        greedy turn (the step's argmax, masked by its grammar if it has one, is its token) without
-        drafts, not cancelled, whose answer has room for both rows (so the tail, pre-sized for
-        the answer, never grows -- a copy that would miss the row in flight)."""
+        """Whether the next decode row may be launched before the one in flight completes: a turn
+        without drafts (its one row's token is drawn on the device, ``draw``), not cancelled,
+        whose answer has room for both rows (so the tail, pre-sized for the answer, never grows
+        -- a copy that would miss the row in flight)."""
         return (
             self.phase == _DECODE
             and self._open is not None
             and len(self._open.tokens) == 1
             and self._ahead is None
             and self.drafts is None
-            and self._fast_greedy
             and self.stats.completion_tokens + 2 <= self.max_tokens
             and not self.request.cancel.is_set()
         )
@@ -269,6 +269,15 @@ class Turn:
         assert self.can_run_ahead()
         self._ahead = Window(self.cache, [0], logits=1, ahead=1)
         return self._ahead
+
+    def draw(self, w: Window, logits: torch.Tensor) -> torch.Tensor | None:
+        """This turn's token for ``w``'s one logit row (already masked by its grammar), drawn on
+        the device, or None when the step's argmax is it (greedy without a bias) or the window
+        verifies drafts (its rows are drawn one by one as far as they match). The scheduler puts
+        it in the step's token tensor: no row goes to the host to be sampled."""
+        if w.logits != 1 or (len(w.tokens) > 1 and self.phase == _DECODE) or self._fast_greedy:
+            return None
+        return self.sampler.draw(logits)
 
     def owns(self, w: Window, ahead: bool = False) -> bool:
         """Whether ``w`` is this turn's window still to complete (a run-ahead window of an answer
@@ -307,7 +316,7 @@ class Turn:
             return []
         self.stats.prefill_s = time.perf_counter() - self._t0
         self.phase = _DECODE
-        tok = out.argmax[-1] if self._fast_greedy else self.sampler(out.logits[-1])
+        tok = out.argmax[-1] if out.drawn or self._fast_greedy else self.sampler(out.logits[-1])
         if self.drafts is not None:
             self.drafts.push(tok)
         events, finish, flushed = self._take(tok)
@@ -342,12 +351,11 @@ class Turn:
         is not the next draft token (the correction; after a full match, the bonus) or at the end
         of the answer. Only the rows up to that cut are committed (the rollback: no copy)."""
         draft = w.tokens[1:]
-        greedy = self._fast_greedy
-        rows = out.logits if greedy else out.logits.float().cpu()  # [k+1, V], one transfer
+        given = self._fast_greedy or out.drawn  # the step's tokens are this turn's own
         events: list[TurnEvent] = []
         finish, flushed, accepted, n = None, False, 0, 0
         for i in range(len(draft) + 1):
-            tok = out.argmax[i] if greedy else self.sampler(rows[i])
+            tok = out.argmax[i] if given else self.sampler(out.logits[i])
             n += 1
             if self.drafts is not None:
                 self.drafts.push(tok)
