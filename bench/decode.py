@@ -138,8 +138,8 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, run_ahe
             t if t not in eos else (t + 1) % vocab
             for t in torch.randint(0, vocab, (args.new,), generator=g).tolist()
         ]
-        req = TurnRequest([*snap.tokens, *new], SamplingParams(ignore_eos=True),
-                          max_tokens=args.gen, namespace=f"c{i}")  # fmt: skip
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i, ignore_eos=True)
+        req = TurnRequest([*snap.tokens, *new], params, max_tokens=args.gen, namespace=f"c{i}")
         sched.submit(req, lambda ev: None)
     while not (sched.running and all(e.turn.phase == "decode" for e in sched.running)) and sched.busy:
         sched.step()  # admission, restore and the follow-ups' prefill
@@ -262,6 +262,10 @@ def main() -> None:
     ap.add_argument("--layouts", default="segmented,contiguous")
     ap.add_argument("--cuda-graphs", default="auto")
     ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; else each turn samples (seeded)"
+    )
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument(
         "--run-ahead",
         default="auto",

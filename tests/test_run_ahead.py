@@ -84,6 +84,7 @@ def cuda_engine() -> Engine:
 def test_on_cuda_run_ahead_is_on_by_default_and_changes_no_bit(cuda_engine):
     assert Scheduler(cuda_engine, cuda_engine.new_bank("64M")).run_ahead  # graphs on: auto is on
     test_run_ahead_answers_and_banks_what_the_plain_loop_does(cuda_engine)
+    test_seeded_sampled_turns_run_ahead_and_draw_the_same_tokens(cuda_engine)
 
 
 def test_run_ahead_answers_and_banks_what_the_plain_loop_does(engine):
