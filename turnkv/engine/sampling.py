@@ -135,9 +135,11 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p, and always the most likely token
-            drop = cum - sorted_p >= p.top_p
-            drop[0] = False
+            # keep the smallest prefix whose mass reaches top_p; the most likely token always
+            # stays (its mass before it is exactly 0 < top_p). No element is written from the
+            # host: on CUDA that is a copy from pageable memory, which waits for the forward
+            # (a top_p below fp32's smallest normal would round to 0 and drop that token too)
+            drop = cum - sorted_p >= max(p.top_p, torch.finfo(torch.float32).tiny)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         race = torch.empty_like(probs).exponential_(generator=self.generator)  # [V] ~ Exp(1)
