@@ -106,3 +106,26 @@ def test_logit_bias_bans_and_forces_tokens_greedy_and_sampled():
     assert banned != top
     forced = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias=((7, 100.0),)))
     assert {forced(logits) for _ in range(30)} == {7}
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_a_row_draws_the_same_token_alone_and_among_others(device):
+    """draw_rows over a step's sampled rows gives each row what its sampler gives it alone (one
+    seed, one token, whatever else the step samples), for mixed parameters and a greedy row."""
+    from turnkv.engine.sampling import draw_rows
+
+    v = 4099
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=s)
+              for s, (t, p, k) in enumerate([(0.7, 1.0, 0), (1.3, 0.9, 0), (1.0, 1.0, 40), (0.5, 0.5, 7),
+                                             (2.0, 0.999, 0), (1e-3, 1.0, 0)])]  # fmt: skip
+    params.append(SamplingParams(logit_bias=((3, 50.0),)))  # greedy, but needs a draw
+    gen = torch.Generator().manual_seed(20)
+    logits = (torch.randn(len(params), v, generator=gen) * 5).to(device)
+    for _ in range(5):
+        alone = [Sampler(p, device) for p in params]
+        together = [Sampler(p, device) for p in params]
+        want = [int(sp.draw(row)) for sp, row in zip(alone, logits, strict=True)]
+        got = draw_rows(together, logits).tolist()
+        assert got == want
+        assert got[-1] == 3  # the bias forced it
+        logits = logits.roll(1, dims=1)

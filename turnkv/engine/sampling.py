@@ -117,31 +117,63 @@ class Sampler:
         return int(self.draw(logits).item())
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits ``[V]`` -> the token id as a 0-dim int64 tensor on the logits' device."""
-        p = self.params
-        if self.bias is not None:
-            logits = apply_logit_bias(logits, *self.bias)  # [V] fp32
-        if self.greedy:
-            return torch.argmax(logits)
-        x = logits.float()  # [V]
-        if x.device != self.generator.device:  # e.g. rows copied to the host by a caller
-            x = x.to(self.generator.device)
-        # shift first: the maximum becomes 0 and stays finite however small the temperature is
-        x = (x - x.max()) / p.temperature  # [V], <= 0
-        if p.top_k and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)  # [V]; the maximum contributes exp(0) = 1, so no NaN
-        if p.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p; the most likely token always
-            # stays (its mass before it is exactly 0 < top_p). No element is written from the
-            # host: on CUDA that is a copy from pageable memory, which waits for the forward
-            # (a top_p below fp32's smallest normal would round to 0 and drop that token too)
-            drop = cum - sorted_p >= max(p.top_p, torch.finfo(torch.float32).tiny)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        race = torch.empty_like(probs).exponential_(generator=self.generator)  # [V] ~ Exp(1)
-        # (a draw of exactly 0 would make a masked token's 0/0 a NaN, which argmax would pick)
-        return torch.argmax(probs / race.clamp_min_(torch.finfo(torch.float32).tiny))
+        """logits ``[V]`` -> the token id as a 0-dim int64 tensor on the logits' device (the same
+        bits as this row drawn among others by ``draw_rows``)."""
+        return draw_rows([self], logits[None])[0]
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the device (pinned, async)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def draw_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """One token per row: ``logits`` ``[S, V]`` (row ``i`` under ``samplers[i]``) -> int64 ``[S]``
+    on the logits' device, in a few launches for all rows (a step's sampled turns together).
+
+    A row's token does not depend on the other rows: every op is per row (the max, the softmax,
+    the sort and its running sum, the argmax over a row's own values; each row's exponentials
+    come from its own generator), and a row asking for no top-k or top-p cut goes through the
+    same ops as one that does, cutting nothing. So a seed gives the same tokens whatever else is
+    sampled in the step, and a verify window's rows, drawn one by one, draw as decode steps do."""
+    x = logits.float()  # [S, V]
+    if any(sp.bias is not None for sp in samplers):
+        x = torch.stack([apply_logit_bias(r, *sp.bias) if sp.bias is not None else r
+                         for r, sp in zip(x, samplers, strict=True)])  # fmt: skip
+    if all(sp.greedy for sp in samplers):
+        return torch.argmax(x, dim=-1)
+    dev, v = x.device, x.shape[1]
+    temps = on_device(
+        [sp.params.temperature if not sp.greedy else 1.0 for sp in samplers], torch.float32, dev
+    )
+    # shift first: the maximum becomes 0 and stays finite however small the temperature is
+    x = (x - x.amax(dim=-1, keepdim=True)) / temps[:, None]  # [S, V], <= 0
+    ks = [sp.params.top_k if 0 < sp.params.top_k < v else 0 for sp in samplers]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values  # [S, K] descending
+        kth = top.gather(1, on_device([max(k - 1, 0) for k in ks], torch.int64, dev)[:, None])  # [S, 1]
+        kth = kth.masked_fill(on_device([k == 0 for k in ks], torch.bool, dev)[:, None], float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [S, V]; each row's maximum contributes exp(0) = 1: no NaN
+    tiny = torch.finfo(torch.float32).tiny
+    if any(sp.params.top_p < 1.0 for sp in samplers):
+        # keep the smallest prefix whose mass reaches top_p; the most likely token always stays
+        # (its mass before it is exactly 0; a top_p below fp32's smallest normal would round to
+        # 0, hence the floor); a row without a cut gets 2 and keeps everything
+        cut = [max(sp.params.top_p, tiny) if sp.params.top_p < 1.0 else 2.0 for sp in samplers]
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= on_device(cut, torch.float32, dev)[:, None]
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+    # the exponential race: argmax(p / E), E ~ Exp(1) per token, is distributed as p
+    race = torch.ones_like(probs)
+    for i, sp in enumerate(samplers):
+        if not sp.greedy:
+            race[i].exponential_(generator=sp.generator)
+    # (a draw of exactly 0 would make a masked token's 0/0 a NaN, which argmax would pick)
+    chosen = torch.argmax(probs / race.clamp_min_(tiny), dim=-1)  # [S]
+    greedy = [i for i, sp in enumerate(samplers) if sp.greedy]
+    if greedy:  # greedy rows among sampled ones (a logit_bias made them need a draw): the argmax
+        rows = on_device(greedy, torch.int64, dev)
+        chosen = chosen.index_copy(0, rows, torch.argmax(x.index_select(0, rows), dim=-1))
+    return chosen

@@ -40,6 +40,7 @@ import torch
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine, StepResult
 from turnkv.engine.grammar import StepMasks
+from turnkv.engine.sampling import draw_rows, on_device
 from turnkv.engine.step import Window
 from turnkv.engine.turn import Failed, Turn, TurnEvent, TurnRequest, WindowOutput
 
@@ -261,12 +262,14 @@ class Scheduler:
             offsets = result.plan.logit_offsets
             self.masks.apply(result.logits, _constrained(run.work, offsets))
             argmax = run.argmax = result.logits.argmax(-1) if result.logits.shape[0] else None
-            for i, (e, w) in enumerate(run.work):  # sampled one-row windows: drawn on the device
-                if w.logits == 1 and e.turn.owns(w, ahead=True):
-                    tok = e.turn.draw(w, result.logits[offsets[i]])
-                    if tok is not None:
-                        argmax[offsets[i]] = tok
-                        run.drawn.add(i)
+            drawers = [(i, e.turn.drawer(w)) for i, (e, w) in enumerate(run.work)
+                       if w.logits == 1 and e.turn.owns(w, ahead=True)]  # fmt: skip
+            drawers = [(i, sp) for i, sp in drawers if sp is not None]
+            if drawers:  # the sampled one-row windows, drawn together on the device
+                rows = on_device([offsets[i] for i, _ in drawers], torch.int64, argmax.device)
+                tokens = draw_rows([sp for _, sp in drawers], result.logits.index_select(0, rows))
+                argmax.index_copy_(0, rows, tokens)
+                run.drawn.update(i for i, _ in drawers)
             if argmax is not None and argmax.is_cuda:
                 run.host = torch.empty(argmax.shape, dtype=argmax.dtype, pin_memory=True)
                 run.host.copy_(argmax, non_blocking=True)

@@ -270,14 +270,14 @@ class Turn:
         self._ahead = Window(self.cache, [0], logits=1, ahead=1)
         return self._ahead
 
-    def draw(self, w: Window, logits: torch.Tensor) -> torch.Tensor | None:
-        """This turn's token for ``w``'s one logit row (already masked by its grammar), drawn on
-        the device, or None when the step's argmax is it (greedy without a bias) or the window
-        verifies drafts (its rows are drawn one by one as far as they match). The scheduler puts
-        it in the step's token tensor: no row goes to the host to be sampled."""
+    def drawer(self, w: Window) -> Sampler | None:
+        """The sampler that draws ``w``'s one logit row on the device (``sampling.draw_rows``, the
+        step's sampled rows together), or None when the step's argmax is its token (greedy without
+        a bias) or the window verifies drafts (its rows are drawn one by one as far as they
+        match). No row then goes to the host to be sampled."""
         if w.logits != 1 or (len(w.tokens) > 1 and self.phase == _DECODE) or self._fast_greedy:
             return None
-        return self.sampler.draw(logits)
+        return self.sampler
 
     def owns(self, w: Window, ahead: bool = False) -> bool:
         """Whether ``w`` is this turn's window still to complete (a run-ahead window of an answer
