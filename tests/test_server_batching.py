@@ -53,6 +53,21 @@ def conversation(client, label: int, turns: int = 3) -> tuple[list[str], list[in
     return answers, cached
 
 
+def at_once(live, n: int) -> dict[int, tuple]:
+    """``conversation`` ``0..n-1``, each on its own client thread, all at once."""
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        results[i] = conversation(live.client(), i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
 def test_eight_conversations_at_once_match_the_same_conversations_one_at_a_time(loaded):
     serial = Live(loaded, max_running=1)
     try:
@@ -61,16 +76,7 @@ def test_eight_conversations_at_once_match_the_same_conversations_one_at_a_time(
         serial.close()
     batched = Live(loaded, max_running=8, max_batch_tokens=256)
     try:
-        results: dict[int, tuple] = {}
-
-        def run(i: int) -> None:
-            results[i] = conversation(batched.client(), i)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        results = at_once(batched, 8)
         assert len(results) == 8
         h = batched.health()["scheduler"]
         assert h["steps"] > 0 and h["rows_per_step"] > 0
@@ -93,6 +99,40 @@ def test_eight_conversations_at_once_match_the_same_conversations_one_at_a_time(
         answers, cached = results[i]
         assert answers == alone[i][0], i
         assert cached[0] < cached[1] < cached[2]  # every follow-up restored its growing history
+
+
+def test_the_server_running_ahead_answers_as_the_plain_step_loop(loaded):
+    """--run-ahead on (on a CPU only the order of work changes): 8 conversations at once, greedy
+    and seeded samples, streamed and not, get the answers of the plain loop; a stream the client
+    leaves still frees its slot."""
+
+    def serve(mode: str) -> tuple[dict, dict]:
+        live = Live(loaded, max_running=8, max_batch_tokens=256, run_ahead=mode, speculate="off")
+        try:
+            results = at_once(live, 8)
+            sampled = live.client().chat.completions.create(
+                model=MODEL, messages=[SYSTEM, {"role": "user", "content": "sample"}], max_tokens=12,
+                temperature=0.9, top_p=0.9, seed=11,
+            )  # fmt: skip
+            results[99] = (sampled.choices[0].message.content,)
+            body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "go"}], "max_tokens": 500,
+                    "stream": True, "temperature": 0}  # fmt: skip
+            with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n > 6:
+                        break  # the client leaves mid-answer
+            live.idle()
+            return results, live.health()["scheduler"]
+        finally:
+            live.close()
+
+    plain, plain_health = serve("off")
+    ahead, health = serve("on")
+    assert health["run_ahead"]["enabled"] and health["run_ahead"]["steps"] > 0
+    assert plain_health["run_ahead"] == {"enabled": False, "steps": 0}
+    assert health["running"] == 0 and health["waiting"] == 0
+    for i in (*range(8), 99):
+        assert ahead[i][0] == plain[i][0], i
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot_and_its_rows_are_banked(loaded):

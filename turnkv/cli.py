@@ -55,6 +55,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
     add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA")
     add(
+        "--run-ahead",
+        "run_ahead",
+        "launch each decode step before the last one's tokens are taken (auto: where decode replays CUDA graphs)",
+    )
+    add(
         "--speculate",
         "speculate",
         "context-copy speculative decoding (auto: on unless decode replays CUDA graphs)",

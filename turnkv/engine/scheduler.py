@@ -85,7 +85,7 @@ class Scheduler:
     ) -> None:
         """``queue_timeout`` (s, 0 = none): a turn still waiting for admission after it fails with
         ``queue_timeout`` (HTTP 503). ``observe(windows, rows, seconds)`` hears of every step.
-        ``run_ahead`` (module docstring): None = where decode steps replay CUDA graphs."""
+        ``run_ahead`` (module docstring): None = as ``--run-ahead`` says."""
         self.engine = engine
         self.queue_timeout = queue_timeout
         self.observe = observe
@@ -103,7 +103,10 @@ class Scheduler:
         self.masks = StepMasks()  # grammar masks of constrained turns' rows
         self.inflight: _Launched | None = None  # a decode step whose tokens are not taken yet
         # run-ahead where decode steps replay CUDA graphs (module docstring)
-        self.run_ahead = engine.graphs.status == "on" if run_ahead is None else run_ahead
+        if run_ahead is None:  # --run-ahead (auto: where decode steps replay CUDA graphs)
+            mode = engine.cfg.run_ahead
+            run_ahead = mode == "on" or (mode == "auto" and engine.graphs.status == "on")
+        self.run_ahead = run_ahead
         self.ahead_steps = 0  # steps launched before the previous one completed
         self._done_at = 0.0  # when the last step's tokens were taken
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
