@@ -90,6 +90,21 @@ def test_the_all_reduce_on_a_cpu_is_gloo_and_a_bad_setting_is_refused(monkeypatc
         make_one_shot(None, torch.device("cpu"), torch.float32)
 
 
+def test_a_group_s_server_has_no_queue_timeout():
+    # rank 0's clock would drop a waiting turn that the other ranks go on admitting
+    from turnkv.config import EngineConfig
+    from turnkv.engine.engine import Engine
+    from turnkv.server.app import Server
+
+    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", queue_timeout=5.0)
+    engine = Engine.from_config(cfg)
+    assert Server(engine, cfg).worker.scheduler.queue_timeout == 5.0
+    from types import SimpleNamespace
+
+    engine.tp = SimpleNamespace(group=SimpleNamespace(on_down=[]))  # as if rank 0 of a group
+    assert Server(engine, cfg).worker.scheduler.queue_timeout == 0.0
+
+
 def test_the_command_refuses_before_loading(capsys, monkeypatch):
     assert main(["generate", "--model", "default", "--tensor-parallel", "2", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

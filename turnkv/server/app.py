@@ -77,7 +77,10 @@ class Server:
         self.engine = engine
         self.cfg = cfg
         self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes, disk=True)
-        scheduler = Scheduler(engine, self.bank, cfg.max_running, cfg.max_batch_tokens, cfg.queue_timeout)
+        # no queue timeout under tensor parallelism: it is decided by rank 0's clock and the other
+        # ranks would go on admitting the turn it dropped (their schedulers would diverge)
+        timeout = cfg.queue_timeout if engine.tp is None else 0.0
+        scheduler = Scheduler(engine, self.bank, cfg.max_running, cfg.max_batch_tokens, timeout)
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
         scheduler.observe = self.metrics.step
         self.worker = EngineWorker(scheduler)
