@@ -22,9 +22,9 @@ import statistics
 import time
 
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import Failed, GenEvent, TurnRequest
 
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor violet engine whisper canyon ledger "

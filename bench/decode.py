@@ -42,9 +42,9 @@ from report import save
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Failed, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import Failed, TurnRequest
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 SPLITS = (0.72, 0.19, 0.09)  # sizes that the merge policy keeps as three segments

@@ -39,10 +39,10 @@ from report import save
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Failed, TurnRequest
 from turnkv.engine.grammar import Grammars
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import Failed, TurnRequest
 from turnkv.models.load import load_model
 
 RECORDS = {

@@ -27,9 +27,9 @@ from report import save
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Banked, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import run_turn
-from turnkv.engine.turn import Banked, GenEvent, TurnRequest
 
 
 def _mem_now(device: torch.device) -> int:

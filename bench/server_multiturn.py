@@ -55,9 +55,9 @@ from report import save
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import run_turn
-from turnkv.engine.turn import Admitted, Failed, GenEvent, TurnRequest
 
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor violet engine whisper canyon ledger "

@@ -52,10 +52,10 @@ from spec_prompts import BATCH_8, CONVERSATIONS, Conversation, by_name, of_kind
 from turnkv.config import EngineConfig
 from turnkv.engine.context_copy import ContextIndex, Speculation
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import Window
-from turnkv.engine.turn import Failed, GenEvent, TurnRequest
 
 FIRST_TOKENS = 200  # the first answer of a revision (longer ones of this model tend to loop)
 

@@ -11,9 +11,9 @@ from turnkv.bank.disk import DiskTier
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import run_turn
-from turnkv.engine.turn import Failed, GenEvent, TurnRequest
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
 

@@ -32,10 +32,10 @@ from turnkv.engine.context_copy import (
     StepCost,
 )
 from turnkv.engine.engine import Engine, StepResult
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import plan_step
-from turnkv.engine.turn import GenEvent, TurnRequest
 
 
 class FixedCost(StepCost):

@@ -9,10 +9,10 @@ import torch
 from turnkv.config import EngineConfig
 from turnkv.engine.cpu_threads import FixedThreads, ThreadGovernor, candidates, is_decode, make_thread_policy
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import Window
-from turnkv.engine.turn import GenEvent, TurnRequest
 from turnkv.models import quant
 
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.grammar import GrammarError, Grammars, ToolCallShape
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
-from turnkv.engine.turn import GenEvent, TurnRequest
 from turnkv.toolcalls import HERMES, parse
 
 

@@ -15,9 +15,9 @@ import torch
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import GenEvent, TurnRequest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 

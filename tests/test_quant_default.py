@@ -16,10 +16,10 @@ from turnkv.attention.backend import PortableBackend
 from turnkv.attention.route import Verdict
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import run_turn
 from turnkv.engine.step import Window, forward
-from turnkv.engine.turn import GenEvent, TurnRequest
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
 from turnkv.models import quant

@@ -13,9 +13,9 @@ import torch
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Banked, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import Banked, GenEvent, TurnRequest
 
 
 @pytest.fixture(scope="module")

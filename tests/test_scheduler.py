@@ -9,9 +9,9 @@ import pytest
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import Admitted, Failed, GenEvent, TurnRequest
 
 
 @pytest.fixture(scope="module")

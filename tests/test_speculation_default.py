@@ -16,9 +16,9 @@ from test_context_copy import speculation
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import GenEvent, TurnRequest
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ import torch
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.engine.step import Window
-from turnkv.engine.turn import GenEvent, TurnRequest
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import torch
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Admitted, Banked, Failed, GenEvent, TurnRequest, WindowOutput
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
-from turnkv.engine.turn import Admitted, Banked, Failed, GenEvent, Turn, TurnRequest, WindowOutput
+from turnkv.engine.turn import Turn
 
 
 @pytest.fixture(scope="module")

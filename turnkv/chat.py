@@ -24,10 +24,10 @@ from dataclasses import asdict
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine
+from turnkv.engine.events import Failed, GenEvent, TurnRequest, TurnStats
 from turnkv.engine.history import ChatHistory
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import run_turn
-from turnkv.engine.turn import Failed, GenEvent, TurnRequest, TurnStats
 
 HELP = "commands: /undo (back one turn), /reset, /stats, /quit"
 

@@ -39,10 +39,11 @@ import torch
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine, StepResult
+from turnkv.engine.events import Failed, TurnEvent, TurnRequest, WindowOutput
 from turnkv.engine.grammar import StepMasks
 from turnkv.engine.sampling import draw_rows, on_device
 from turnkv.engine.step import Window
-from turnkv.engine.turn import Failed, Turn, TurnEvent, TurnRequest, WindowOutput
+from turnkv.engine.turn import Turn
 
 log = logging.getLogger(__name__)
 

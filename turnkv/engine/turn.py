@@ -21,17 +21,22 @@ computed here once. A cancelled turn still seals and banks the rows it computed.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
-from turnkv.engine.grammar import Constraint, Grammar
-from turnkv.engine.sampling import Sampler, SamplingParams
+from turnkv.engine.events import (
+    Admitted,
+    Banked,
+    Failed,
+    GenEvent,
+    TurnEvent,
+    TurnRequest,
+    TurnStats,
+    WindowOutput,
+)
+from turnkv.engine.grammar import Constraint
+from turnkv.engine.sampling import Sampler
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
 from turnkv.kv.cache import common_prefix_len
@@ -48,105 +53,6 @@ DEFAULT_MAX_TOKENS = 4096
 REBASE_SLACK_ROWS = 8
 REBASE_MAX_ROWS = 64  # at most this many rows are prefilled to match the re-rendered history
 
-
-@dataclass
-class TurnRequest:
-    """What a request asks once its body is parsed.
-
-    ``max_tokens`` None means as many as the context and the bank budget allow, at most
-    ``DEFAULT_MAX_TOKENS``; an explicit value that does not fit the context is refused
-    (``context_length_exceeded``), as with vLLM.
-    ``render_history`` (optional) returns the token ids the client will send back for this
-    conversation once the answer text is appended (the chat template applied to the history plus
-    the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
-    ``grammar`` (optional, ``engine.grammar.Grammar``) constrains every answer token: the step
-    masks the turn's logits row before any choice, the answer ends when the grammar is complete
-    (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
-    """
-
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None
-    namespace: str = ""
-    session: str | None = None
-    render_history: Callable[[str], list[int]] | None = None
-    cancel: threading.Event = field(default_factory=threading.Event)
-    grammar: Grammar | None = None
-
-
-@dataclass
-class TurnStats:
-    """Figures of one turn (reported by ``turnkv generate --json`` and the server's usage)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt rows the bank already held
-    prefilled_tokens: int = 0  # prompt rows computed by this turn
-    completion_tokens: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    decode_tok_s: float = 0.0
-    forwards: int = 0  # steps this turn took part in
-    queue_s: float = 0.0  # from submit to admission (waiting for memory or a running slot)
-    token_gaps_s: list[float] = field(default_factory=list, repr=False)  # between answer tokens
-    decode_forwards: int = 0  # of which decode windows (one row, or a verify window)
-    drafted: int = 0  # tokens drafted from the conversation and verified (context-copy speculation)
-    accepted: int = 0  # drafted tokens the target model agreed with
-    verify_windows: int = 0  # decode windows that carried a draft
-    rebase_rows: int = 0
-    route_counts: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class WindowOutput:
-    """What a step computed for one window: the logits of the rows it asked for and their argmax
-    (taken for the whole step in one batched op and one host transfer), and the route label of
-    its attention calls (``calls`` of them: one per layer)."""
-
-    logits: torch.Tensor  # [k, V] fp32, on the device
-    argmax: list[int]  # k token ids
-    route: str = ""
-    calls: int = 0
-    drawn: bool = False  # ``argmax`` holds the turn's own draw for its one row (``Turn.draw``)
-
-
-@dataclass(frozen=True)
-class Admitted:
-    prompt_tokens: int
-    cached_tokens: int
-    needed_bytes: int
-
-
-@dataclass
-class GenEvent:
-    """One sampled token and the text it made final; the last event carries the end."""
-
-    token_id: int | None
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
-    stats: TurnStats | None = None
-
-
-@dataclass(frozen=True)
-class Banked:
-    entry_id: int | None
-    banked_tokens: int
-    rebase_rows: int  # rows recomputed after the answer so the bank matches the re-rendered history
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A turn that ended without an answer. ``code``: ``invalid_request_error``,
-    ``context_length_exceeded``, ``kv_memory_exhausted`` (with the byte counts), ``cancelled`` or
-    ``internal_error``; the server maps it to an HTTP status."""
-
-    code: str
-    message: str
-    needed_bytes: int | None = None
-    available_bytes: int | None = None
-
-
-TurnEvent = Admitted | GenEvent | Banked | Failed
 
 _PREFILL, _DECODE, _REBASE, _DONE = "prefill", "decode", "rebase", "done"
 

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from turnkv.engine.events import Failed, TurnRequest
 from turnkv.engine.history import history_from_spec, history_spec
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.turn import Failed, TurnRequest
 
 if TYPE_CHECKING:
     from turnkv.engine.engine import Engine

@@ -29,9 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
+from turnkv.engine.events import Admitted, Failed, TurnRequest
 from turnkv.engine.grammar import Grammars
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.turn import Admitted, Failed, TurnRequest
 from turnkv.parallel.control import DOWN_CODE, down_message
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body

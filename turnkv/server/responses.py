@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from turnkv.engine.turn import Admitted, Failed, GenEvent, TurnRequest
+from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.server.schemas import ApiError
 from turnkv.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 

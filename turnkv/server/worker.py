@@ -15,8 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from turnkv.engine.events import Banked, Failed, TurnRequest
 from turnkv.engine.scheduler import Emit, Scheduler
-from turnkv.engine.turn import Banked, Failed, TurnRequest
 
 log = logging.getLogger(__name__)
 
