@@ -4,8 +4,8 @@ For the linear layers of the 8B shape on one GPU and cut over two (``--tp 2``: q
 gate/up keep 1/N of their rows, o and down 1/N of their columns) and one row of ``x``, each
 candidate runs over enough distinct copies of the weight that they do not fit the L2 cache (a
 step reads 32 layers' weights once), captured in a CUDA graph; per call: microseconds and the
-weight bytes over that time against the copy rate measured in the same run. ``pick`` is
-``triton_gemv.pick``'s choice; ``best`` the fastest tile of the sweep. Every GEMV output is
+weight bytes over that time against the copy rate measured in the same run
+(``decode.copy_bandwidth``). ``pick`` is ``triton_gemv.pick``'s choice; ``best`` the fastest tile of the sweep. Every GEMV output is
 checked against the fp32 product (one bf16 rounding).
 
     python bench/gemv.py --tp 1,2
@@ -18,6 +18,7 @@ import itertools
 import json
 
 import torch
+from decode import copy_bandwidth
 from report import save
 
 SHAPES = {  # name: (N out, K in) of llama3-8b's linear layers (fused qkv and gate|up)
@@ -35,20 +36,6 @@ def cut(name: str, n: int, k: int, tp: int) -> tuple[int, int]:
     if name in ("o", "down"):  # row-parallel: input columns cut
         return n, k // tp
     return n // tp, k  # column-parallel (and the vocabulary-split LM head)
-
-
-def copy_rate(dev) -> float:
-    a = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(20):
-        b.copy_(a)
-    e1.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (e0.elapsed_time(e1) * 1e-3)
 
 
 def time_calls(fn, weights, reps: int = 10) -> float:
@@ -85,7 +72,7 @@ def main() -> None:
     ap.add_argument("--tag", default="gemv")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rate = copy_rate(torch.device("cuda"))
+    rate = copy_bandwidth(torch.device("cuda"))  # the copy rate decode.py measures its roof by
     bns, bks, wps, sts = ([int(v) for v in part.split(",")] for part in args.sweep.split(":"))
     results = {"copy_bytes_s": rate, "rows": []}
     print(f"copy rate {rate / 1e12:.2f} TB/s")

@@ -94,9 +94,9 @@ class Sampler:
     """Draws one token id from a row of logits under one request's parameters, on the logits'
     device: a sampled request draws from its own ``torch.Generator`` on that device.
 
-    ``draw`` keeps the token on the device, so the scheduler can draw a step's one-row windows
-    there before anything reaches the host (and launch the next step from them: run-ahead). A
-    sample is the exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` is distributed as
+    ``draw_rows`` keeps the tokens on the device, so the scheduler draws a step's sampled one-row
+    windows there before anything reaches the host (and launches the next step from them:
+    run-ahead); ``draw`` is one row of it. A sample is the exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` is distributed as
     ``p``, one draw of ``V`` exponentials per token -- the same draws whichever path asks, so a
     seed gives the same tokens with or without run-ahead and speculation."""
 

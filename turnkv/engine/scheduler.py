@@ -8,7 +8,7 @@ that asked for logits (one batched argmax; a sampled turn draws its row on the d
 same tensor) and hands each turn its token.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
-**Run-ahead** (CUDA graphs on): a step whose windows are all decode rows (greedy or sampled:
+**Run-ahead** (``--run-ahead``; ``auto``: where decode steps replay CUDA graphs): a step whose windows are all decode rows (greedy or sampled:
 either way the token is chosen on the device) stays in flight;
 the next ``step()`` launches the following decode rows first -- their token ids are the step in
 flight's argmax, still on the device, and their KV rows follow its uncommitted ones -- and only
@@ -68,7 +68,7 @@ class _Launched:
     ready: torch.cuda.Event | None = None  # recorded after that copy
     t0: float = 0.0
     final: bool = False  # masked, argmax taken and on its way to the host (``_finalize``)
-    drawn: set[int] = field(default_factory=set)  # windows whose row a turn drew (``Turn.draw``)
+    drawn: set[int] = field(default_factory=set)  # windows whose row a sampler drew (``draw_rows``)
 
 
 class Scheduler:
@@ -103,7 +103,6 @@ class Scheduler:
         self.rows_per_step = 0.0
         self.masks = StepMasks()  # grammar masks of constrained turns' rows
         self.inflight: _Launched | None = None  # a decode step whose tokens are not taken yet
-        # run-ahead where decode steps replay CUDA graphs (module docstring)
         if run_ahead is None:  # --run-ahead (auto: where decode steps replay CUDA graphs)
             mode = engine.cfg.run_ahead
             run_ahead = mode == "on" or (mode == "auto" and engine.graphs.status == "on")
@@ -246,7 +245,7 @@ class Scheduler:
         windows = [w for _, w in work]
         t0 = time.perf_counter()
         try:
-            result = self.engine.run_step(windows) if ids is None else self.engine.run_step(windows, ids)
+            result = self.engine.run_step(windows, ids)
         except Exception as exc:  # a broken step fails its turns, never the loop
             self._fail_step(work, exc)
             return None

@@ -155,7 +155,7 @@ class Turn:
 
     def can_run_ahead(self) -> bool:
         """Whether the next decode row may be launched before the one in flight completes: a turn
-        without drafts (its one row's token is drawn on the device, ``draw``), not cancelled,
+        without drafts (its one row's token is chosen on the device, ``drawer``), not cancelled,
         whose answer has room for both rows (so the tail, pre-sized for the answer, never grows
         -- a copy that would miss the row in flight)."""
         return (

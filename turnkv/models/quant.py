@@ -293,8 +293,9 @@ def _triton_gemv():
 
 
 def _gemv_for(x: torch.Tensor, w: torch.Tensor):
-    """``triton_gemv`` where it serves ``x @ w.T`` (one row on CUDA: batch-1 decode), else None."""
-    if not (w.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+    """``triton_gemv`` where it serves ``x @ w.T`` (on CUDA, what ``triton_gemv.takes``: one row,
+    batch-1 decode), else None."""
+    if not w.is_cuda:
         return None
     mod = _triton_gemv()
     return mod if mod is not None and mod.takes(x, w) else None
