@@ -11,6 +11,9 @@ llama.cpp's includes the KV cache and compute buffers it allocates for ``n_ctx``
 
     python bench/cpu.py                       # threads 1,2; neighbour off,on
     python bench/cpu.py --threads 2 --neighbour off --engines turnkv-packed,llama.cpp
+    python bench/cpu.py --engines turnkv-packed,turnkv-packed@float32,llama.cpp   # KV dtype A/B
+
+``turnkv-WEIGHTS@KV`` sets ``--kv-dtype`` (default ``auto``: bfloat16 on a CPU).
 
 llama.cpp runs from its own virtual environment (never a project dependency), by default
 ``~/.cache/turnkv-bench/llamacpp-venv``; build it once with ``--build-llama-cpp`` (the sdist,
@@ -68,7 +71,9 @@ def _child_turnkv(opts: dict) -> dict:
     set_threads(opts["threads"])
     torch.zeros(8, 8) @ torch.zeros(8, 8)  # torch's own start-up is not the model's memory
     before = _rss_mib()
-    cfg = EngineConfig(device="cpu", weights=opts["weights"], threads=opts["threads"])  # fixed count
+    cfg = EngineConfig(  # a fixed thread count
+        device="cpu", weights=opts["weights"], kv_dtype=opts["kv_dtype"], threads=opts["threads"]
+    )
     eng = Engine.from_config(cfg, progress=False)
     rss = _rss_mib() - before
     tok = eng.tokenizer
@@ -100,6 +105,7 @@ def _child_turnkv(opts: dict) -> dict:
     long_ids = _long_prompt(tok.encode, answer_ids, opts["context"])
     long = run(long_ids)
     row = _row(opts, rss, answer, short, long, len(long_ids), eng.loaded.weights)
+    row["kv_dtype"] = eng.info.kv_dtype
     row["decode_cpu_ms_per_token"] = decode_cpu_ms(answer_ids)
     return row
 
@@ -267,13 +273,15 @@ def run_parent(args: argparse.Namespace) -> None:
     for threads in [0 if t == "auto" else int(t) for t in args.threads.split(",")]:
         for neighbour in [n == "on" for n in args.neighbour.split(",")]:
             for engine in engines:
+                weights, _, kv = engine.removeprefix("turnkv-").partition("@")
                 opts = {
                     "engine": engine,
                     "threads": threads,
                     "neighbour": neighbour,
                     "gen": args.gen,
                     "context": args.context,
-                    "weights": engine.removeprefix("turnkv-"),
+                    "weights": weights,
+                    "kv_dtype": kv or "auto",
                     "gguf": str(gguf),
                     "prompt_ids": ids,
                     "long_ids": long_ids,

@@ -260,6 +260,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--layouts", default="segmented,contiguous")
+    ap.add_argument("--kv-dtype", default="auto", help="KV dtypes to run, e.g. auto,float32 (A/B on a CPU)")
     ap.add_argument("--cuda-graphs", default="auto")
     ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
     ap.add_argument(
@@ -309,10 +310,14 @@ def measure(args, group=None) -> dict:
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                         tensor_parallel=size, speculate=args.speculate)  # fmt: skip
-    first = Engine.from_config(replace(base, kv_layout=args.layouts.split(",")[0]), progress=False)
-    engines = {first.cfg.kv_layout: first}
-    for name in args.layouts.split(",")[1:]:
-        engines[name] = Engine(first.loaded, replace(base, kv_layout=name))
+    kvs = args.kv_dtype.split(",")
+    first = Engine.from_config(
+        replace(base, kv_layout=args.layouts.split(",")[0], kv_dtype=kvs[0]), progress=False
+    )
+    engines = {}  # label -> engine: the layout, and the KV dtype where several are compared
+    for name, kv in itertools.product(args.layouts.split(","), kvs):
+        e = first if not engines else Engine(first.loaded, replace(base, kv_layout=name, kv_dtype=kv))
+        engines[name if len(kvs) == 1 else f"{name}/{e.info.kv_dtype}"] = e
     device = first.shape.device
     capacity = kv_capacity(first)  # before the histories take memory, as a server would see it
     bw = copy_bandwidth(device)
@@ -347,6 +352,7 @@ def measure(args, group=None) -> dict:
                 "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
                 "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
                 "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
+                "kv_dtype": engine.info.kv_dtype,
             })  # fmt: skip
             x = runs[-1]
             say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"

@@ -334,9 +334,12 @@ def test_the_answer_ends_token_by_token_inside_a_verify_window(
 
 
 def test_the_cache_after_rejections_equals_a_plain_run(monkeypatch):
-    """Real forwards (random:test, fp32): the rows a speculative turn banks are the rows a plain
-    turn banks -- the same token ids, K and V equal up to the rounding of a wider matmul."""
-    engine = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))
+    """Real forwards (random:test, fp32, fp32 rows): the rows a speculative turn banks are the rows
+    a plain turn banks -- the same token ids, K and V equal up to the rounding of a wider matmul
+    (bf16 rows, a CPU's default, would round such a difference up to a bf16 step now and then)."""
+    engine = Engine.from_config(
+        EngineConfig(model="random:test", device="cpu", dtype="float32", kv_dtype="float32")
+    )
     with torch.no_grad():  # weights whose greedy answer partly loops: drafts kept and rejected
         engine.model.init_random(seed=7, std=0.1)
     prompt = [256, *b"the cat sat on the mat; the cat sat on the hat; the cat"]

@@ -145,7 +145,9 @@ class _Srv:
 
     def __init__(self) -> None:
         self.bank = new_bank()
-        info = SimpleNamespace(model_name="m", device="cpu", kv_layout="segmented", verdict=Verdict())
+        info = SimpleNamespace(
+            model_name="m", device="cpu", kv_dtype="bfloat16", kv_layout="segmented", verdict=Verdict()
+        )
         self.engine = SimpleNamespace(
             info=info,
             counters=lambda: {"seals": 0, "merges": 0, "max_segments": 0},

@@ -98,6 +98,11 @@ def test_model_fingerprint_includes_kv_dtype_and_geometry():
     assert fp32 != cache_fingerprint("weights", dataclasses.replace(SHAPE, dtype=torch.bfloat16))
     assert fp32 != cache_fingerprint("weights", dataclasses.replace(SHAPE, num_kv_heads=1))
     assert fp32 != cache_fingerprint("other", SHAPE)
+    bf16 = dataclasses.replace(SHAPE, dtype=torch.bfloat16)  # bf16 rows computed in fp32 or in bf16
+    assert cache_fingerprint("weights", bf16, torch.float32) != cache_fingerprint(
+        "weights", bf16, torch.bfloat16
+    )
+    assert cache_fingerprint("weights", bf16, torch.bfloat16) == cache_fingerprint("weights", bf16)
 
 
 # -- files ------------------------------------------------------------------------------------

@@ -39,7 +39,10 @@ SCRIPT = [
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
     seg = Engine.from_config(
-        EngineConfig(kv_layout="segmented", device="cpu", weights="dequant"), progress=False
+        # fp32 rows: windows are compared at fp32 tolerance (bf16 rows would round a row's fp32
+        # differences to bf16 steps; tests/test_kv_dtype.py holds bf16 rows to their own bound)
+        EngineConfig(kv_layout="segmented", device="cpu", weights="dequant", kv_dtype="float32"),
+        progress=False,
     )
     con = Engine(seg.loaded, replace(seg.cfg, kv_layout="contiguous"))
     return {"segmented": seg, "contiguous": con}

@@ -267,6 +267,7 @@ def test_models_health_and_metrics(live):
         "status",
         "model",
         "device",
+        "kv_dtype",
         "kv_layout",
         "attention",
         "segments",
@@ -275,6 +276,7 @@ def test_models_health_and_metrics(live):
         "speculation",
     } <= set(h)
     assert h["status"] == "ok" and h["model"] == MODEL and h["kv_layout"] == "segmented"
+    assert h["kv_dtype"] == "bfloat16"  # a CPU computing in fp32 stores bf16 rows (kv.cache.kv_dtype)
     assert set(h["attention"]) == {"route", "verdict", "reason", "selfcheck"}
     assert {"seals", "merges", "max_segments", "route_counts"} <= set(h["segments"])
     assert set(h["bank"]) == {

@@ -43,10 +43,12 @@ def register() -> None:
 
 def engine_for(model: str, size: int) -> Engine:
     # shards load dequantized (parallel/shard.py), so the one-process reference does too: packed
-    # weights round activations to bf16 (models/quant.py) and would differ by more than fp32 order
+    # weights round activations to bf16 (models/quant.py) and would differ by more than fp32 order;
+    # fp32 rows for the same reason (bf16 rows, a CPU's default, round such differences to bf16 steps)
     cfg = EngineConfig(
-        model=model, device="cpu", dtype="float32", prefill_chunk=16, tensor_parallel=size, weights="dequant"
-    )
+        model=model, device="cpu", dtype="float32", kv_dtype="float32", prefill_chunk=16,
+        tensor_parallel=size, weights="dequant",
+    )  # fmt: skip
     return Engine.from_config(cfg, progress=False)
 
 

@@ -105,6 +105,7 @@ class EngineConfig:
     model: str = "default"
     device: str = "auto"  # auto | cpu | cuda | any torch device string
     dtype: DType = "auto"
+    kv_dtype: DType = "auto"  # KV rows; auto: the compute dtype, bfloat16 where a CPU computes in fp32
     weights: Weights = "auto"  # GGUF Q4_0/Q4_1/Q8_0 kept packed on CPU (models/quant.py)
     kv_layout: KVLayout = "segmented"
     attention: AttentionChoice = "auto"

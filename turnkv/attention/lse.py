@@ -47,6 +47,7 @@ def _cpu_flash_partial(
     hq, m, d = q.shape
     hkv, t, _ = k.shape
     group = hq // hkv
+    k, v = k.float(), v.float()  # bf16 rows (a CPU's --kv-dtype auto) read as fp32; else no copy
     mask = None
     if offset + t - 1 > window_start:
         seen = visible_mask(m, t, window_start, q.device, offset)  # [M, T]
@@ -65,7 +66,7 @@ def _cpu_flash_partial(
 
 
 def _takes_flash(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype == k.dtype == torch.float32 and q.shape[1] >= CPU_FLASH_MIN_ROWS
+    return q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[1] >= CPU_FLASH_MIN_ROWS
 
 
 def segment_partial(

@@ -50,6 +50,8 @@ def single_attention(
     hkv, t, _ = k.shape
     ws = t - m if window_start is None else window_start
     gqa = hkv != hq
+    if k.dtype != q.dtype:  # a CPU's bf16 rows under fp32 compute (kv.cache.kv_dtype)
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if (
         q.device.type == "cpu"
         and not (ws == 0 and t == m)

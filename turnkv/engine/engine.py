@@ -24,7 +24,7 @@ from turnkv.engine.context_copy import Speculation
 from turnkv.engine.cpu_threads import make_thread_policy
 from turnkv.engine.step import StepPlan, Window, forward
 from turnkv.kv import make_layout
-from turnkv.kv.cache import KVCache, KVShape, Snapshot
+from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
 from turnkv.kv.segments import unique_bytes
 from turnkv.models.load import LoadedModel, cache_fingerprint
 
@@ -36,7 +36,8 @@ class EngineInfo:
     model_name: str
     fingerprint: str  # what cache keys (the disk tier's blocks) are derived from
     device: str
-    dtype: str
+    dtype: str  # the compute dtype
+    kv_dtype: str  # the KV rows' (kv.cache.kv_dtype)
     kv_layout: str
     max_context: int
     verdict: Verdict
@@ -68,7 +69,8 @@ class Engine:
         self.tp = self.model.tp  # turnkv.parallel.group.TensorParallel, or None in one process
         # rank 0 of a group driving the others (turnkv.parallel.control.Leader), else None
         self.control = None
-        self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, loaded.dtype, loaded.device)
+        kv = kv_dtype(cfg.kv_dtype, loaded.dtype, loaded.device)
+        self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv, loaded.device)
         self.layout = make_layout(cfg.kv_layout, self.shape)
         self.backend = make_backend(
             cfg.attention, loaded.device, mc.head_dim, mc.num_heads, mc.num_kv_heads, loaded.dtype
@@ -89,9 +91,10 @@ class Engine:
         self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
         self.info = EngineInfo(
             loaded.name,
-            cache_fingerprint(loaded.fingerprint, self.shape),  # weights + KV dtype and geometry
+            cache_fingerprint(loaded.fingerprint, self.shape, loaded.dtype),  # weights, dtypes, geometry
             str(loaded.device),
             str(loaded.dtype).removeprefix("torch."),
+            str(kv).removeprefix("torch."),
             cfg.kv_layout,
             self.max_context,
             self.backend.verdict,

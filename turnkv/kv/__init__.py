@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from turnkv.kv.cache import KVCache, KVShape, KVWindow, Layout, Snapshot, Views
+from turnkv.kv.cache import KVCache, KVShape, KVWindow, Layout, Snapshot, Views, kv_dtype
 from turnkv.kv.contiguous import ContiguousKV, ContiguousLayout
 from turnkv.kv.segments import (
     MAX_SEGMENTS,
@@ -45,6 +45,7 @@ __all__ = [
     "SegmentedSnapshot",
     "Snapshot",
     "Views",
+    "kv_dtype",
     "make_layout",
     "unique_bytes",
 ]

@@ -174,15 +174,19 @@ def file_fingerprint(path: Path, h=None, samples: int = 16, chunk: int = 1 << 16
     return h.hexdigest()[:24]
 
 
-def cache_fingerprint(weights: str, shape: KVShape) -> str:
-    """The identity of a model's KV rows: its weights' fingerprint plus the KV dtype and geometry.
+def cache_fingerprint(weights: str, shape: KVShape, compute: torch.dtype | None = None) -> str:
+    """The identity of a model's KV rows: its weights' fingerprint plus the KV dtype and geometry,
+    and the compute dtype where it differs from the KV dtype.
 
     Keys of cached KV rows (the disk tier's blocks) must differ whenever the rows would: the same
-    GGUF served in bf16 and in fp32 has one weights fingerprint but rows of another dtype. (A file
+    GGUF served in bf16 and in fp32 has one weights fingerprint but rows of another dtype, and bf16
+    rows computed in fp32 (a CPU's ``--kv-dtype auto``) differ from rows computed in bf16. (A file
     fingerprint samples 16 x 64 KiB of each file; two checkpoints that differ only outside those
     samples, with the same size, would share it.)
     """
     dtype = str(shape.dtype).removeprefix("torch.")
+    if compute is not None and compute != shape.dtype:
+        dtype += "@" + str(compute).removeprefix("torch.")
     facts = f"{weights}|{dtype}|L{shape.num_layers}|Hkv{shape.num_kv_heads}|D{shape.head_dim}"
     return hashlib.sha256(facts.encode()).hexdigest()[:24]
 

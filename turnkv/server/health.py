@@ -37,6 +37,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
         "status": "ok",
         "model": info.model_name,
         "device": info.device,
+        "kv_dtype": info.kv_dtype,
         "kv_layout": info.kv_layout,
         "attention": {
             "route": verdict.route,
