@@ -330,10 +330,13 @@ def measure(args, group=None) -> dict:
         f"weights read per step {wbytes / 1e9:.3f} GB per GPU; KV capacity {capacity['tokens']} tokens")  # fmt: skip
     runs = []
     for b in [int(x) for x in args.batch.split(",") if x]:
-        histories = [synthetic_history(first, args.context, seed=i) for i in range(b)]
+        histories = {}  # per KV dtype: rows of one dtype restore only into caches of it
+        for e in engines.values():
+            if e.shape.dtype not in histories:
+                histories[e.shape.dtype] = [synthetic_history(e, args.context, seed=i) for i in range(b)]
         for (name, engine), ahead in itertools.product(engines.items(), args.run_ahead.split(",")):
             try:
-                r = run_decode(engine, histories, args, ahead)
+                r = run_decode(engine, histories[engine.shape.dtype], args, ahead)
             except Exception as exc:  # one failed run must not lose the others' figures
                 import traceback
 

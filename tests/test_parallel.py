@@ -96,7 +96,7 @@ def test_a_group_s_server_has_no_queue_timeout():
     from turnkv.engine.engine import Engine
     from turnkv.server.app import Server
 
-    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", queue_timeout=5.0)
+    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", queue_timeout=5.0, no_disk=True)
     engine = Engine.from_config(cfg)
     assert Server(engine, cfg).worker.scheduler.queue_timeout == 5.0
     from types import SimpleNamespace
@@ -201,13 +201,14 @@ def test_generate_on_two_ranks_answers_like_one_process(launcher, capsys):
 class Served:
     """``turnkv serve --tensor-parallel 2`` on the CPU in a subprocess (rank 0 spawns rank 1)."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, disk: Path) -> None:
         from turnkv.parallel.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "turnkv", "serve", "--model", "random:test", "--device", "cpu",
-               "--tensor-parallel", "2", "--port", str(self.port), "--bank-bytes", "64M"]  # fmt: skip
+               "--tensor-parallel", "2", "--port", str(self.port), "--bank-bytes", "64M",
+               "--disk-dir", str(disk)]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
@@ -249,7 +250,7 @@ class Served:
 
 @pytest.mark.slow
 def test_a_served_group_runs_turns_and_refuses_new_ones_once_a_rank_died(tmp_path):
-    srv = Served(tmp_path / "serve.log")
+    srv = Served(tmp_path / "serve.log", tmp_path / "disk")
     try:
         msgs = [{"role": "user", "content": "hello"}]
         first = srv.chat(msgs).json()
@@ -268,6 +269,11 @@ def test_a_served_group_runs_turns_and_refuses_new_ones_once_a_rank_died(tmp_pat
         srv.wait_for(lambda h: h["scheduler"]["running"] == 0, 60)
         assert srv.chat(msgs, temperature=1.0).status_code == 200  # still in step: no rank diverged
         h = srv.health()
+        # each rank opened a disk tier of its own (rank 1 when rank 0's bank reached it)
+        assert h["disk"]["enabled"] and {p.name for p in (tmp_path / "disk").iterdir()} == {
+            "tp2-rank0",
+            "tp2-rank1",
+        }
         assert h["status"] == "ok" and h["tensor_parallel"] == {
             "size": 2, "status": "ok", "dead_ranks": [], "error": None, "all_reduce": "gloo",
         }  # fmt: skip
@@ -278,3 +284,20 @@ def test_a_served_group_runs_turns_and_refuses_new_ones_once_a_rank_died(tmp_pat
         assert r.status_code == 503 and r.json()["error"]["code"] == "tensor_parallel_down"
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("missing_on", [None, 1])
+def test_each_rank_restores_its_shard_of_the_same_blocks_from_disk(tmp_path, missing_on):
+    """Two ranks over gloo, each with a disk tier of its own: a turn's blocks are written by both,
+    and after a restart the same prompt restores them on both -- or, where rank 1 lost its copy
+    of the second block, the first block only, on both (a restore the ranks disagreed on would
+    give them different caches). Answers equal one process's, which restores both blocks."""
+    one = tp_ranks.disk_program(None, str(tmp_path / "one"), None)
+    ranks = run_group(2, "cpu", tp_ranks.disk_program, str(tmp_path / "tp"), missing_on, timeout_s=600)
+    assert one["cold"][1] == 0 and one["warm"] == (one["cold"][0], 512) and one["written"] == 2
+    assert sorted(p.name for p in (tmp_path / "tp").iterdir()) == ["tp2-rank0", "tp2-rank1"]
+    want = 256 if missing_on is not None else 512
+    for r in ranks:
+        assert r["cold"] == one["cold"] and r["written"] == 2
+        assert r["warm"] == (one["cold"][0], want)  # the same answer from the rows restored
+        assert r["tier"]["hits"] == 1 and r["tier"]["hit_tokens"] == want

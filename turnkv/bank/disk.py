@@ -19,6 +19,13 @@ same model, dtype and namespace whose tokens agree with it up to the block's las
 
 Failures never reach a request: an unusable directory disables the tier at start (logged), a
 write error is counted in ``write_failures`` and logged once, a bad block is a miss.
+
+Under tensor parallelism every rank has a tier of its own (its KV heads' shard of the same
+blocks, in a directory of its own) and every rank's bank must decide alike, so ``agree`` (the
+minimum over ranks) is set: a restore takes the run of blocks that every rank holds and read
+intact, and a queued write copies its rows to host memory at once instead of holding the
+snapshot until the writer gets to it (what a queued write holds would otherwise depend on when
+each rank's writer finishes, and the bank counts it).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,9 +105,11 @@ class DiskStats:
 @dataclass
 class _Job:
     snapshot: SegmentedSnapshot | None
+    tokens: tuple[int, ...]  # the snapshot's token ids (kept when ``host`` replaces the snapshot)
     blocks: list[tuple[int, str, str]]  # (depth, key, parent key)
     at: float  # when the turn finished: the blocks' last access
     ready: object | None = None  # a CUDA event recorded after the rows were made
+    host: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # depth -> rows copied at queue time
 
 
 @dataclass
@@ -114,6 +123,9 @@ class DiskTier:
     queue_blocks: int = QUEUE_BLOCKS
     load_threads: int = LOAD_THREADS
     stats: DiskStats = field(default_factory=DiskStats)
+    # tensor parallelism: the minimum of a count over every rank (a collective that every rank's
+    # bank reaches at the same admission); see the module docstring
+    agree: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         self.context = block_context(self.fingerprint, self.shape)
@@ -161,6 +173,7 @@ class DiskTier:
         run = 0
         while first + run < whole and self.store.has(keys[first + run]):
             run += 1
+        run = run if self.agree is None else self.agree(run)
         seg = None
         if (first + run) * BLOCK_TOKENS > have:
             parent = keys[first - 1] if first else ROOT_KEY
@@ -168,6 +181,8 @@ class DiskTier:
                 seg = self.load(keys[first : first + run], parent, tokens, first)
             except Exception as exc:  # out of memory for the rows, a broken index: recompute
                 self._warn_once("load", f"KV disk cache: a restore failed ({type(exc).__name__}: {exc})")
+            if self.agree is not None:
+                seg = _cut(seg, self.agree(seg.num_rows // BLOCK_TOKENS if seg is not None else 0))
         if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:
             self.stats.misses += 1
             return None
@@ -257,7 +272,8 @@ class DiskTier:
             return
         keys = block_keys(self.context, namespace, snapshot.tokens, whole)
         now = time.time()
-        todo, present = [], []
+        todo: list[tuple[int, str, str]] = []
+        present = []
         with self._cv:
             for depth, key in enumerate(keys):
                 if key in self._pending or self.store.has(key):
@@ -271,7 +287,10 @@ class DiskTier:
                 self._warn_once("queue", f"KV disk cache: write queue full ({self.queue_blocks} blocks)")
                 todo = todo[:room]
             if todo:
-                job = _Job(snapshot, todo, now, self._cuda_event())
+                job = _Job(snapshot, tuple(snapshot.tokens), todo, now, self._cuda_event())
+                if self.agree is not None:  # rows to host memory now (see the module docstring)
+                    job.host = {d: _to_host(snapshot, d) for d, _, _ in todo}
+                    job.snapshot = None
                 self._jobs.append(job)
                 self._queued += len(todo)
                 self._pending.update(key for _, key, _ in todo)
@@ -334,7 +353,6 @@ class DiskTier:
                     self._cv.notify_all()
 
     def _write_job(self, job: _Job, stream) -> None:
-        assert job.snapshot is not None
         last = job.blocks[-1][1]
         for depth, key, parent in job.blocks:
             outcome = "dedupe_hits"
@@ -342,9 +360,11 @@ class DiskTier:
                 if self._abandon:
                     outcome = "dropped_writes"
                 elif not self.store.has(key):  # else an earlier job wrote it meanwhile
-                    k, v = self._host_rows(job, depth, stream)
+                    k, v = (
+                        job.host.pop(depth) if job.host is not None else self._host_rows(job, depth, stream)
+                    )
                     lo = depth * BLOCK_TOKENS
-                    tokens = job.snapshot.tokens[lo : lo + BLOCK_TOKENS]
+                    tokens = job.tokens[lo : lo + BLOCK_TOKENS]
                     self.store.put(Block(key, parent, self.context, depth, tokens, k, v), job.at)
                     outcome = "writes"
                     evicted = self.store.evict(self.budget_bytes)
@@ -363,7 +383,7 @@ class DiskTier:
                     self._queued -= 1
                     self._pending.discard(key)
                     if key == last:  # release the rows before anyone sees an empty queue
-                        job.snapshot = None
+                        job.snapshot = job.host = None
                         self._current = None
                     self._cv.notify_all()
 
@@ -404,12 +424,31 @@ class DiskTier:
 
 
 def open_tier(
-    directory: str | os.PathLike | None, fingerprint: str, shape: KVShape, budget_bytes: int
+    directory: str | os.PathLike | None, fingerprint: str, shape: KVShape, budget_bytes: int, **kw
 ) -> DiskTier | None:
     """``DiskTier.open`` for the server: a directory it cannot use disables the tier (one warning)."""
     path = Path(directory).expanduser() if directory else default_disk_dir()
     try:
-        return DiskTier.open(path, fingerprint, shape, budget_bytes)
+        return DiskTier.open(path, fingerprint, shape, budget_bytes, **kw)
     except Exception as exc:  # busy, unwritable, not a directory, a broken index
         log.warning("KV disk cache disabled: %s (%s)", exc, type(exc).__name__)
         return None
+
+
+def _cut(seg: Segment | None, blocks: int) -> Segment | None:
+    """``seg``'s first ``blocks`` blocks (a copy, so the rest's memory goes), None for none."""
+    if seg is None or blocks == 0:
+        return None
+    rows = blocks * BLOCK_TOKENS
+    if rows == seg.num_rows:
+        return seg
+    return Segment(seg.k[:, :, :rows].clone(), seg.v[:, :, :rows].clone(), seg.tokens[:rows])
+
+
+def _to_host(snapshot: SegmentedSnapshot, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``depth``'s rows as CPU tensors ``[L, Hkv, 256, D]`` of their own (waits for them)."""
+    lo = depth * BLOCK_TOKENS
+    k, v = snapshot.read_rows(lo, lo + BLOCK_TOKENS)
+    if k.device.type == "cpu":
+        return k.clone(), v.clone()
+    return k.cpu(), v.cpu()

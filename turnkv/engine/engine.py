@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -148,14 +149,8 @@ class Engine:
         else:
             size = parse_size(budget)
         tier = None
-        # not under tensor parallelism: its reads and write-behind finish at times that differ per
-        # rank, and every rank's bank must take the same decisions (docs/PARALLEL.md)
-        if disk and not self.cfg.no_disk and self.tp is None:
-            from turnkv.bank.disk import open_tier
-
-            tier = open_tier(
-                self.cfg.disk_dir, self.info.fingerprint, self.shape, parse_size(self.cfg.disk_bytes)
-            )
+        if disk and not self.cfg.no_disk:
+            tier = self._open_tier()
         return SessionBank(
             budget_bytes=size,
             bytes_per_row=self.shape.bytes_per_row,
@@ -165,6 +160,27 @@ class Engine:
             session_share=self.cfg.session_share,
             tier=tier,
         )
+
+    def _open_tier(self):
+        """The disk tier in ``--disk-dir``: under tensor parallelism one per rank, in a directory
+        of its own (its KV heads' shard of every block), whose restores every rank agrees on
+        (``DiskTier.agree``). A rank that cannot open its directory fails: the others' banks
+        would otherwise decide without it (docs/PARALLEL.md)."""
+        from turnkv.bank.disk import default_disk_dir, open_tier
+
+        budget = parse_size(self.cfg.disk_bytes)
+        if self.tp is None:
+            return open_tier(self.cfg.disk_dir, self.info.fingerprint, self.shape, budget)
+        group = self.tp.group
+        base = Path(self.cfg.disk_dir).expanduser() if self.cfg.disk_dir else default_disk_dir()
+        where = base / f"tp{group.size}-rank{group.rank}"
+        tier = open_tier(where, self.info.fingerprint, self.shape, budget, agree=group.agree_min)
+        if tier is None:
+            raise RuntimeError(
+                f"rank {group.rank} cannot use its KV disk cache {where} (see the warning above); "
+                "fix --disk-dir or serve with --no-disk"
+            )
+        return tier
 
     def activation_bytes(self, rows: int, history: int = 0) -> int:
         """Transient memory of one prefill chunk of ``rows`` rows over ``history`` cached rows.

@@ -14,8 +14,8 @@ could not compute itself comes from rank 0, once per step, before the step runs:
 
 Everything else is computed alike on every rank: the logits are bit-identical after the
 collectives (``group.py``), so argmax and seeded samples agree; time is read only for statistics;
-the bank's clock is logical. The disk tier is off under tensor parallelism (its reads and
-write-behind finish at times that differ per rank).
+the bank's clock is logical. Each rank's disk tier holds its shard of the same blocks, and a
+restore takes only what every rank found intact (``DiskTier.agree``).
 
 Wire format (gloo control group, rank 0 broadcasts, the others receive in order): a header
 ``int64[5] = (seq, kind, scheduler key, payload bytes, digest)`` and, when the payload is not
@@ -75,7 +75,7 @@ class NewTurn:
 class Inputs:
     """What rank 0 tells the others before one step (or with a heartbeat)."""
 
-    banks: list[tuple[int, int]] = field(default_factory=list)  # (key, budget bytes), first seen
+    banks: list[tuple[int, int, bool]] = field(default_factory=list)  # (key, budget bytes, disk), first seen
     schedulers: list[tuple[int, int, int, int]] = field(default_factory=list)  # key, bank, limits
     turns: list[NewTurn] = field(default_factory=list)  # submitted since the last step, in order
     cancels: list[int] = field(default_factory=list)  # turn keys cancelled since the last step
@@ -166,7 +166,7 @@ class Leader:
         bank = sched.bank
         if id(bank) not in self._known:
             key = self._track(bank, "bank")
-            self._pending.banks.append((key, bank.budget_bytes))
+            self._pending.banks.append((key, bank.budget_bytes, bank.tier is not None))
         if id(sched) not in self._known:
             key = self._track(sched, "scheduler")
             limits = (sched.max_running, sched.max_batch_tokens)
@@ -266,11 +266,14 @@ def follow(engine: Engine, group: Group) -> None:
             inputs = pickle.loads(buf.numpy().tobytes())
         for what, key in inputs.drops:
             (banks if what == "bank" else scheds).pop(key, None)
-        for key, budget in inputs.banks:
-            banks[key] = engine.new_bank(budget)
+        for key, budget, disk in inputs.banks:
+            banks[key] = engine.new_bank(budget, disk=disk)
         for key, bank_key, max_running, max_batch_tokens in inputs.schedulers:
             scheds[key] = Scheduler(engine, banks[bank_key], max_running, max_batch_tokens)
         if kind == STOP:
+            for bank in banks.values():  # the queued block writes, as rank 0's server does
+                if getattr(bank, "tier", None) is not None:
+                    bank.tier.close()
             dist.barrier(group=group.control)  # see Leader.stop
             return
         if kind == HEARTBEAT:

@@ -107,6 +107,13 @@ class Group:
     def leader(self) -> bool:
         return self.rank == 0
 
+    def agree_min(self, value: int) -> int:
+        """``min_over_ranks`` on the model's group, in step order on the engine thread (the
+        control group is rank 0's heartbeat thread's too): what the disk tier's restores agree on."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.data)
+        return int(t.item())
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's ``value`` (a collective: every rank calls it together)."""
         t = torch.tensor([value], dtype=torch.int64)
