@@ -83,12 +83,22 @@ def make_engine(args) -> Engine:
     return Engine(loaded, cfg)
 
 
-def run(engine: Engine, grammars: Grammars | None, batch: int, gen: int, warmup: int, seed: int) -> dict:
-    """One batch of ``batch`` turns; the timed steps are those where all of them decode."""
+def run(
+    engine: Engine,
+    grammars: Grammars | None,
+    batch: int,
+    gen: int,
+    warmup: int,
+    seed: int,
+    prefetch: bool = True,
+) -> dict:
+    """One batch of ``batch`` turns; the timed steps are those where all of them decode.
+    ``prefetch``: masks filled ahead on a thread (``StepMasks.start``) or in the step."""
     grammar = grammars.json_schema(RECORDS) if grammars is not None else None
     tok = engine.tokenizer
     rng = random.Random(seed)
     sched = Scheduler(engine, engine.new_bank("auto"), max_running=batch)
+    sched.masks.prefetch = prefetch
     failed: list[Failed] = []
     for i in range(batch):
         ids = tok.encode(f"{PROMPT} (list {rng.randrange(10**6)}, part {i})")
@@ -137,6 +147,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48, help="timed decode tokens per turn")
     ap.add_argument("--warmup", type=int, default=8, help="decode tokens per turn before the timing")
     ap.add_argument("--repeat", type=int, default=2, help="free/constrained pairs per batch (alternating)")
+    ap.add_argument("--prefetch", default="on", help="on, off or on,off: masks filled ahead on a thread")
     ap.add_argument("--tag", default="grammar")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batch.split(",")]
@@ -144,41 +155,22 @@ def main() -> None:
     grammars = Grammars(engine.tokenizer, engine.loaded.config.vocab_size)
     grammars.json_schema(RECORDS)  # the tokenizer set-up and the compile happen before any timing
     rows = []
+    modes = ["free", *(f"grammar/{p}" for p in args.prefetch.split(","))]
     for b in args.batches:
-        runs = {"free": [], "grammar": []}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(args.repeat):
-            for mode in ("free", "grammar") if rep % 2 == 0 else ("grammar", "free"):
-                runs[mode].append(
-                    run(engine, grammars if mode == "grammar" else None, b, args.gen, args.warmup, rep)
-                )
+            for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:  # the order rotates
+                g = grammars if mode != "free" else None
+                runs[mode].append(run(engine, g, b, args.gen, args.warmup, rep, mode != "grammar/off"))
         free = min(runs["free"], key=lambda r: r["step_ms"])  # the least disturbed of each
-        cons = min(runs["grammar"], key=lambda r: r["step_ms"])
-        # each repeat's pair shares its prompts (the seed): the median of the pairs' ratios is the
-        # figure; the ratio of the minima is reported beside it
-        paired = statistics.median(
-            g["step_ms"] / f["step_ms"] for f, g in zip(runs["free"], runs["grammar"], strict=True)
-        )
-        rows.append(
-            {
-                "batch": b,
-                "free_step_ms": round(free["step_ms"], 3),
-                "grammar_step_ms": round(cons["step_ms"], 3),
-                "free_tok_s": round(free["tok_s"], 1),
-                "grammar_tok_s": round(cons["tok_s"], 1),
-                "slowdown_pct": round((paired - 1) * 100, 1),
-                "slowdown_of_minima_pct": round((cons["step_ms"] / free["step_ms"] - 1) * 100, 1),
-                "fill_ms": round(cons["fill_ms"], 3),
-                "apply_ms": round(cons["apply_ms"], 3),
-                "steps": cons["steps"],
-                "runs": runs,
-            }
-        )
+        for mode in modes[1:]:
+            rows.append(_row(b, mode, free, runs["free"], runs[mode]))
     print(
-        f"{'batch':>5} {'free ms/step':>12} {'grammar ms/step':>15} {'slower':>7} {'(minima)':>8} {'fill ms':>8} {'apply ms':>9} {'free tok/s':>10} {'grammar tok/s':>13}"
+        f"{'batch':>5} {'prefetch':>8} {'free ms/step':>12} {'grammar ms/step':>15} {'slower':>7} {'(minima)':>8} {'fill ms':>8} {'apply ms':>9} {'free tok/s':>10} {'grammar tok/s':>13}"
     )
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['free_step_ms']:>12} {r['grammar_step_ms']:>15} {r['slowdown_pct']:>6}% "
+            f"{r['batch']:>5} {r['prefetch']:>8} {r['free_step_ms']:>12} {r['grammar_step_ms']:>15} {r['slowdown_pct']:>6}% "
             f"{r['slowdown_of_minima_pct']:>7}% {r['fill_ms']:>8} {r['apply_ms']:>9} {r['free_tok_s']:>10} {r['grammar_tok_s']:>13}"
         )
     info = {
@@ -193,13 +185,38 @@ def main() -> None:
     save({"rows": rows, **info}, args.tag, plot)
 
 
+def _row(b: int, mode: str, free: dict, frees: list[dict], cons_runs: list[dict]) -> dict:
+    """One batch's figures for one grammar mode against the unconstrained runs."""
+    cons = min(cons_runs, key=lambda r: r["step_ms"])
+    # each repeat's runs share their prompts (the seed): the median of the pairs' ratios is the
+    # figure; the ratio of the minima is reported beside it
+    paired = statistics.median(g["step_ms"] / f["step_ms"] for f, g in zip(frees, cons_runs, strict=True))
+    return {
+        "batch": b,
+        "prefetch": mode.split("/")[1],
+        "free_step_ms": round(free["step_ms"], 3),
+        "grammar_step_ms": round(cons["step_ms"], 3),
+        "free_tok_s": round(free["tok_s"], 1),
+        "grammar_tok_s": round(cons["tok_s"], 1),
+        "slowdown_pct": round((paired - 1) * 100, 1),
+        "slowdown_of_minima_pct": round((cons["step_ms"] / free["step_ms"] - 1) * 100, 1),
+        "fill_ms": round(cons["fill_ms"], 3),
+        "apply_ms": round(cons["apply_ms"], 3),
+        "steps": cons["steps"],
+        "runs": {"free": frees, mode: cons_runs},
+    }
+
+
 def plot(results: dict, plt, path) -> None:
     rows = results["rows"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["free_step_ms"] for r in rows], 0.4, label="unconstrained")
     ax.bar([i + 0.2 for i in x], [r["grammar_step_ms"] for r in rows], 0.4, label="JSON schema")
-    ax.set_xticks(list(x), [f"batch {r['batch']}\n{r['slowdown_pct']:+}%" for r in rows])
+    ax.set_xticks(
+        list(x),
+        [f"batch {r['batch']}, ahead {r.get('prefetch', 'on')}\n{r['slowdown_pct']:+}%" for r in rows],
+    )
     ax.set_ylabel("ms per decode step")
     ax.set_title(f"{results['model']} on {results['device']}, vocabulary {results['vocab']}")
     ax.legend()

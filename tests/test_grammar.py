@@ -155,6 +155,43 @@ def test_masks_touch_only_their_own_turn(engine, grammars):
     assert sched.masks.rows >= 10  # the constrained turns' rows went through the step's masks
 
 
+def test_masks_filled_ahead_equal_masks_filled_in_the_step(engine, grammars, monkeypatch):
+    """``StepMasks.start`` fills the next step's masks on a thread while the turns take their
+    tokens: six constrained turns (greedy and seeded, answers ending at different steps, so the
+    next step masks a subset of what was filled) and a free one answer token for token as with
+    every mask filled in the step, and most rows were filled ahead."""
+    tok = engine.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 9999},
+            "s": {"type": "string", "maxLength": 12},
+        },
+        "required": ["n", "s"],
+        "additionalProperties": False,
+    }
+
+    def run(prefetch: bool) -> tuple[list[str], int, int]:
+        sched = Scheduler(engine, engine.new_bank(), max_running=8)
+        monkeypatch.setattr(sched.masks, "prefetch", prefetch)
+        texts: list[list[str]] = [[] for _ in range(7)]
+        for i in range(6):
+            params = SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=1.0, seed=i)
+            g = grammars.json_schema(schema) if i % 3 else grammars.json_object()
+            sched.submit(
+                TurnRequest(tok.encode(f"record {i}"), params, 10 + 9 * i, grammar=g), _collect(texts[i])
+            )
+        sched.submit(TurnRequest(tok.encode("free"), SamplingParams(temperature=0.0), 30), _collect(texts[6]))
+        while sched.busy:
+            sched.step()
+        return ["".join(t) for t in texts], sched.masks.rows, sched.masks.prefetched
+
+    off, rows_off, ahead_off = run(False)
+    on, rows_on, ahead_on = run(True)
+    assert on == off and rows_on == rows_off and ahead_off == 0
+    assert ahead_on >= rows_on // 2, (ahead_on, rows_on)  # all but each turn's first token, mostly
+
+
 def _collect(into: list[str]):
     return lambda ev: into.append(ev.text) if isinstance(ev, GenEvent) else None
 

@@ -203,44 +203,90 @@ def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(drop, float("-inf")))
 
 
+@dataclass
+class _Fill:
+    """Masks of ``constraints`` being filled into ``buf`` on ``thread`` (``StepMasks.start``)."""
+
+    constraints: list[Constraint]
+    buf: torch.Tensor  # [C * words] int32 first, room for the C row indices after
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
 class StepMasks:
     """The bitmask buffer of a step and the figures of its use (host seconds; see module doc)."""
+
+    prefetch = True  # fill the next step's masks on a thread once the tokens are taken (``start``)
 
     def __init__(self) -> None:
         # C masks of ceil(V / 32) int32 words, then their C logit rows: one upload (pinned on CUDA)
         self._host: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor | None] = [None, None]  # of ``start``, used in turn
+        self._flip = 0
+        self._pending: _Fill | None = None
+        self._words: int | None = None  # ceil(V / 32), known from the first ``apply``
+        self._pin = False
         self._executor: Any = None  # llguidance's thread pool for several rows, made on first use
         self.rows = 0  # constrained rows masked, over all steps
-        self.fill_s = 0.0  # host time filling bitmasks
+        self.prefetched = 0  # of which filled ahead by ``start``
+        self.fill_s = 0.0  # host time filling bitmasks (with ``start``: waiting for its thread)
         self.apply_s = 0.0  # host time launching (CUDA) or running (CPU) the masking
+
+    def start(self, constraints: Sequence[Constraint]) -> None:
+        """Fill the masks of ``constraints`` (their grammars as they stand now, this step's tokens
+        taken) on a thread of its own while the engine thread goes on with the turns' other work;
+        the next ``apply`` takes them for the rows of those constraints. The caller must not touch
+        these matchers until then. The engine thread waits until the thread is inside llguidance,
+        which runs without the GIL: a thread that had to win the GIL back from the engine thread's
+        Python waited up to the interpreter's 5 ms switch interval (what made the earlier
+        background fill slower, module doc)."""
+        self._wait()
+        if not (self.prefetch and constraints and self._words):
+            return
+        c, words = len(constraints), self._words
+        self._flip ^= 1
+        buf = self._bufs[self._flip]
+        if buf is None or buf.numel() < c * (words + 1):
+            size = max(c, 8) * (words + 1)
+            buf = self._bufs[self._flip] = torch.empty(size, dtype=torch.int32, pin_memory=self._pin)
+        fill = _Fill(list(constraints), buf)
+        inside = threading.Event()
+
+        def run() -> None:
+            try:
+                self._fill(fill.constraints, buf[: c * words].view(c, words), inside)
+            except BaseException as exc:  # the next apply fills again, and raises there
+                fill.error = exc
+            finally:
+                inside.set()
+
+        fill.thread = threading.Thread(target=run, name="turnkv-grammar-fill", daemon=True)
+        fill.thread.start()
+        inside.wait()
+        self._pending = fill
 
     def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) -> None:
         """Mask ``logits`` ``[R, V]`` (fp32, in place) at each ``(row, constraint)``."""
+        t0 = time.perf_counter()
+        fill = self._wait()
         if not rows:
             return
-        t0 = time.perf_counter()
-        words = (logits.shape[1] + 31) // 32
+        words = self._words = (logits.shape[1] + 31) // 32
+        self._pin = logits.device.type == "cuda"
         c = len(rows)
         size = c * (words + 1)
-        host = self._host
-        if host is None or host.numel() < size:
-            pin = logits.device.type == "cuda"
-            host = self._host = torch.empty(max(size, 8 * (words + 1)), dtype=torch.int32, pin_memory=pin)
-        masks = host[: c * words].view(c, words)
-        if c == 1:
-            rows[0][1].matcher.unsafe_compute_mask_ptr(masks.data_ptr(), words * 4)
+        cons = [con for _, con in rows]
+        host = self._ahead(fill, cons, words)
+        if host is None:
+            host = self._host
+            if host is None or host.numel() < size:
+                host = self._host = torch.empty(
+                    max(size, 8 * (words + 1)), dtype=torch.int32, pin_memory=self._pin
+                )
+            self._fill(cons, host[: c * words].view(c, words))
         else:
-            if self._executor is None:
-                import llguidance
-
-                from turnkv.threads import available_cores
-
-                # every core: the engine thread only waits meanwhile. llguidance's default (80 %)
-                # takes 12 of 16 on the H200 box, i.e. three rounds for 32 rows instead of two
-                self._executor = llguidance.LLExecutor(num_threads=available_cores())
-            self._executor.unsafe_compute_mask_ptr(
-                [(con.matcher, i) for i, (_, con) in enumerate(rows)], masks.data_ptr(), words * 4, c
-            )
+            self.prefetched += c
+        masks = host[: c * words].view(c, words)
         t1 = time.perf_counter()
         index = [r for r, _ in rows]
         with torch.inference_mode():  # the step's logits are inference tensors
@@ -254,3 +300,54 @@ class StepMasks:
         self.rows += c
         self.fill_s += t1 - t0
         self.apply_s += time.perf_counter() - t1
+
+    def _wait(self) -> _Fill | None:
+        """The fill ``start`` began (its thread ended), or None."""
+        fill, self._pending = self._pending, None
+        if fill is not None and fill.thread is not None:
+            fill.thread.join()
+        return fill
+
+    def _ahead(self, fill: _Fill | None, cons: list[Constraint], words: int) -> torch.Tensor | None:
+        """A buffer whose first ``len(cons)`` masks are ``cons``'s, from ``fill``: the fill's own
+        when it filled exactly these (the usual step), else gathered from it when it filled all of
+        them (a turn ended meanwhile); None when it did not."""
+        if fill is None or fill.error is not None:
+            return None
+        done = fill.constraints
+        if len(done) == len(cons) and all(a is b for a, b in zip(done, cons, strict=True)):
+            return fill.buf
+        at = {id(con): j for j, con in enumerate(done)}
+        if not all(id(con) in at for con in cons):
+            return None
+        host = self._host
+        c = len(cons)
+        if host is None or host.numel() < c * (words + 1):
+            host = self._host = torch.empty(max(c, 8) * (words + 1), dtype=torch.int32, pin_memory=self._pin)
+        src = fill.buf[: len(done) * words].view(len(done), words)
+        idx = torch.tensor([at[id(con)] for con in cons], dtype=torch.long)
+        torch.index_select(src, 0, idx, out=host[: c * words].view(c, words))
+        return host
+
+    def _fill(
+        self, cons: Sequence[Constraint], masks: torch.Tensor, inside: threading.Event | None = None
+    ) -> None:
+        """Write each constraint's bitmask into ``masks`` ``[C, words]`` (llguidance, no GIL)."""
+        c, words = masks.shape
+        if c == 1:
+            if inside is not None:
+                inside.set()
+            cons[0].matcher.unsafe_compute_mask_ptr(masks.data_ptr(), words * 4)
+            return
+        if self._executor is None:
+            import llguidance
+
+            from turnkv.threads import available_cores
+
+            # every core: the engine thread only waits meanwhile. llguidance's default (80 %)
+            # takes 12 of 16 on the H200 box, i.e. three rounds for 32 rows instead of two
+            self._executor = llguidance.LLExecutor(num_threads=available_cores())
+        pairs = [(con.matcher, i) for i, con in enumerate(cons)]
+        if inside is not None:
+            inside.set()
+        self._executor.unsafe_compute_mask_ptr(pairs, masks.data_ptr(), words * 4, c)

@@ -309,6 +309,7 @@ class Scheduler:
         for label in labels:
             self.route_counts[label] += layers
         offsets = result.plan.logit_offsets
+        self._take_early(run, argmax)
         for i, (e, w) in enumerate(work):
             if not e.turn.owns(w):  # a run-ahead row of an answer that ended one row earlier
                 continue
@@ -328,6 +329,21 @@ class Scheduler:
         if self.observe is not None:
             self.observe(len(windows), rows, seconds)
         self.rows_per_step += a * (rows - self.rows_per_step)
+
+    def _take_early(self, run: _Launched, argmax: list[int]) -> None:
+        """Constrained turns' tokens to their grammars first, then the next step's masks filled on
+        a thread while the turns take their tokens (text, stops, events: the host work of a step)."""
+        offsets = run.result.plan.logit_offsets
+        early = []
+        for i, (e, w) in enumerate(run.work):
+            if e.turn.constraint is None or not e.turn.owns(w):
+                continue
+            try:
+                if e.turn.take_early(w, argmax[offsets[i] + w.logits - 1], i in run.drawn):
+                    early.append(e.turn.constraint)
+            except Exception:  # the grammar refused: ``advance`` fails the turn
+                continue
+        self.masks.start(early)
 
     def _fail_step(self, work: list[tuple[_Entry, Window]], exc: Exception) -> None:
         log.error("step failed", exc_info=exc)

@@ -79,6 +79,7 @@ class Turn:
         self._t_last = 0.0
         self._last: GenEvent | None = None  # the answer's last event, sent once the turn is banked
         self.constraint: Constraint | None = None  # the grammar's state; the step masks its rows
+        self._taken: int | None = None  # a token the grammar took before ``advance`` (``take_early``)
 
     @property
     def done(self) -> bool:
@@ -185,6 +186,20 @@ class Turn:
             return None
         return self.sampler
 
+    def take_early(self, w: Window, tok: int, drawn: bool) -> bool:
+        """Give the grammar ``tok``, the token of this turn's one-row decode window ``w`` (the
+        step's argmax row: drawn on the device or greedy), before ``advance`` takes it, so the next
+        step's mask can be filled while the turns take their tokens (``StepMasks.start``). True
+        when the grammar goes on (a mask will be wanted); False when it did nothing."""
+        con = self.constraint
+        if con is None or self.phase != _DECODE or w is not self._open or len(w.tokens) != 1:
+            return False
+        if not (drawn or self._fast_greedy):  # the token is sampled on the host by advance
+            return False
+        con.accept(tok)  # a refusal raises here, and the step fails the turn as advance would
+        self._taken = tok
+        return not con.done
+
     def owns(self, w: Window, ahead: bool = False) -> bool:
         """Whether ``w`` is this turn's window still to complete (a run-ahead window of an answer
         that ended one row earlier is not); with ``ahead``, also its run-ahead window."""
@@ -286,7 +301,10 @@ class Turn:
     def _take(self, tok: int) -> tuple[list[TurnEvent], str | None, bool]:
         """One answer token: its event, and the finish reason if the answer ends with it (and
         whether a stop string flushed the held-back text)."""
-        if self.constraint is not None:
+        if self._taken is not None:  # the grammar has it already (take_early)
+            assert tok == self._taken, (tok, self._taken)
+            self._taken = None
+        elif self.constraint is not None:
             self.constraint.accept(tok)
         n = self.stats.completion_tokens = self.stats.completion_tokens + 1
         now = time.perf_counter()
