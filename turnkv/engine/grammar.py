@@ -16,10 +16,16 @@ is an error naming it rather than silently ignored (xgrammar 0.2.9 ignores ``not
   batched argmax: it fills the bitmask of every constrained row on the host (on CUDA this overlaps
   the forward; several rows are filled by llguidance's threads) and applies them to those rows of
   the step's logits in one batched op (on CUDA one Triton launch, ``mask_kernel.py``), so the
-  batched argmax and every sampler see masked rows. Unconstrained rows are not touched. Filling
-  the masks earlier, on a background thread as soon as the previous step's tokens are accepted,
-  was measured slower on the H200 (batch 32: 7.25 against 7.07 ms a step): the thread waits for
-  the GIL while the engine thread runs Python, and the fill then slows that host work.
+  batched argmax and every sampler see masked rows. Unconstrained rows are not touched.
+- ``StepMasks.start`` fills them ahead: once a step's tokens are back, the constrained turns give
+  theirs to their grammars first (``Turn.take_early``) and the next step's masks are filled on a
+  thread while the turns do the rest of their host work (text, stop strings, events); ``apply``
+  then only waits for what is left of it. H200, batch 32, 128K vocabulary: the fill's wait on the
+  critical path 2.98 -> 1.72 ms a step, the grammar's cost over free decoding 23.0 -> 18.6 %
+  (docs/BENCHMARKS.md). An earlier background fill was slower (7.25 against 7.07 ms a step): its
+  thread had to win the GIL from the engine thread's Python (up to the 5 ms switch interval) to
+  start and to finish; ``start`` now waits until the thread is inside llguidance, which runs
+  without the GIL.
 
 JSON is constrained to the layout ``json.dumps`` writes (``", "`` and ``": "``, no newlines):
 chat templates re-render a tool call's arguments with ``tojson``, so the banked rows of a tool
