@@ -7,6 +7,8 @@ stay in step without rank 0 sending anything.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from turnkv.chat import ChatSession
@@ -104,18 +106,21 @@ def program(group, model: str) -> dict:
     }
 
 
-def disk_program(group, directory: str, missing_on: int | None) -> dict:
+def disk_program(
+    group, directory: str, missing_on: int | None, model: str = "random:test", device: str = "cpu"
+) -> dict:
     """A turn banked to the disk tier, then the same prompt on a fresh bank (a restart): what it
     restores and answers. ``missing_on``: that rank deletes its copy of the second block first,
-    so the group must restore the first block only."""
+    so the group must restore the first block only. (``model``, ``device``: the same on GPUs.)"""
     from turnkv.bank.disk_blocks import block_keys
     from turnkv.engine.events import GenEvent, TurnRequest
     from turnkv.engine.scheduler import run_turn
 
     torch.set_num_threads(1)
     size = 1 if group is None else group.size
-    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", kv_dtype="float32",
-                       prefill_chunk=128, tensor_parallel=size, disk_dir=directory, speculate="off")  # fmt: skip
+    exact = "float32" if device == "cpu" else "auto"
+    cfg = EngineConfig(model=model, device=device, dtype=exact, kv_dtype=exact, prefill_chunk=128,
+                       tensor_parallel=size, disk_dir=directory, speculate="off")  # fmt: skip
     engine = Engine.from_config(cfg, progress=False)
     prompt = [256, *((7 * i + 3) % 250 for i in range(599))]  # 600 ids: two whole blocks restorable
 
@@ -124,15 +129,24 @@ def disk_program(group, directory: str, missing_on: int | None) -> dict:
         events = [e for e in run_turn(engine, bank, req) if isinstance(e, GenEvent)]
         return "".join(e.text for e in events), events[-1].stats.cached_tokens
 
-    bank = engine.new_bank("64M", disk=True)
+    bank = engine.new_bank("1G", disk=True)
+    queue_s = []  # what queueing a turn's blocks costs the engine thread (a host copy under TP)
+    write_behind = bank.tier.write_behind
+
+    def timed(*a) -> None:
+        t0 = time.perf_counter()
+        write_behind(*a)
+        queue_s.append(time.perf_counter() - t0)
+
+    bank.tier.write_behind = timed
     cold = turn(bank)
     assert bank.tier.flush(60)  # every queued block written
     written = bank.tier.health()["writes"]
     if missing_on == (0 if group is None else group.rank):
         bank.tier.store.delete(block_keys(bank.tier.context, "disk", prompt, 2)[1])
     bank.tier.close()  # the directory let go, as at a restart
-    again = engine.new_bank("64M", disk=True)
+    again = engine.new_bank("1G", disk=True)
     warm = turn(again)
     tier = again.tier.health()
     again.tier.close()
-    return {"cold": cold, "warm": warm, "written": written, "tier": tier}
+    return {"cold": cold, "warm": warm, "written": written, "tier": tier, "queue_ms": 1e3 * sum(queue_s)}
