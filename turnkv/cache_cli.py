@@ -12,13 +12,13 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from turnkv.bank.disk import default_disk_dir
+from turnkv.bank.disk import disk_dir as resolve_disk_dir
 from turnkv.bank.disk_blocks import BlockError
 from turnkv.bank.disk_store import LocalDirStore, StoreBusy
 
 
 def cache_main(action: str, disk_dir: str, as_json: bool) -> int:
-    root = Path(disk_dir).expanduser() if disk_dir else default_disk_dir()
+    root = resolve_disk_dir(disk_dir)
     if action == "stats":
         out = stats(root)
     else:

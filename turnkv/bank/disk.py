@@ -84,6 +84,11 @@ def default_disk_dir() -> Path:
     return Path(base) / "turnkv" / "kv"
 
 
+def disk_dir(directory: str | os.PathLike | None) -> Path:
+    """The directory ``--disk-dir`` names (``~`` expanded), or ``default_disk_dir()``."""
+    return Path(directory).expanduser() if directory else default_disk_dir()
+
+
 def disabled_health() -> dict:
     """``/health.disk`` without a tier: ``enabled: false`` and zeros."""
     return {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)}
@@ -427,9 +432,8 @@ def open_tier(
     directory: str | os.PathLike | None, fingerprint: str, shape: KVShape, budget_bytes: int, **kw
 ) -> DiskTier | None:
     """``DiskTier.open`` for the server: a directory it cannot use disables the tier (one warning)."""
-    path = Path(directory).expanduser() if directory else default_disk_dir()
     try:
-        return DiskTier.open(path, fingerprint, shape, budget_bytes, **kw)
+        return DiskTier.open(disk_dir(directory), fingerprint, shape, budget_bytes, **kw)
     except Exception as exc:  # busy, unwritable, not a directory, a broken index
         log.warning("KV disk cache disabled: %s (%s)", exc, type(exc).__name__)
         return None

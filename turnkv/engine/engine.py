@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -166,14 +165,13 @@ class Engine:
         of its own (its KV heads' shard of every block), whose restores every rank agrees on
         (``DiskTier.agree``). A rank that cannot open its directory fails: the others' banks
         would otherwise decide without it (docs/PARALLEL.md)."""
-        from turnkv.bank.disk import default_disk_dir, open_tier
+        from turnkv.bank.disk import disk_dir, open_tier
 
         budget = parse_size(self.cfg.disk_bytes)
         if self.tp is None:
             return open_tier(self.cfg.disk_dir, self.info.fingerprint, self.shape, budget)
         group = self.tp.group
-        base = Path(self.cfg.disk_dir).expanduser() if self.cfg.disk_dir else default_disk_dir()
-        where = base / f"tp{group.size}-rank{group.rank}"
+        where = disk_dir(self.cfg.disk_dir) / f"tp{group.size}-rank{group.rank}"
         tier = open_tier(where, self.info.fingerprint, self.shape, budget, agree=group.agree_min)
         if tier is None:
             raise RuntimeError(

@@ -251,10 +251,7 @@ class StepMasks:
             return
         c, words = len(constraints), self._words
         self._flip ^= 1
-        buf = self._bufs[self._flip]
-        if buf is None or buf.numel() < c * (words + 1):
-            size = max(c, 8) * (words + 1)
-            buf = self._bufs[self._flip] = torch.empty(size, dtype=torch.int32, pin_memory=self._pin)
+        buf = self._bufs[self._flip] = self._room(self._bufs[self._flip], c, words)
         fill = _Fill(list(constraints), buf)
         inside = threading.Event()
 
@@ -284,11 +281,7 @@ class StepMasks:
         cons = [con for _, con in rows]
         host = self._ahead(fill, cons, words)
         if host is None:
-            host = self._host
-            if host is None or host.numel() < size:
-                host = self._host = torch.empty(
-                    max(size, 8 * (words + 1)), dtype=torch.int32, pin_memory=self._pin
-                )
+            host = self._host = self._room(self._host, c, words)
             self._fill(cons, host[: c * words].view(c, words))
         else:
             self.prefetched += c
@@ -326,14 +319,19 @@ class StepMasks:
         at = {id(con): j for j, con in enumerate(done)}
         if not all(id(con) in at for con in cons):
             return None
-        host = self._host
         c = len(cons)
-        if host is None or host.numel() < c * (words + 1):
-            host = self._host = torch.empty(max(c, 8) * (words + 1), dtype=torch.int32, pin_memory=self._pin)
+        host = self._host = self._room(self._host, c, words)
         src = fill.buf[: len(done) * words].view(len(done), words)
         idx = torch.tensor([at[id(con)] for con in cons], dtype=torch.long)
         torch.index_select(src, 0, idx, out=host[: c * words].view(c, words))
         return host
+
+    def _room(self, buf: torch.Tensor | None, c: int, words: int) -> torch.Tensor:
+        """``buf``, or a new one (pinned on CUDA) when it cannot hold ``c`` masks of ``words``
+        int32 and their ``c`` row indices; at least 8 rows' worth, so small steps never regrow."""
+        if buf is not None and buf.numel() >= c * (words + 1):
+            return buf
+        return torch.empty(max(c, 8) * (words + 1), dtype=torch.int32, pin_memory=self._pin)
 
     def _fill(
         self, cons: Sequence[Constraint], masks: torch.Tensor, inside: threading.Event | None = None

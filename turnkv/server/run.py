@@ -49,7 +49,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
-    from turnkv.bank.disk import default_disk_dir
+    from turnkv.bank.disk import disk_dir
     from turnkv.engine.engine import Engine
     from turnkv.server.app import Server, create_app
 
@@ -67,7 +67,7 @@ def serve(cfg: EngineConfig) -> None:
         server = _Uvicorn(config, srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
         info, tier = engine.info, srv.bank.tier
-        where = cfg.disk_dir or default_disk_dir()
+        where = disk_dir(cfg.disk_dir)
         disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
         if engine.tp is not None:  # each rank's bank holds its 1/size of every row, in its own memory
             disk = f"tensor parallel {engine.tp.size} (budget per rank), no disk tier"
