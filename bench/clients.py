@@ -8,7 +8,9 @@ server's engine thread without HTTP, so it runs on the GPU box too. Variants in 
 
 - ``batched``: ``--max-running`` turns per step (the server's default);
 - ``serial``: ``max_running = 1``, one turn at a time (turnkv before batching);
-- ``recompute``: batched, but every request in its own cache namespace, so no history is reused.
+- ``recompute``: batched, but every request in its own cache namespace, so no history is reused;
+- ``plain`` (on request): batched with ``--run-ahead off``, each step's tokens taken before the
+  next step is planned: what run-ahead adds.
 
 Per variant: output tokens/s over the whole run, TTFT p50/p90/p99 (submit to first token, the
 queue included), inter-token latency p50/p99, prompt rows prefilled per turn (follow-ups apart),
@@ -120,7 +122,10 @@ def run(engine: Engine, variant: str, args, budget: int) -> dict:
     """One variant: every client's ``args.rounds`` rounds; the figures of the module docstring."""
     bank = engine.new_bank(budget)
     max_running = 1 if variant == "serial" else args.max_running
-    sched = Scheduler(engine, bank, max_running=max_running, max_batch_tokens=args.max_batch_tokens)
+    ahead = False if variant == "plain" else None  # None: as the engine's --run-ahead says
+    sched = Scheduler(
+        engine, bank, max_running=max_running, max_batch_tokens=args.max_batch_tokens, run_ahead=ahead
+    )
     clients = [Client(i, engine, args, salt_rounds=variant == "recompute") for i in range(args.clients)]
     t0 = time.perf_counter()
     for c in clients:
@@ -156,6 +161,8 @@ def run(engine: Engine, variant: str, args, budget: int) -> dict:
         "steps": sched.steps,
         "rows_per_step": round(sched.rows / max(sched.steps, 1), 1),
         "graph_replays": engine.graphs.replays,
+        "run_ahead": sched.run_ahead,
+        "ahead_steps": sched.ahead_steps,
     }
 
 

@@ -274,7 +274,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="default: segmented,contiguous,recompute (batched,serial,recompute with --clients)",
+        help="default: segmented,contiguous,recompute (batched,serial,recompute with --clients; "
+        "also plain: batched without run-ahead)",
     )
     ap.add_argument("--clients", type=int, default=0, help="concurrent clients (bench/clients.py)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -185,8 +185,8 @@ def markov_source(engine: Engine, table: torch.Tensor):
     next-token logits; every other id -inf). Windows are planned and opened as in a real step."""
     vocab = engine.loaded.config.vocab_size
 
-    def run_step(windows, ids=None):
-        assert ids is None, "no run-ahead here: the rows' tokens are read from the windows"
+    def run_step(windows, prev=None):
+        assert prev is None, "no run-ahead here: the rows' tokens are read from the windows"
         plan = plan_step(windows, engine.backend, engine.shape.device)
         fed = [t for w in windows for t in list(w.tokens)[len(w.tokens) - w.logits :]]
         logits = torch.full((len(fed), vocab), float("-inf"))
@@ -286,8 +286,8 @@ def cycle_source(engine: Engine, nxt: dict[int, int]):
     """A greedy ``run_step``: the row fed token ``t`` predicts ``nxt[t]`` (else token ``A``)."""
     vocab = engine.loaded.config.vocab_size
 
-    def run_step(windows, ids=None):
-        assert ids is None, "no run-ahead here: the rows' tokens are read from the windows"
+    def run_step(windows, prev=None):
+        assert prev is None, "no run-ahead here: the rows' tokens are read from the windows"
         plan = plan_step(windows, engine.backend, engine.shape.device)
         fed = [t for w in windows for t in list(w.tokens)[len(w.tokens) - w.logits :]]
         logits = torch.zeros(len(fed), vocab)

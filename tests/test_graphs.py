@@ -27,8 +27,8 @@ def record(engine: Engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     inner = engine.run_step
 
-    def run_step(windows, ids=None):
-        res = inner(windows, ids)
+    def run_step(windows, prev=None):
+        res = inner(windows, prev)
         if all(len(w.tokens) == 1 for w in windows):
             seen.append(res.logits.clone())
         return res

@@ -33,8 +33,11 @@ def prompt(n: int, start: int) -> list[int]:
 class Run:
     """One scheduler (run-ahead on or off) over its own bank; every turn's events by name."""
 
-    def __init__(self, engine: Engine, ahead: bool) -> None:
-        self.sched = Scheduler(engine, engine.new_bank("256M"), max_running=8, run_ahead=ahead)
+    def __init__(self, engine: Engine, ahead: bool, max_batch_tokens: int = 0) -> None:
+        bank = engine.new_bank("256M")
+        self.sched = Scheduler(
+            engine, bank, max_running=8, max_batch_tokens=max_batch_tokens, run_ahead=ahead
+        )
         self.events: dict[str, list] = {}
 
     def submit(self, name: str, req: TurnRequest, on_token=None) -> None:
@@ -67,8 +70,8 @@ def rows_of(sched: Scheduler, namespace: str) -> tuple[list[int], torch.Tensor]:
     return list(snap.tokens), torch.cat([k, v])
 
 
-def both(engine: Engine, script) -> tuple[Run, Run]:
-    runs = Run(engine, ahead=False), Run(engine, ahead=True)
+def both(engine: Engine, script, max_batch_tokens: int = 0) -> tuple[Run, Run]:
+    runs = Run(engine, False, max_batch_tokens), Run(engine, True, max_batch_tokens)
     for run in runs:
         script(run)
     return runs
@@ -106,6 +109,44 @@ def test_run_ahead_answers_and_banks_what_the_plain_loop_does(engine):
     for ns in ("c0", "c1", "c2", "c3", "late"):
         (ids_off, k_off), (ids_on, k_on) = rows_of(off.sched, ns), rows_of(on.sched, ns)
         assert ids_on == ids_off and torch.equal(k_on, k_off), ns
+
+
+def test_prompt_chunks_run_ahead_beside_decode_rows_and_change_no_answer(engine, monkeypatch):
+    """Mixed steps run ahead too: a prompt's next chunk is known before the step in flight
+    completes, and so is the first decode row after its last chunk (its id: that step's argmax,
+    on the device). With a 24-row budget, long prompts prefill in chunks beside the others'
+    decode rows, turns arrive and finish mid-run; answers and banked rows are the plain loop's."""
+    launched: list[list[tuple[int, int, bool]]] = []  # per step: (rows, ahead, fed) per window
+    run_step = engine.run_step
+
+    def recording(windows, prev=None):
+        launched.append([(len(w.tokens), w.ahead, w.feed is not None) for w in windows])
+        return run_step(windows, prev)
+
+    def script(run: Run) -> None:
+        for i, (n, m) in enumerate(((70, 6), (9, 12), (45, 3), (33, 1))):
+            run.submit(
+                f"p{i}", TurnRequest(prompt(n, 3 * i), SamplingParams(ignore_eos=True), m, namespace=f"p{i}")
+            )
+        for _ in range(3):
+            run.sched.step()
+        run.submit("late", TurnRequest(prompt(52, 41), SamplingParams(ignore_eos=True), 5, namespace="late"))
+        run.drain()
+
+    monkeypatch.setattr(engine, "run_step", recording)
+    off, on = both(engine, script, max_batch_tokens=24)
+    names = ("p0", "p1", "p2", "p3", "late")
+    for name in names:
+        assert on.answer(name) == off.answer(name), name
+        assert on.banked(name) == off.banked(name)
+        (ids_off, kv_off), (ids_on, kv_on) = rows_of(off.sched, name), rows_of(on.sched, name)
+        assert ids_on == ids_off
+        torch.testing.assert_close(kv_on, kv_off, rtol=1e-5, atol=1e-5)  # steps of other sizes
+    ahead = [w for step in launched for w in step if w[1]]
+    assert any(rows > 1 for rows, _, fed in ahead if not fed)  # a prompt chunk after one in flight
+    assert any(rows == 1 and fed for rows, _, fed in ahead)  # decode rows fed on the device
+    mixed = [step for step in launched if any(w[1] for w in step) and len({w[0] > 1 for w in step}) == 2]
+    assert mixed  # chunks and decode rows in one step launched ahead
 
 
 def test_seeded_sampled_turns_run_ahead_and_draw_the_same_tokens(engine):

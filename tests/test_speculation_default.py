@@ -101,9 +101,9 @@ def test_prefill_beside_verify_windows_is_chunked_as_without_speculation(engine,
     chunks: list[int] = []
     run_step = engine.run_step
 
-    def recording(windows, ids=None):
+    def recording(windows, prev=None):
         chunks.extend(len(w.tokens) for w in windows if len(w.tokens) > 1 and w.logits <= 1)
-        return run_step(windows, ids)
+        return run_step(windows, prev)
 
     monkeypatch.setattr(engine, "run_step", recording)
     off, _ = answers(engine, "off", prompts, budget=48)

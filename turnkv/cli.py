@@ -58,7 +58,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--run-ahead",
         "run_ahead",
-        "launch each decode step before the last one's tokens are taken (auto: where decode replays CUDA graphs)",
+        "launch each step before the last one's tokens are taken (auto: where decode replays CUDA graphs)",
     )
     add(
         "--speculate",

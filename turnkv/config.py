@@ -116,7 +116,7 @@ class EngineConfig:
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
     cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
-    run_ahead: RunAhead = "auto"  # launch a decode step before the last one's tokens are taken
+    run_ahead: RunAhead = "auto"  # launch each step before the last one's tokens are taken
     speculate: Speculate = "auto"  # context-copy speculative decoding (verify windows)
     max_running: int = 64  # turns in the running set (one window each per step)
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk

@@ -217,17 +217,17 @@ class Engine:
         return logits
 
     # -- one step -----------------------------------------------------------------------------
-    def run_step(self, windows: Sequence[Window], ids: torch.Tensor | None = None) -> StepResult:
+    def run_step(self, windows: Sequence[Window], prev: torch.Tensor | None = None) -> StepResult:
         """One forward over ``windows`` (each a different cache); the caller commits afterwards.
-        ``ids`` (device ``[N]``, optional): the step's token ids, instead of the windows' own
-        (the scheduler's run-ahead: the previous step's argmax, never copied to the host)."""
+        ``prev`` (device ``[R']``): the argmax of the step in flight, whose rows give the windows
+        with a ``feed`` their first token id (the scheduler's run-ahead; never copied to the host)."""
         try:
-            replay = self.graphs.run(windows, ids)
+            replay = self.graphs.run(windows, prev)
             if replay is not None:
                 return replay
             self.threads.begin([len(w.tokens) for w in windows])
             t0 = time.perf_counter()
-            result = StepResult(*forward(self.model, windows, self.backend, ids))
+            result = StepResult(*forward(self.model, windows, self.backend, prev))
             self.threads.end(time.perf_counter() - t0)  # on a CPU the forward is done here
             return result
         except Exception as exc:

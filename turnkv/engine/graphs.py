@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
-from turnkv.engine.step import StepPlan, Window, host_inputs, open_kv
+from turnkv.engine.step import StepPlan, Window, carry, host_inputs, open_kv
 from turnkv.limits import MAX_SEGMENTS
 
 if TYPE_CHECKING:
@@ -43,14 +43,14 @@ class NoGraphs:
         self.replays = 0
         self.captures = 0
 
-    def run(self, windows: Sequence[Window], ids: torch.Tensor | None = None) -> StepResult | None:
+    def run(self, windows: Sequence[Window], prev: torch.Tensor | None = None) -> StepResult | None:
         return None
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [3 * bs] int64: ids | positions | logit rows
+    inputs: torch.Tensor  # [5 * bs] int64: ids | positions | logit rows (what the graph reads) | feeds
     table: torch.Tensor  # the segment table's words
     logits: torch.Tensor  # [bs, V]
 
@@ -66,9 +66,9 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
 
-    def run(self, windows: Sequence[Window], ids: torch.Tensor | None = None) -> StepResult | None:
+    def run(self, windows: Sequence[Window], prev: torch.Tensor | None = None) -> StepResult | None:
         """Replay (capturing first) the graph of this decode step, or None: it runs eagerly.
-        ``ids`` (device ``[B]``): the rows' token ids, replacing the windows' host ``tokens``."""
+        ``prev`` (device): the argmax of the step in flight, which fed rows read (``carry``)."""
         from turnkv.engine.engine import StepResult
 
         b = len(windows)
@@ -81,7 +81,7 @@ class DecodeGraphs:
         bucket = key_bucket(max(k.start + 1 for k in kv))  # the splits pick_config picks eagerly too
         words, _, _ = host_inputs(windows, kv)
         pad = bs - b
-        inputs = words[:b] + [0] * pad + words[b : 2 * b] + [0] * pad + list(range(bs))
+        inputs = words[:b] + [0] * pad + words[b : 2 * b] + [0] * pad + list(range(bs)) + words[3 * b :]
         host = torch.tensor(inputs, dtype=torch.int64, pin_memory=True)
         # one graph per batch size and split count: the split count is all a graph bakes in of the
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
@@ -91,11 +91,12 @@ class DecodeGraphs:
         fresh = captured is None
         if fresh:
             captured = self._new_buffers(bs)
-        captured.inputs.copy_(host, non_blocking=True)
-        if ids is not None:  # the run-ahead's ids: the step in flight's argmax, never on the host
-            captured.inputs[:b].copy_(ids)
+        captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
+        # the run-ahead's ids: the step in flight's argmax, never on the host
+        carry(captured.inputs[:b], prev, captured.inputs[3 * bs : len(inputs)])
         step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
-        ids, pos, rows = captured.inputs[:bs], captured.inputs[bs : 2 * bs], captured.inputs[2 * bs :]
+        inputs = captured.inputs
+        ids, pos, rows = inputs[:bs], inputs[bs : 2 * bs], inputs[2 * bs : 3 * bs]
         if fresh:
             self._capture(captured, ids, pos, rows, step)
             self.graphs[(bs, splits)] = captured
@@ -106,7 +107,7 @@ class DecodeGraphs:
 
     def _new_buffers(self, bs: int) -> _Captured:
         device = self.engine.shape.device
-        inputs = torch.zeros(3 * bs, dtype=torch.int64, device=device)
+        inputs = torch.zeros(5 * bs, dtype=torch.int64, device=device)
         # the table's size for bs sequences of one group (decode windows: one narrow launch)
         words = bs * (1 + MAX_SEGMENTS) * FIELDS + bs * FIELDS
         table = torch.zeros(words, dtype=torch.int64, device=device)

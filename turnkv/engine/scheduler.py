@@ -8,18 +8,21 @@ that asked for logits (one batched argmax; a sampled turn draws its row on the d
 same tensor) and hands each turn its token.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
-**Run-ahead** (``--run-ahead``; ``auto``: where decode steps replay CUDA graphs): a step whose windows are all decode rows (greedy or sampled:
-either way the token is chosen on the device) stays in flight;
-the next ``step()`` launches the following decode rows first -- their token ids are the step in
-flight's argmax, still on the device, and their KV rows follow its uncommitted ones -- and only
-then waits for that step's tokens and hands them to the turns (detokenizing, stop strings,
-events, the next plan) while the GPU runs the new step. The host's work per step then hides
-behind the device's instead of adding to it. A turn whose answer ended in the step it waited for
-had one more row computed, never committed (its KV row is dropped as a rejected draft's is) and
-its token ignored. A step with rows under a grammar is launched ahead without its masks and
-argmax: they need the tokens of the step in flight, so the next ``step()`` adds them (the masks
-filled while the forward runs) before launching the one after. Any other step (admission,
-prefill, drafts) runs as before: the step in flight completes first.
+**Run-ahead** (``--run-ahead``; ``auto``: where decode steps replay CUDA graphs): every step stays
+in flight; the next ``step()`` admits, plans and launches the following step first and only then
+waits for the tokens of the one in flight and hands them to the turns (detokenizing, stop strings,
+events), so the host's work per step -- the turns', the plan's and the kernel launches of an
+eager mixed step -- runs while the GPU computes instead of between its steps. A turn with a window
+in flight gets the window after it when that is known before the tokens come back
+(``Turn.window_ahead``): its prompt's next chunk, or the decode row after a decode row or after
+the prompt's last chunk, whose token id is the step in flight's argmax, still on the device
+(greedy or drawn: either way chosen there), its KV rows after the uncommitted ones; a turn whose
+next window is not known (drafts, rebase rows) sits that one step out, and turns with no window in
+flight (admitted, rebasing) join as they would without run-ahead. A turn whose answer ended in the
+step it waited for had one more row computed, never committed (its KV row is dropped as a rejected
+draft's is) and its token ignored. A step with rows under a grammar is launched ahead without its
+masks and argmax: they need the tokens of the step in flight, so the next ``step()`` adds them
+(the masks filled while the forward runs) before launching the one after.
 
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.
@@ -102,7 +105,7 @@ class Scheduler:
         self.step_ms = 0.0  # moving averages over recent steps
         self.rows_per_step = 0.0
         self.masks = StepMasks()  # grammar masks of constrained turns' rows
-        self.inflight: _Launched | None = None  # a decode step whose tokens are not taken yet
+        self.inflight: _Launched | None = None  # a step whose tokens are not taken yet (run-ahead)
         if run_ahead is None:  # --run-ahead (auto: where decode steps replay CUDA graphs)
             mode = engine.cfg.run_ahead
             run_ahead = mode == "on" or (mode == "auto" and engine.graphs.status == "on")
@@ -124,84 +127,74 @@ class Scheduler:
         return turn
 
     def step(self) -> None:
-        """Admit what fits, run one forward over every running turn's window, deliver events."""
+        """Admit what fits, run one forward over every running turn's window, deliver events;
+        with run-ahead, launch this step before the one in flight hands out its tokens."""
         control = self.engine.control
         if control is not None and not control.announce(self):  # the other ranks run this step too
             return  # the group is down: every turn was failed
-        if self.inflight is not None:
-            run, self.inflight = self.inflight, None
-            # its grammar masks (if any) from the tokens taken last step, and its argmax
-            ahead = self._ahead_work(run) if self._finalize(run) else None
-            if ahead:  # the next decode rows go to the device before this step's tokens come back
-                # a constrained row's mask needs the token this step brings: taken next step()
-                later = any(e.turn.constraint is not None for e, _ in ahead)
-                self.inflight = self._launch(ahead, ids=run.argmax, finalize=not later)
-                self.ahead_steps += self.inflight is not None
-            self._complete(run)
+        run, self.inflight = self.inflight, None
+        if run is not None and not self._finalize(run):  # its masks and argmax; if that broke,
+            run = None  # its turns failed
             self.running = [e for e in self.running if not e.turn.done]
-            if self.inflight is not None:
-                self.snapshot = self._info()
-                return
         self._admit()
-        # every decoding turn has one row, so decode never waits behind a prefill; prefill chunks
-        # (and rebase rows) take the rest of the token budget in arrival order (a long prompt
-        # stalls the others one chunk); drafts share what prefill left. Prefill chunk sizes then
-        # never depend on speculation: a row's bits depend on its own window only, so turns
-        # answer alike with speculation on and off also in company (tests/test_scheduler.py).
-        decode = [e for e in self.running if e.turn.phase == "decode"]
-        budget = self.max_batch_tokens - len(decode)
-        prefill: list[tuple[_Entry, object]] = []
-        for e in self.running:
-            if e.turn.phase == "decode":
-                continue
-            if budget <= 0 and (prefill or decode):
-                continue  # waits for a later step
-            w = e.turn.window(max(budget, 1))
-            if w is None:  # nothing to compute: finishing
-                self._deliver(e, e.turn.advance(None))
-                continue
-            budget -= len(w.tokens)
-            prefill.append((e, w))
-        work: list[tuple[_Entry, object]] = []
-        for e in decode:
-            w = e.turn.window(1 + max(budget, 0))  # a decode row, or a verify window with drafts
-            if w is None:  # cancelled
-                self._deliver(e, e.turn.advance(None))
-                continue
-            budget -= len(w.tokens) - 1
-            work.append((e, w))
-        work += prefill
+        work = self._gather(run)
+        launched = None
         if work:
-            launched = self._launch(work)
-            if launched is not None and self._may_defer(work):
+            # a constrained row's mask needs the token the step in flight brings: taken below
+            later = run is not None and any(e.turn.constraint is not None for e, _ in work)
+            launched = self._launch(work, prev=run.argmax if run is not None else None, finalize=not later)
+            self.ahead_steps += launched is not None and run is not None
+        if run is not None:
+            self._complete(run)
+        if launched is not None:
+            if self.run_ahead:
                 self.inflight = launched  # its tokens are taken by the next step()
-            elif launched is not None:
+            else:
                 self._complete(launched)
         self.running = [e for e in self.running if not e.turn.done]
         self.snapshot = self._info()
 
-    def _may_defer(self, work: list[tuple[_Entry, Window]]) -> bool:
-        """Whether this step may stay in flight while the next is launched: run-ahead is on,
-        nobody waits for admission, and every running turn has a decode row here that can be
-        followed by the next (``Turn.can_run_ahead``)."""
-        return (
-            self.run_ahead
-            and not self.waiting
-            and len(work) == len(self.running)
-            and all(e.turn.can_run_ahead() for e, _ in work)
-        )
+    def _gather(self, run: _Launched | None) -> list[tuple[_Entry, Window]]:
+        """This step's windows: a decode row (or a verify window of drafts) from each decoding
+        turn first, so decode never waits behind a prefill; then prefill chunks (and rebase rows)
+        of the others in arrival order within the token budget (a long prompt stalls the others
+        one chunk); drafts share what prefill left. Prefill chunk sizes then never depend on
+        speculation: a row's bits depend on its own window only, so turns answer alike with
+        speculation on and off also in company (tests/test_scheduler.py).
 
-    def _ahead_work(self, run: _Launched) -> list[tuple[_Entry, Window]] | None:
-        """The decode rows that follow ``run``'s, one per turn, if every turn of it continues
-        alike (``_may_defer`` once more: a turn may have been cancelled, one may wait)."""
-        entries = [e for e, _ in run.work]
-        if len(entries) != len(self.running) or any(
-            a is not b for a, b in zip(entries, self.running, strict=True)
-        ):
-            return None
-        if not self._may_defer(run.work):
-            return None
-        return [(e, e.turn.window_ahead()) for e in entries]
+        A turn whose window is in ``run`` (in flight) gets the window after it if that is known
+        before ``run``'s tokens come back (``Turn.window_ahead``), else none this step."""
+        flying: dict[int, int] = {}  # id(turn) -> the logit row of its window's last row in ``run``
+        if run is not None:
+            offsets = run.result.plan.logit_offsets
+            for i, (e, w) in enumerate(run.work):
+                if e.turn.owns(w):
+                    flying[id(e.turn)] = offsets[i] + w.logits - 1
+
+        def window(e: _Entry, budget: int) -> Window | None:
+            row = flying.get(id(e.turn))
+            if row is not None:
+                return e.turn.window_ahead(budget, row)
+            w = e.turn.window(budget)
+            if w is None:  # nothing to compute: finishing (or cancelled before its decode row)
+                self._deliver(e, e.turn.advance(None))
+            return w
+
+        decode = [e for e in self.running if e.turn.decodes_next()]
+        budget = self.max_batch_tokens - len(decode)
+        prefill: list[tuple[_Entry, Window]] = []
+        for e in self.running:
+            if e.turn.decodes_next() or (budget <= 0 and (prefill or decode)):
+                continue  # decodes (below), or waits for a later step
+            if (w := window(e, max(budget, 1))) is not None:
+                budget -= len(w.tokens)
+                prefill.append((e, w))
+        work: list[tuple[_Entry, Window]] = []
+        for e in decode:
+            if (w := window(e, 1 + max(budget, 0))) is not None:  # a decode row, or drafts after it
+                budget -= len(w.tokens) - 1
+                work.append((e, w))
+        return work + prefill
 
     def fail_all(self, failed: Failed) -> None:
         """End every waiting and running turn with ``failed`` (steps can no longer run)."""
@@ -238,14 +231,14 @@ class Scheduler:
                 self.running.append(e)
 
     def _launch(
-        self, work: list[tuple[_Entry, Window]], ids: torch.Tensor | None = None, finalize: bool = True
+        self, work: list[tuple[_Entry, Window]], prev: torch.Tensor | None = None, finalize: bool = True
     ) -> _Launched | None:
         """Run one forward over ``work``'s windows (and ``_finalize`` it unless told not to);
-        None if the step broke (its turns failed)."""
+        None if the step broke (its turns failed). ``prev``: the argmax of the step in flight."""
         windows = [w for _, w in work]
         t0 = time.perf_counter()
         try:
-            result = self.engine.run_step(windows, ids)
+            result = self.engine.run_step(windows, prev)
         except Exception as exc:  # a broken step fails its turns, never the loop
             self._fail_step(work, exc)
             return None

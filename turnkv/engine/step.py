@@ -32,15 +32,17 @@ class Window:
     len(tokens))`` of ``cache``; the logits of the last ``logits`` rows come back. The caller
     commits afterwards.
 
-    ``ahead`` > 0: a decode row launched before the step in flight was committed (the
-    scheduler's run-ahead): its rows follow ``ahead`` uncommitted rows that the step in flight
-    writes first (same stream), and its token ids come from that step's argmax on the device
-    (``ids`` of ``Engine.run_step``); ``tokens`` are then placeholders until it completes."""
+    ``ahead`` > 0: a window launched before the step in flight was committed (the scheduler's
+    run-ahead): its rows follow ``ahead`` uncommitted rows that the step in flight writes first
+    (same stream). ``feed``: the logit row of the step in flight whose argmax (on the device,
+    ``Engine.run_step``'s ``prev``) is this window's first token id -- a decode row's, whose
+    ``tokens`` are then a placeholder until that step completes."""
 
     cache: KVCache
     tokens: Sequence[int]
     logits: int = 1
     ahead: int = 0
+    feed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens or not 0 <= self.logits <= len(self.tokens):
@@ -79,49 +81,68 @@ def open_kv(w: Window) -> KVWindow:
 
 
 def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list[int], int, list[int]]:
-    """The step's ``ids + positions + logit_rows`` as one list, ``N`` and the logit offsets."""
+    """The step's ``ids + positions + logit_rows + feeds`` as one list, ``N`` and the logit
+    offsets; ``feeds`` is ``dst + src`` (``carry``) for the windows with a ``feed``."""
     if all(len(w.tokens) == 1 == w.logits for w in windows):  # a decode step: one row each
         b = len(windows)
-        return [w.tokens[0] for w in windows] + [k.start for k in kv] + list(range(b)), b, list(range(b))
+        dst = [i for i, w in enumerate(windows) if w.feed is not None]
+        src = [windows[i].feed for i in dst]
+        words = [w.tokens[0] for w in windows] + [k.start for k in kv] + list(range(b)) + dst + src
+        return words, b, list(range(b))
     ids: list[int] = []
     pos: list[int] = []
     rows: list[int] = []
     offsets: list[int] = []
+    dst, src = [], []
     n = 0
     for w, k in zip(windows, kv, strict=True):
         m = len(w.tokens)
+        if w.feed is not None:
+            dst.append(n)
+            src.append(w.feed)
         ids += w.tokens
         pos += range(k.start, k.start + m)
         offsets.append(len(rows))
         rows += range(n + m - w.logits, n + m)
         n += m
-    return ids + pos + rows, n, offsets
+    return ids + pos + rows + dst + src, n, offsets
+
+
+def carry(ids: torch.Tensor, prev: torch.Tensor | None, feeds: torch.Tensor) -> None:
+    """Write the token ids that the step in flight chooses into this step's ``ids`` ``[N]``:
+    ``ids[dst[i]] = prev[src[i]]``, ``feeds`` = ``dst | src`` (device int64); all on the
+    device, in stream order after that step's argmax (never through the host)."""
+    f = feeds.shape[0] // 2
+    if f:
+        if prev is None:
+            raise ValueError("a window fed by the step in flight, but no step in flight given")
+        ids.index_copy_(0, feeds[:f], prev.index_select(0, feeds[f:]))
 
 
 def plan_step(
     windows: Sequence[Window],
     backend: AttentionBackend,
     device: torch.device,
-    ids: torch.Tensor | None = None,
+    prev: torch.Tensor | None = None,
 ) -> StepPlan:
     """Open every window's KV rows and build the step's inputs and attention plan (see module doc).
-    ``ids`` (device, ``[N]``): the step's token ids, replacing the windows' host ``tokens``."""
+    ``prev`` (device ``[R']``): the argmax of the step in flight, which fed windows read."""
     windows = list(windows)
     kv = [open_kv(w) for w in windows]
     words, n, offsets = host_inputs(windows, kv)
+    r = sum(w.logits for w in windows)
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
-    if ids is not None:
-        dev[:n].copy_(ids)
+    carry(dev[:n], prev, dev[2 * n + r :])
     attention = backend.plan(kv)
     wide = wide_rows([len(w.tokens) for w in windows])
-    return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n :], offsets, attention, wide)
+    return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], offsets, attention, wide)
 
 
 def forward(
-    model, windows: Sequence[Window], backend: AttentionBackend, ids: torch.Tensor | None = None
+    model, windows: Sequence[Window], backend: AttentionBackend, prev: torch.Tensor | None = None
 ) -> tuple[StepPlan, torch.Tensor]:
     """Plan and run one step of ``model`` (a ``LlamaModel``): the plan and fp32 logits ``[R, V]``."""
-    plan = plan_step(windows, backend, model.device, ids)
+    plan = plan_step(windows, backend, model.device, prev)
     model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
     return plan, model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)

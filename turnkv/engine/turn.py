@@ -73,7 +73,7 @@ class Turn:
         self._pending: list[int] = []  # rows of the current phase not yet computed
         self._next: int | None = None  # the sampled token to feed next (decode)
         self._open: Window | None = None
-        self._ahead: Window | None = None  # the decode row launched while ``_open`` is in flight
+        self._ahead: Window | None = None  # the window launched while ``_open`` is in flight
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._t_last = 0.0
@@ -154,27 +154,37 @@ class Turn:
             self._open = None
         return self._open
 
-    def can_run_ahead(self) -> bool:
-        """Whether the next decode row may be launched before the one in flight completes: a turn
-        without drafts (its one row's token is chosen on the device, ``drawer``), not cancelled,
-        whose answer has room for both rows (so the tail, pre-sized for the answer, never grows
-        -- a copy that would miss the row in flight)."""
-        return (
-            self.phase == _DECODE
-            and self._open is not None
-            and len(self._open.tokens) == 1
-            and self._ahead is None
+    def decodes_next(self) -> bool:
+        """Whether this turn's next window is a decode row: it decodes, or the last chunk of its
+        prompt is in flight (the scheduler counts decode rows before prefill chunks)."""
+        o = self._open
+        return self.phase == _DECODE or (self.phase == _PREFILL and o is not None and o.logits == 1)
+
+    def window_ahead(self, budget: int, feed: int) -> Window | None:
+        """The window after ``_open``, which is in flight (launched, not yet advanced), or None
+        when it cannot be known before that step's tokens come back (the turn then sits one step
+        out). Known ahead: the next prompt chunk (at most ``budget`` rows), and the decode row
+        after a decode row or after the prompt's last chunk -- its token is the step in flight's
+        argmax at logit row ``feed`` (chosen on the device: greedy, or drawn by ``drawer``),
+        never on the host. Not known: drafts (the host picks them), the rebase rows (rendered
+        from the answer's text), a cancelled turn, and an answer with no room for two more rows
+        (so the tail, pre-sized for the answer, never regrows -- a copy that would miss the rows
+        in flight). ``advance`` of the window in flight then makes this one the open window, or
+        drops it if the answer ended there (its KV row is never committed)."""
+        o = self._open
+        if o is None or self._ahead is not None or self.request.cancel.is_set():
+            return None
+        if self.phase == _PREFILL and len(self._pending) > len(o.tokens):  # the next chunk
+            rest = self._pending[len(o.tokens) :]
+            n = min(len(rest), max(1, budget), self.engine.prefill_chunk)
+            self._ahead = Window(self.cache, rest[:n], logits=int(n == len(rest)), ahead=len(o.tokens))
+        elif (
+            self.decodes_next()
+            and (self.phase == _PREFILL or len(o.tokens) == 1)
             and self.drafts is None
             and self.stats.completion_tokens + 2 <= self.max_tokens
-            and not self.request.cancel.is_set()
-        )
-
-    def window_ahead(self) -> Window:
-        """The decode row after the one in flight (``can_run_ahead``); its token id is that
-        step's argmax, which the scheduler passes on the device. ``advance`` of the row in flight
-        then makes it this turn's open window, or drops it if the answer ended there."""
-        assert self.can_run_ahead()
-        self._ahead = Window(self.cache, [0], logits=1, ahead=1)
+        ):
+            self._ahead = Window(self.cache, [0], logits=1, ahead=len(o.tokens), feed=feed)
         return self._ahead
 
     def drawer(self, w: Window) -> Sampler | None:
@@ -210,12 +220,14 @@ class Turn:
         commit them, sample the next token(s) from their logits (stop checks, text); may finish."""
         events = self._advance(out)
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and self.phase == _DECODE and self._open is None:
-            # the row in flight is now the open window: its id is the token just taken, and the
-            # cache's window covers it (the commit above closed the cache's window)
-            ahead.tokens, ahead.ahead = [self._next], 0
+        if ahead is not None and self._open is None and self.phase in (_PREFILL, _DECODE):
+            # the window in flight is now the open one (a decode row: its id is the token just
+            # taken); the cache's window covers it again (the commit above closed the cache's)
+            if self.phase == _DECODE:
+                ahead.tokens = [self._next]
+            ahead.ahead, ahead.feed = 0, None
             self._open = ahead
-            self.cache.open_window(1)
+            self.cache.open_window(len(ahead.tokens))
         return events
 
     def _advance(self, out: WindowOutput | None) -> list[TurnEvent]:
