@@ -19,7 +19,7 @@ from turnkv.bank.disk import DiskTier
 from turnkv.bank.disk_blocks import BLOCK_TOKENS as B
 from turnkv.bank.session_bank import Refused, SessionBank
 from turnkv.kv.cache import KVShape
-from turnkv.kv.segments import unique_bytes
+from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
 
 SHAPE = KVShape(2, 1, 8, torch.float32, torch.device("cpu"))
 
@@ -273,3 +273,39 @@ def test_the_contiguous_layout_restores_from_disk_too(engine, tmp_path):
     assert cached == 512
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     b.tier.close()
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+)
+def test_under_tensor_parallelism_queued_rows_leave_the_snapshot_at_once(tmp_path, monkeypatch, device):
+    """With ``agree`` set (one tier per rank), a queued write copies its rows to host memory when
+    it is queued -- on CUDA on a stream of its own, after the kernels that made the rows -- so the
+    bank counts nothing for it, and the blocks written are the snapshot's rows bit for bit."""
+    shape = dataclasses.replace(SHAPE, device=torch.device(device))
+    tier = DiskTier.open(tmp_path, "fp", shape, GIB, agree=lambda n: n)
+    gate = threading.Event()
+    put = tier.store.put
+    monkeypatch.setattr(tier.store, "put", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
+    tokens = list(range(3 * B + 5))
+    ref = synthetic(dataclasses.replace(shape, device=torch.device("cpu")), tokens, seed=3, cuts=(B + 7,))
+    want = [ref.read_rows(d * B, (d + 1) * B) for d in range(3)]  # block 1 spans both segments
+    refs = []
+    for r in ref.refs:
+        k, v = (t.to(device) for t in (r.segment.k, r.segment.v))
+        if device == "cuda":  # rows still being made when the write is queued
+            spin = torch.randn(2048, 2048, device=device)
+            for _ in range(30):
+                spin = torch.tanh(spin @ spin)
+            k = k + 0 * spin[0, 0]
+        refs.append(SegmentRef(Segment(k, v, r.segment.tokens), r.n))
+    tier.write_behind("ns", SegmentedSnapshot(refs))
+    assert tier.held() == []  # nothing for the bank to count
+    gate.set()
+    assert tier.flush(30)
+    blocks = {info.depth: tier.store.get(info.key) for info in tier.store.iterate()}
+    assert sorted(blocks) == [0, 1, 2]
+    for d, (k, v) in enumerate(want):
+        assert torch.equal(blocks[d].k, k) and torch.equal(blocks[d].v, v), d
+    tier.close()

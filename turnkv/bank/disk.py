@@ -23,9 +23,10 @@ write error is counted in ``write_failures`` and logged once, a bad block is a m
 Under tensor parallelism every rank has a tier of its own (its KV heads' shard of the same
 blocks, in a directory of its own) and every rank's bank must decide alike, so ``agree`` (the
 minimum over ranks) is set: a restore takes the run of blocks that every rank holds and read
-intact, and a queued write copies its rows to host memory at once instead of holding the
-snapshot until the writer gets to it (what a queued write holds would otherwise depend on when
-each rank's writer finishes, and the bank counts it).
+intact, and a queued write starts copying its rows to host memory at once (on CUDA on a stream
+of its own: ``_copy_now``) instead of holding the snapshot until the writer gets to it (what a
+queued write holds would otherwise depend on when each rank's writer finishes, and the bank
+counts it).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class _Job:
     at: float  # when the turn finished: the blocks' last access
     ready: object | None = None  # a CUDA event recorded after the rows were made
     host: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # depth -> rows copied at queue time
+    copied: object | None = None  # a CUDA event recorded after those copies (on the queue stream)
+    device: list | None = None  # the device rows being copied, kept alive until ``copied``
 
 
 @dataclass
@@ -143,6 +146,7 @@ class DiskTier:
         self._abandon = False  # close() timed out: drop what is still queued
         self._warned: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
+        self._stream = None  # the queue-time copies' CUDA stream (tensor parallelism)
         self._writer = threading.Thread(target=self._write_loop, name="turnkv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -294,8 +298,7 @@ class DiskTier:
             if todo:
                 job = _Job(snapshot, tuple(snapshot.tokens), todo, now, self._cuda_event())
                 if self.agree is not None:  # rows to host memory now (see the module docstring)
-                    job.host = {d: _to_host(snapshot, d) for d, _, _ in todo}
-                    job.snapshot = None
+                    self._copy_now(job, [d for d, _, _ in todo])
                 self._jobs.append(job)
                 self._queued += len(todo)
                 self._pending.update(key for _, key, _ in todo)
@@ -325,6 +328,41 @@ class DiskTier:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.store.close()
+
+    def _copy_now(self, job: _Job, depths: list[int]) -> None:
+        """Start copying blocks ``depths`` of ``job``'s snapshot to host memory and drop the
+        snapshot from the job (tensor parallelism: the bank then counts nothing for it).
+
+        On CUDA the copies run on a stream of their own, ordered after the kernels that made the
+        rows; the engine thread only launches them and the writer waits for ``copied``. Made on
+        the engine thread's stream and waited for, they took 13-19 ms for two blocks of the 8B
+        shape on each of two H200 ranks (docs/PARALLEL.md): a stall of every running turn at
+        each turn's end. The device rows stay referenced until the copies are done, so their
+        memory is not reused under them (for the milliseconds of the copy, no bank counts it)."""
+        snapshot = job.snapshot
+        assert snapshot is not None
+        job.snapshot = None
+        rows = {d: snapshot.read_rows(d * BLOCK_TOKENS, (d + 1) * BLOCK_TOKENS) for d in depths}
+        if job.ready is None:  # rows on a CPU: copies of their own, now
+            job.host = {d: (k.clone(), v.clone()) for d, (k, v) in rows.items()}
+            return
+        made = torch.cuda.Event()
+        made.record()  # after read_rows' own gathers, on the caller's stream
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(torch.device(self.shape.device))
+        job.host = {}
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(made)
+            for d, (k, v) in rows.items():
+                # pinned (torch caches pinned blocks): pageable copies ran at ~1.5 GB/s there
+                hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+                hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                hk.copy_(k, non_blocking=True)
+                hv.copy_(v, non_blocking=True)
+                job.host[d] = (hk, hv)
+            job.copied = torch.cuda.Event()
+            job.copied.record(self._stream)
+        job.device = list(rows.values())
 
     def _cuda_event(self):
         if torch.device(self.shape.device).type != "cuda":
@@ -359,6 +397,9 @@ class DiskTier:
 
     def _write_job(self, job: _Job, stream) -> None:
         last = job.blocks[-1][1]
+        if job.copied is not None:  # the queue-time copies (``_copy_now``) are done
+            job.copied.synchronize()
+            job.device = None
         for depth, key, parent in job.blocks:
             outcome = "dedupe_hits"
             try:
@@ -447,19 +488,3 @@ def _cut(seg: Segment | None, blocks: int) -> Segment | None:
     if rows == seg.num_rows:
         return seg
     return Segment(seg.k[:, :, :rows].clone(), seg.v[:, :, :rows].clone(), seg.tokens[:rows])
-
-
-def _to_host(snapshot: SegmentedSnapshot, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block ``depth``'s rows as CPU tensors ``[L, Hkv, 256, D]`` of their own (waits for them)."""
-    lo = depth * BLOCK_TOKENS
-    k, v = snapshot.read_rows(lo, lo + BLOCK_TOKENS)
-    if k.device.type == "cpu":
-        return k.clone(), v.clone()
-    # pinned (torch caches pinned blocks): a pageable copy ran at ~1.5 GB/s on the H200 box, 11 ms
-    # a block for the 8B shape on each of two ranks; pinned 6.6-9.6 ms, allocation included
-    # (docs/PARALLEL.md)
-    hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-    hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-    hk.copy_(k)
-    hv.copy_(v)
-    return hk, hv
