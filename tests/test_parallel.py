@@ -277,6 +277,8 @@ def test_a_served_group_runs_turns_and_refuses_new_ones_once_a_rank_died(tmp_pat
         assert h["status"] == "ok" and h["tensor_parallel"] == {
             "size": 2, "status": "ok", "dead_ranks": [], "error": None, "all_reduce": "gloo",
         }  # fmt: skip
+        srv.log.flush()
+        assert f"disk {tmp_path / 'disk'}/tp2-rank* (" in (tmp_path / "serve.log").read_text()  # the banner
         os.kill(srv.rank1_pid(), signal.SIGKILL)
         h = srv.wait_for(lambda h: h["status"] != "ok", 30)
         assert h["status"] == "unavailable" and h["tensor_parallel"]["dead_ranks"] == [1]

@@ -67,10 +67,16 @@ def serve(cfg: EngineConfig) -> None:
         server = _Uvicorn(config, srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
         info, tier = engine.info, srv.bank.tier
-        where = disk_dir(cfg.disk_dir)
+        # the tier's own directory: under tensor parallelism rank 0's (each rank has its own)
+        where = tier.store.root if tier is not None else disk_dir(cfg.disk_dir)
         disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
-        if engine.tp is not None:  # each rank's bank holds its 1/size of every row, in its own memory
-            disk = f"tensor parallel {engine.tp.size} (budget per rank), no disk tier"
+        if engine.tp is not None:  # each rank's bank and tier hold its 1/size of every row
+            size = engine.tp.size
+            disk = f"tensor parallel {size} (budgets per rank), " + (
+                f"disk {where.parent}/tp{size}-rank* ({tier.health()['budget_bytes'] / 2**30:.1f} GiB each)"
+                if tier
+                else "no disk tier"
+            )
         print(
             f"turnkv: serving {info.model_name} on http://{cfg.host}:{port}/v1 "
             f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
