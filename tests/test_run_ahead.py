@@ -247,3 +247,36 @@ def test_run_ahead_is_on_only_where_decode_steps_replay_cuda_graphs(engine):
     sched = Scheduler(engine, engine.new_bank("64M"))
     assert not sched.run_ahead  # a CPU engine: graphs are off
     assert sched.snapshot["run_ahead"] == {"enabled": False, "steps": 0}
+
+
+def test_a_step_that_breaks_while_another_is_in_flight_fails_only_its_turns(engine, monkeypatch):
+    """The step launched ahead raises: its turns fail at once (nothing of them banked, their
+    leases released; the step still in flight then completes without them, its tokens dropped),
+    the loop goes on, and a turn submitted afterwards answers as it would have."""
+    run = Run(engine, ahead=True)
+    run.submit("a", TurnRequest(prompt(20, 1), SamplingParams(ignore_eos=True), 8, namespace="a"))
+    run.submit("b", TurnRequest(prompt(22, 2), SamplingParams(ignore_eos=True), 8, namespace="b"))
+    run_step, calls = engine.run_step, []
+
+    def third_breaks(windows, prev=None):
+        calls.append(len(windows))
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return run_step(windows, prev)
+
+    monkeypatch.setattr(engine, "run_step", third_breaks)
+    run.drain()
+    for name in ("a", "b"):
+        events = run.events[name]
+        tokens = [e for e in events if isinstance(e, GenEvent) and e.token_id is not None]
+        assert events[-1].code == "internal_error" and "device lost" in events[-1].message
+        assert len(tokens) == 1  # the prompt step's; the step in flight's came after the failure
+    bank = run.sched.bank
+    assert len(bank) == 0 and bank.unique_bytes(live=True) == 0  # no lease left behind
+    monkeypatch.setattr(engine, "run_step", run_step)
+    run.submit("c", TurnRequest(prompt(20, 1), SamplingParams(ignore_eos=True), 8, namespace="c"))
+    run.drain()
+    alone = Run(engine, ahead=False)
+    alone.submit("c", TurnRequest(prompt(20, 1), SamplingParams(ignore_eos=True), 8, namespace="c"))
+    alone.drain()
+    assert run.answer("c") == alone.answer("c")

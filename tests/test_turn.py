@@ -123,7 +123,7 @@ def test_a_failing_step_fails_its_turns_and_keeps_the_bank(engine, monkeypatch):
     events: list = []
     sched.submit(TurnRequest([*PROMPT, 5, 6], SamplingParams(), max_tokens=4), events.append)
 
-    def boom(windows, ids=None):
+    def boom(windows, prev=None):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine, "run_step", boom)
