@@ -280,3 +280,36 @@ def test_a_step_that_breaks_while_another_is_in_flight_fails_only_its_turns(engi
     alone.submit("c", TurnRequest(prompt(20, 1), SamplingParams(ignore_eos=True), 8, namespace="c"))
     alone.drain()
     assert run.answer("c") == alone.answer("c")
+
+
+def test_turns_that_draft_wait_for_their_tokens_instead_of_sitting_steps_out():
+    """With speculation drafting (a CPU engine drafts by default), a turn's next window depends on
+    the tokens in flight: its steps complete before the next is planned, as without run-ahead, so
+    it never sits a step out -- every step holds a window of every turn still running -- and the
+    answers are the plain loop's. (One engine per loop: the drafts' governor learns from the step
+    times it sees, so the two loops' draft lengths may differ.)"""
+    runs, calls, steps = [], {}, {}
+    for ahead in (False, True):
+        engine = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))
+        run_step, seen = engine.run_step, []
+        engine.run_step = lambda windows, prev=None, f=run_step, seen=seen: (
+            seen.append([len(w.tokens) for w in windows]) or f(windows, prev)
+        )
+        run = Run(engine, ahead)
+        loop = [256, *([40, 41, 42, 43, 44, 45] * 6)]  # a repetitive prompt: drafts find it
+        run.submit("d", TurnRequest(loop, SamplingParams(ignore_eos=True), 24, namespace="d"))
+        run.submit("p", TurnRequest(prompt(18, 3), SamplingParams(ignore_eos=True), 24, namespace="p"))
+        n = 0
+        while run.sched.busy:
+            run.sched.step()
+            n += 1
+        assert engine.speculation.stats.drafted > 0  # the turns did draft
+        runs.append(run)
+        calls[ahead], steps[ahead] = n, seen
+    off, on = runs
+    for name in ("d", "p"):
+        assert on.answer(name) == off.answer(name), name
+    for ahead in (False, True):
+        sizes = [len(step) for step in steps[ahead]]
+        assert sizes == sorted(sizes, reverse=True), (ahead, sizes)  # 2 windows, then 1 once one ended
+        assert calls[ahead] == len(sizes)  # every step() call ran a step: none waited a call out

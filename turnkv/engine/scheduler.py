@@ -17,8 +17,10 @@ in flight gets the window after it when that is known before the tokens come bac
 (``Turn.window_ahead``): its prompt's next chunk, or the decode row after a decode row or after
 the prompt's last chunk, whose token id is the step in flight's argmax, still on the device
 (greedy or drawn: either way chosen there), its KV rows after the uncommitted ones; a turn whose
-next window is not known (drafts, rebase rows) sits that one step out, and turns with no window in
-flight (admitted, rebasing) join as they would without run-ahead. A turn whose answer ended in the
+next window is not known (rebase rows, an answer about to end) sits that one step out, and turns
+with no window in flight (admitted, rebasing) join as they would without run-ahead. A turn that
+drafts (context-copy speculation; off where graphs are on) picks its next window from the tokens
+in flight, so a step with one completes before the next is planned, as without run-ahead. A turn whose answer ended in the
 step it waited for had one more row computed, never committed (its KV row is dropped as a rejected
 draft's is) and its token ignored. A step with rows under a grammar is launched ahead without its
 masks and argmax: they need the tokens of the step in flight, so the next ``step()`` adds them
@@ -136,6 +138,12 @@ class Scheduler:
         if run is not None and not self._finalize(run):  # its masks and argmax; if that broke,
             run = None  # its turns failed
             self.running = [e for e in self.running if not e.turn.done]
+        if run is not None and any(e.turn.drafts_next() and e.turn.owns(w) for e, w in run.work):
+            # a turn that drafts needs the tokens in flight to pick its next window: rather than
+            # sit a step out (every other step, while it drafts), it waits for them here
+            self._complete(run)
+            self.running = [e for e in self.running if not e.turn.done]
+            run = None
         self._admit()
         work = self._gather(run)
         launched = None
@@ -147,9 +155,9 @@ class Scheduler:
         if run is not None:
             self._complete(run)
         if launched is not None:
-            if self.run_ahead:
+            if self.run_ahead and not any(e.turn.drafts_next() for e, _ in work):
                 self.inflight = launched  # its tokens are taken by the next step()
-            else:
+            else:  # (a turn that drafts would wait for them at the next step() anyway)
                 self._complete(launched)
         self.running = [e for e in self.running if not e.turn.done]
         self.snapshot = self._info()

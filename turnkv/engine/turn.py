@@ -160,6 +160,11 @@ class Turn:
         o = self._open
         return self.phase == _DECODE or (self.phase == _PREFILL and o is not None and o.logits == 1)
 
+    def drafts_next(self) -> bool:
+        """Whether this turn's next window may carry drafts, which the host picks from the tokens
+        of the window in flight: such a turn cannot run ahead (``window_ahead``)."""
+        return self.drafts is not None and self.decodes_next()
+
     def window_ahead(self, budget: int, feed: int) -> Window | None:
         """The window after ``_open``, which is in flight (launched, not yet advanced), or None
         when it cannot be known before that step's tokens come back (the turn then sits one step
