@@ -46,10 +46,12 @@ def register() -> None:
 def engine_for(model: str, size: int) -> Engine:
     # shards load dequantized (parallel/shard.py), so the one-process reference does too: packed
     # weights round activations to bf16 (models/quant.py) and would differ by more than fp32 order;
-    # fp32 rows for the same reason (bf16 rows, a CPU's default, round such differences to bf16 steps)
+    # fp32 rows for the same reason (bf16 rows, a CPU's default, round such differences to bf16 steps).
+    # Run-ahead on, as on GPUs (where graphs turn it on): every rank's scheduler launches each step
+    # before the last one's tokens are taken, prompt chunks included (the served test runs without)
     cfg = EngineConfig(
         model=model, device="cpu", dtype="float32", kv_dtype="float32", prefill_chunk=16,
-        tensor_parallel=size, weights="dequant",
+        tensor_parallel=size, weights="dequant", run_ahead="on",
     )  # fmt: skip
     return Engine.from_config(cfg, progress=False)
 
