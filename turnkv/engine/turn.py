@@ -172,10 +172,10 @@ class Turn:
         after a decode row or after the prompt's last chunk -- its token is the step in flight's
         argmax at logit row ``feed`` (chosen on the device: greedy, or drawn by ``drawer``),
         never on the host. Not known: drafts (the host picks them), the rebase rows (rendered
-        from the answer's text), a cancelled turn's decode row (a prompt goes on being prefilled,
-        as ``window`` does), and an answer with no room for two more rows
-        (so the tail, pre-sized for the answer, never regrows -- a copy that would miss the rows
-        in flight). ``advance`` of the window in flight then makes this one the open window, or
+        from the answer's text), a cancelled turn's decode row (a prompt goes on being
+        prefilled, as ``window`` does), and an answer with no room for two more rows (so the
+        tail, pre-sized for the answer, never regrows -- a copy that would miss the rows in
+        flight). ``advance`` of the window in flight then makes this one the open window, or
         drops it if the answer ended there (its KV row is never committed)."""
         o = self._open
         if o is None or self._ahead is not None:
