@@ -350,16 +350,9 @@ class DiskTier:
         made.record()  # after read_rows' own gathers, on the caller's stream
         if self._stream is None:
             self._stream = torch.cuda.Stream(torch.device(self.shape.device))
-        job.host = {}
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(made)
-            for d, (k, v) in rows.items():
-                # pinned (torch caches pinned blocks): pageable copies ran at ~1.5 GB/s there
-                hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-                hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-                hk.copy_(k, non_blocking=True)
-                hv.copy_(v, non_blocking=True)
-                job.host[d] = (hk, hv)
+            job.host = {d: (_pinned(k), _pinned(v)) for d, (k, v) in rows.items()}
             job.copied = torch.cuda.Event()
             job.copied.record(self._stream)
         job.device = list(rows.values())
@@ -446,10 +439,7 @@ class DiskTier:
         with torch.cuda.stream(stream):
             stream.wait_event(job.ready)
             k, v = job.snapshot.read_rows(lo, lo + BLOCK_TOKENS)
-            hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-            hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            hk.copy_(k, non_blocking=True)
-            hv.copy_(v, non_blocking=True)
+            hk, hv = _pinned(k), _pinned(v)
             stream.synchronize()
         return hk, hv
 
@@ -478,6 +468,20 @@ def open_tier(
     except Exception as exc:  # busy, unwritable, not a directory, a broken index
         log.warning("KV disk cache disabled: %s (%s)", exc, type(exc).__name__)
         return None
+
+
+def rank_dir(directory: str | os.PathLike | None, size: int, rank: int | str) -> Path:
+    """The disk tier of rank ``rank`` of a tensor-parallel group of ``size`` under ``--disk-dir``
+    (each rank holds its KV heads' shard of every block; ``rank`` "*" names them all)."""
+    return disk_dir(directory) / f"tp{size}-rank{rank}"
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device rows ``t`` into pinned host memory, started on the current stream (torch
+    caches pinned blocks; a pageable copy ran at ~1.5 GB/s on the H200 box)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _cut(seg: Segment | None, blocks: int) -> Segment | None:

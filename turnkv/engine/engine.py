@@ -165,13 +165,13 @@ class Engine:
         of its own (its KV heads' shard of every block), whose restores every rank agrees on
         (``DiskTier.agree``). A rank that cannot open its directory fails: the others' banks
         would otherwise decide without it (docs/PARALLEL.md)."""
-        from turnkv.bank.disk import disk_dir, open_tier
+        from turnkv.bank.disk import open_tier, rank_dir
 
         budget = parse_size(self.cfg.disk_bytes)
         if self.tp is None:
             return open_tier(self.cfg.disk_dir, self.info.fingerprint, self.shape, budget)
         group = self.tp.group
-        where = disk_dir(self.cfg.disk_dir) / f"tp{group.size}-rank{group.rank}"
+        where = rank_dir(self.cfg.disk_dir, group.size, group.rank)
         tier = open_tier(where, self.info.fingerprint, self.shape, budget, agree=group.agree_min)
         if tier is None:
             raise RuntimeError(

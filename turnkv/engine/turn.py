@@ -144,9 +144,7 @@ class Turn:
             self._open = None  # a window of a step that was interrupted (Ctrl-C) is not pending
             return None
         if self.phase in (_PREFILL, _REBASE):
-            n = min(len(self._pending), max(1, budget), self.engine.prefill_chunk)
-            last = n == len(self._pending) and self.phase == _PREFILL
-            self._open = Window(self.cache, self._pending[:n], logits=1 if last else 0)
+            self._open = self._chunk(0, budget)
         elif self.phase == _DECODE:
             draft = self._draft(budget)
             self._open = Window(self.cache, [self._next, *draft], logits=1 + len(draft))
@@ -181,9 +179,7 @@ class Turn:
         if o is None or self._ahead is not None:
             return None
         if self.phase == _PREFILL and len(self._pending) > len(o.tokens):  # the next chunk
-            rest = self._pending[len(o.tokens) :]
-            n = min(len(rest), max(1, budget), self.engine.prefill_chunk)
-            self._ahead = Window(self.cache, rest[:n], logits=int(n == len(rest)), ahead=len(o.tokens))
+            self._ahead = self._chunk(len(o.tokens), budget)
         elif (
             self.decodes_next()
             and (self.phase == _PREFILL or len(o.tokens) == 1)
@@ -277,6 +273,15 @@ class Turn:
         return [Failed("internal_error", f"generation failed: {type(exc).__name__}: {exc}")]
 
     # -- internals ------------------------------------------------------------------------------
+    def _chunk(self, skip: int, budget: int) -> Window:
+        """The next chunk of the pending prompt or rebase rows after the first ``skip`` (rows in
+        flight): at most ``budget`` (>= 1) and ``prefill_chunk`` rows; the prompt's last chunk
+        asks for the logits of its last row."""
+        rest = self._pending[skip:]
+        n = min(len(rest), max(1, budget), self.engine.prefill_chunk)
+        last = n == len(rest) and self.phase == _PREFILL
+        return Window(self.cache, rest[:n], logits=int(last), ahead=skip)
+
     def _draft(self, budget: int) -> list[int]:
         """Tokens from the conversation to verify after ``_next``: within the step's row budget,
         and at most the answer's remaining tokens but one (the window's own row brings one more),

@@ -49,7 +49,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
-    from turnkv.bank.disk import disk_dir
+    from turnkv.bank.disk import disk_dir, rank_dir
     from turnkv.engine.engine import Engine
     from turnkv.server.app import Server, create_app
 
@@ -67,16 +67,13 @@ def serve(cfg: EngineConfig) -> None:
         server = _Uvicorn(config, srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
         info, tier = engine.info, srv.bank.tier
-        # the tier's own directory: under tensor parallelism rank 0's (each rank has its own)
-        where = tier.store.root if tier is not None else disk_dir(cfg.disk_dir)
-        disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB)" if tier else "no disk tier"
-        if engine.tp is not None:  # each rank's bank and tier hold its 1/size of every row
-            size = engine.tp.size
-            disk = f"tensor parallel {size} (budgets per rank), " + (
-                f"disk {where.parent}/tp{size}-rank* ({tier.health()['budget_bytes'] / 2**30:.1f} GiB each)"
-                if tier
-                else "no disk tier"
-            )
+        tp = engine.tp  # each rank's bank and tier hold its 1/size of every row, budgets per rank
+        where = disk_dir(cfg.disk_dir) if tp is None else rank_dir(cfg.disk_dir, tp.size, "*")
+        disk = "no disk tier"
+        if tier is not None:
+            disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB{' each' if tp else ''})"
+        if tp is not None:
+            disk = f"tensor parallel {tp.size} (budgets per rank), {disk}"
         print(
             f"turnkv: serving {info.model_name} on http://{cfg.host}:{port}/v1 "
             f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
