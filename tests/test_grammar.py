@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -233,3 +234,57 @@ def test_a_forced_tool_call_parses(engine, grammars):
 def test_a_schema_the_library_cannot_enforce_is_refused_with_the_reason(grammars, schema, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
         grammars.json_schema(schema)
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(tmp_path_factory):
+    from turnkv.models import gguf
+    from turnkv.models.load import default_model_path, file_fingerprint
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TURNKV_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    path = default_model_path()
+    tok = gguf.cached_header(path, file_fingerprint(path))[1]
+    mp.undo()
+    return tok
+
+
+# strings bounded at every length around the slices' steps (2, 4, 8, 10, 16, 30), and unbounded
+bounded = st.tuples(st.integers(0, 40), st.integers(0, 12)).map(
+    lambda t: {"type": "string", "maxLength": t[0], "minLength": min(t[1], t[0])}
+)
+slice_schemas = st.recursive(
+    bounded | st.just({"type": "string"}) | leaf, lambda inner: _object(inner), max_leaves=4
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=slice_schemas, seed=st.integers(0, 2**32 - 1))
+def test_the_finer_slices_give_the_masks_of_a_plain_trie_walk(smol_tokenizer, schema, seed):
+    """``SLICES`` only speed llguidance's masks up: along a walk through a schema (the default
+    model's 49152 tokens; a random allowed token at each step), every mask equals the one computed
+    with no slices at all (each token checked against the grammar) and with llguidance's defaults."""
+    import random
+
+    import llguidance
+
+    from turnkv.engine.grammar import SLICES
+
+    vocab = smol_tokenizer.vocab_size
+    ll = Grammars(smol_tokenizer, vocab).ll_tokenizer()
+    source = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    sliced = [ll.with_slices(s) for s in (SLICES, [], llguidance.LLTokenizer.general_slices())]
+    matchers = [llguidance.LLMatcher(t, source, log_level=0) for t in sliced]
+    words = (vocab + 31) // 32
+    rng = random.Random(seed)
+    for _ in range(60):
+        masks = torch.zeros(len(matchers), words, dtype=torch.int32)
+        for m, row in zip(matchers, masks, strict=True):
+            m.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+        assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+        bits = (masks[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten()[:vocab].nonzero().flatten().tolist()
+        if not allowed or matchers[0].is_stopped():
+            break
+        token = rng.choice(allowed)
+        assert all(m.consume_token(token) for m in matchers)

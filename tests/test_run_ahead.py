@@ -212,8 +212,15 @@ def test_turns_under_a_grammar_run_ahead_and_answer_alike(engine):
         run.submit("free", TurnRequest(prompt(12, 77), SamplingParams(ignore_eos=True), 30, namespace="f"))
         run.drain()
 
-    off, on = both(engine, script)
-    assert on.sched.ahead_steps > 0 and on.sched.masks.rows > 0
+    staged = []
+    run_staged = engine.run_staged
+    engine.run_staged = lambda st, prev=None: (staged.append(len(st.windows)), run_staged(st, prev))[1]
+    try:
+        off, on = both(engine, script)
+    finally:
+        del engine.run_staged
+    # the steps after a constrained step in flight were built while its masks were being filled
+    assert staged and on.sched.ahead_steps > 0 and on.sched.masks.rows > 0
     for name in ("g0", "g1", "g2", "free"):
         assert on.answer(name) == off.answer(name), name
     for i in range(3):
@@ -280,6 +287,48 @@ def test_a_step_that_breaks_while_another_is_in_flight_fails_only_its_turns(engi
     alone.submit("c", TurnRequest(prompt(20, 1), SamplingParams(ignore_eos=True), 8, namespace="c"))
     alone.drain()
     assert run.answer("c") == alone.answer("c")
+
+
+def test_masks_that_break_after_the_next_step_was_staged_fail_only_that_steps_turns(engine):
+    """The step in flight's masks raise after the next step was built (``Engine.stage``): the turns
+    of the step in flight fail (their staged windows are dropped with them, nothing banked, no
+    lease left), a turn that was only in the staged step runs on, and the loop serves afterwards."""
+    pytest.importorskip("llguidance")
+    from turnkv.engine.grammar import Grammars
+
+    grammar = Grammars(engine.tokenizer, engine.loaded.config.vocab_size).json_schema({"type": "object"})
+    run = Run(engine, ahead=True)
+    run.submit("g", TurnRequest(prompt(15, 3), SamplingParams(), 40, namespace="g", grammar=grammar))
+    run.submit("f", TurnRequest(prompt(12, 5), SamplingParams(ignore_eos=True), 40, namespace="f"))
+    masks, apply, calls = run.sched.masks, run.sched.masks.apply, []
+
+    def third_breaks(logits, rows):
+        calls.append(len(rows))
+        if len(calls) == 2:  # admitted at the next step, its prefill staged beside g's and f's rows
+            run.submit(
+                "late", TurnRequest(prompt(20, 9), SamplingParams(ignore_eos=True), 6, namespace="late")
+            )
+        if len(calls) == 3:
+            assert gathered[-1] == [1, 1, 20]  # the step staged meanwhile: g's, f's and late's rows
+            raise RuntimeError("mask upload failed")
+        return apply(logits, rows)
+
+    gather, gathered = run.sched._gather, []
+    run.sched._gather = lambda r: (w := gather(r), gathered.append([len(x.tokens) for _, x in w]))[0]
+    masks.apply = third_breaks
+    run.drain()
+    for name in ("g", "f"):
+        assert run.events[name][-1].code == "internal_error", name
+        assert "mask upload failed" in run.events[name][-1].message
+    assert run.banked("late") > 0
+    alone = Run(engine, ahead=False)
+    alone.submit("late", TurnRequest(prompt(20, 9), SamplingParams(ignore_eos=True), 6, namespace="late"))
+    alone.drain()
+    assert run.answer("late") == alone.answer("late")
+    bank = run.sched.bank
+    assert len(bank) == 1  # only the late turn's rows: the failed turns banked nothing
+    assert bank.unique_bytes(live=True) == bank.unique_bytes(live=False)  # no lease left behind
+    bank.check_integrity()
 
 
 def test_turns_that_draft_wait_for_their_tokens_instead_of_sitting_steps_out():

@@ -22,7 +22,8 @@ from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.context_copy import Speculation
 from turnkv.engine.cpu_threads import make_thread_policy
-from turnkv.engine.step import StepPlan, Window, forward
+from turnkv.engine.graphs import GraphStep, make_graphs
+from turnkv.engine.step import StepPlan, Window, plan_step, run_plan
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
 from turnkv.kv.segments import unique_bytes
@@ -42,6 +43,9 @@ class EngineInfo:
     max_context: int
     verdict: Verdict
     graphs: str  # "on", or why decode steps run eagerly
+
+
+Staged = StepPlan | GraphStep  # a step built and uploaded, not launched (``Engine.stage``)
 
 
 @dataclass
@@ -81,8 +85,6 @@ class Engine:
         self.prefill_chunk = max(1, cfg.prefill_chunk)
         # RoPE tables for every position a turn may reach, built once: steps (and graphs) only index
         self.model.rope.ensure(self.max_context or mc.max_position or 8192)
-        from turnkv.engine.graphs import make_graphs
-
         self.graphs = make_graphs(self, cfg.cuda_graphs)
         # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
         self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
@@ -221,19 +223,36 @@ class Engine:
         """One forward over ``windows`` (each a different cache); the caller commits afterwards.
         ``prev`` (device ``[R']``): the argmax of the step in flight, whose rows give the windows
         with a ``feed`` their first token id (the scheduler's run-ahead; never copied to the host)."""
+        return self.run_staged(self.stage(windows), prev)
+
+    def stage(self, windows: Sequence[Window]) -> Staged:
+        """The host work of a step that needs nothing from the step in flight: KV windows opened,
+        inputs and tables built and uploaded (stream order). ``run_staged`` then launches it; the
+        scheduler stages a step while the grammar masks of the step in flight are being filled."""
         try:
-            replay = self.graphs.run(windows, prev)
-            if replay is not None:
-                return replay
-            self.threads.begin([len(w.tokens) for w in windows])
+            staged = self.graphs.stage(windows)
+            return staged if staged is not None else plan_step(windows, self.backend, self.model.device)
+        except Exception as exc:
+            self._down(exc)
+            raise
+
+    def run_staged(self, staged: Staged, prev: torch.Tensor | None = None) -> StepResult:
+        """Launch the forward of ``staged`` (``prev``: as ``run_step``'s)."""
+        try:
+            if isinstance(staged, GraphStep):
+                return self.graphs.replay(staged, prev)
+            self.threads.begin([len(w.tokens) for w in staged.windows])
             t0 = time.perf_counter()
-            result = StepResult(*forward(self.model, windows, self.backend, prev))
+            result = StepResult(staged, run_plan(self.model, staged, prev))
             self.threads.end(time.perf_counter() - t0)  # on a CPU the forward is done here
             return result
         except Exception as exc:
-            if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
-                self.tp.group.down(f"a step failed on rank {self.tp.rank}: {type(exc).__name__}: {exc}")
+            self._down(exc)
             raise
+
+    def _down(self, exc: Exception) -> None:
+        if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
+            self.tp.group.down(f"a step failed on rank {self.tp.rank}: {type(exc).__name__}: {exc}")
 
 
 def _speculation_off(engine: Engine) -> str | None:

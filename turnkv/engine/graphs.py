@@ -3,7 +3,7 @@
 A decode step (every window one row) is a pure function of a few device buffers: the step's ids,
 positions and logit rows, and the segment table (``attention/fused.py``). ``DecodeGraphs``
 captures the whole forward once per (padded batch size, split count) into a shared memory pool,
-then each step only writes those buffers (two uploads) and replays. Padding sequences have
+then each step only writes those buffers (two uploads: ``stage``) and replays (``replay``). Padding sequences have
 ``q_len`` 0 and are neither read nor written by the kernels. The split count of the attention
 launch is fixed by the key bucket (the next power of two of the longest context), and the eager
 fused path picks its splits the same way (``triton_segments.pick_config``), so a replay equals an
@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from turnkv.attention.backend import StepAttention
 from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
 from turnkv.engine.step import StepPlan, Window, carry, host_inputs, open_kv
+from turnkv.kv.cache import KVWindow
 from turnkv.limits import MAX_SEGMENTS
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ class NoGraphs:
         self.replays = 0
         self.captures = 0
 
-    def run(self, windows: Sequence[Window], prev: torch.Tensor | None = None) -> StepResult | None:
+    def stage(self, windows: Sequence[Window]) -> GraphStep | None:
         return None
 
 
@@ -53,6 +55,18 @@ class _Captured:
     inputs: torch.Tensor  # [5 * bs] int64: ids | positions | logit rows (what the graph reads) | feeds
     table: torch.Tensor  # the segment table's words
     logits: torch.Tensor  # [bs, V]
+
+
+@dataclass
+class GraphStep:
+    """A decode step staged for replay (``DecodeGraphs.stage``)."""
+
+    windows: list[Window]
+    kv: list[KVWindow]
+    key: tuple[int, int]  # (padded batch size, split count): which graph
+    captured: _Captured  # its buffers (fresh ones when that graph is not captured yet)
+    step: StepAttention  # the segment table's plan, written into ``captured.table``
+    used: int  # words of ``captured.inputs`` written: ids, positions, rows of bs, then the feeds
 
 
 class DecodeGraphs:
@@ -66,11 +80,10 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
 
-    def run(self, windows: Sequence[Window], prev: torch.Tensor | None = None) -> StepResult | None:
-        """Replay (capturing first) the graph of this decode step, or None: it runs eagerly.
-        ``prev`` (device): the argmax of the step in flight, which fed rows read (``carry``)."""
-        from turnkv.engine.engine import StepResult
-
+    def stage(self, windows: Sequence[Window]) -> GraphStep | None:
+        """The host work of this decode step's replay (KV windows, inputs and segment table
+        written into the graph's buffers, in stream order), or None: it runs eagerly. Needs
+        nothing from the step in flight, so it can run before that step's argmax is launched."""
         b = len(windows)
         if b > MAX_GRAPH_BATCH or any(len(w.tokens) != 1 or w.logits != 1 for w in windows):
             return None
@@ -86,23 +99,27 @@ class DecodeGraphs:
         # one graph per batch size and split count: the split count is all a graph bakes in of the
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
         # by the context bucket instead, a 64-client H200 run spent most of its time capturing
-        splits = self.engine.backend.decode_splits(bs, bucket)
-        captured = self.graphs.get((bs, splits))
-        fresh = captured is None
-        if fresh:
-            captured = self._new_buffers(bs)
+        key = (bs, self.engine.backend.decode_splits(bs, bucket))
+        captured = self.graphs.get(key) or self._new_buffers(bs)
         captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
-        # the run-ahead's ids: the step in flight's argmax, never on the host
-        carry(captured.inputs[:b], prev, captured.inputs[3 * bs : len(inputs)])
         step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
-        inputs = captured.inputs
+        return GraphStep(list(windows), kv, key, captured, step, len(inputs))
+
+    def replay(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
+        """Replay (capturing first) the graph of ``staged``. ``prev`` (device): the argmax of the
+        step in flight, which fed rows read (``carry``: on the device, never on the host)."""
+        from turnkv.engine.engine import StepResult
+
+        captured, (bs, _) = staged.captured, staged.key
+        b, inputs = len(staged.windows), captured.inputs
+        carry(inputs[:b], prev, inputs[3 * bs : staged.used])
         ids, pos, rows = inputs[:bs], inputs[bs : 2 * bs], inputs[2 * bs : 3 * bs]
-        if fresh:
-            self._capture(captured, ids, pos, rows, step)
-            self.graphs[(bs, splits)] = captured
+        if self.graphs.get(staged.key) is not captured:
+            self._capture(captured, ids, pos, rows, staged.step)
+            self.graphs[staged.key] = captured
         captured.graph.replay()
         self.replays += 1
-        plan = StepPlan(list(windows), kv, ids[:b], pos[:b], rows[:b], list(range(b)), step)
+        plan = StepPlan(staged.windows, staged.kv, ids[:b], pos[:b], rows[:b], list(range(b)), staged.step)
         return StepResult(plan, captured.logits[:b])
 
     def _new_buffers(self, bs: int) -> _Captured:

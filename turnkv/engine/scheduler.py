@@ -24,7 +24,9 @@ in flight, so a step with one completes before the next is planned, as without r
 step it waited for had one more row computed, never committed (its KV row is dropped as a rejected
 draft's is) and its token ignored. A step with rows under a grammar is launched ahead without its
 masks and argmax: they need the tokens of the step in flight, so the next ``step()`` adds them
-(the masks filled while the forward runs) before launching the one after.
+(the masks filled on a thread while the forward runs) before launching the one after, which it
+builds and uploads (``Engine.stage``) while that thread fills them: only the masks' upload, the
+argmax and the launch lie between the fill's end and the next forward.
 
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from turnkv.bank.session_bank import SessionBank
-from turnkv.engine.engine import Engine, StepResult
+from turnkv.engine.engine import Engine, Staged, StepResult
 from turnkv.engine.events import Failed, TurnEvent, TurnRequest, WindowOutput
 from turnkv.engine.grammar import StepMasks
 from turnkv.engine.sampling import draw_rows, on_device
@@ -135,9 +137,6 @@ class Scheduler:
         if control is not None and not control.announce(self):  # the other ranks run this step too
             return  # the group is down: every turn was failed
         run, self.inflight = self.inflight, None
-        if run is not None and not self._finalize(run):  # its masks and argmax; if that broke,
-            run = None  # its turns failed
-            self.running = [e for e in self.running if not e.turn.done]
         if run is not None and any(e.turn.drafts_next() and e.turn.owns(w) for e, w in run.work):
             # a turn that drafts needs the tokens in flight to pick its next window: rather than
             # sit a step out (every other step, while it drafts), it waits for them here
@@ -146,11 +145,23 @@ class Scheduler:
             run = None
         self._admit()
         work = self._gather(run)
+        staged = None
+        if work and run is not None and not run.final:
+            # the step in flight waits for its grammar masks, which a thread is filling: build and
+            # upload this step meanwhile, so that only its launch follows the masked argmax
+            staged = self._stage(work)
+            work = work if staged is not None else []
+        if run is not None and not self._finalize(run):  # its masks and argmax; if that broke,
+            run = None  # its turns failed (and their windows of this step with them)
+            self.running = [e for e in self.running if not e.turn.done]
+            kept = [(e, w) for e, w in work if not e.turn.done]
+            work, staged = kept, staged if len(kept) == len(work) else None
         launched = None
         if work:
             # a constrained row's mask needs the token the step in flight brings: taken below
             later = run is not None and any(e.turn.constraint is not None for e, _ in work)
-            launched = self._launch(work, prev=run.argmax if run is not None else None, finalize=not later)
+            prev = run.argmax if run is not None else None
+            launched = self._launch(work, prev, finalize=not later, staged=staged)
             self.ahead_steps += launched is not None and run is not None
         if run is not None:
             self._complete(run)
@@ -238,15 +249,31 @@ class Scheduler:
             if not e.turn.done:
                 self.running.append(e)
 
+    def _stage(self, work: list[tuple[_Entry, Window]]) -> Staged | None:
+        """``Engine.stage`` of ``work``'s windows; None if that broke (its turns failed)."""
+        try:
+            return self.engine.stage([w for _, w in work])
+        except Exception as exc:
+            self._fail_step(work, exc)
+            return None
+
     def _launch(
-        self, work: list[tuple[_Entry, Window]], prev: torch.Tensor | None = None, finalize: bool = True
+        self,
+        work: list[tuple[_Entry, Window]],
+        prev: torch.Tensor | None = None,
+        finalize: bool = True,
+        staged: Staged | None = None,
     ) -> _Launched | None:
-        """Run one forward over ``work``'s windows (and ``_finalize`` it unless told not to);
-        None if the step broke (its turns failed). ``prev``: the argmax of the step in flight."""
+        """Run one forward over ``work``'s windows (``staged``: already built by ``_stage``), and
+        ``_finalize`` it unless told not to; None if the step broke (its turns failed). ``prev``:
+        the argmax of the step in flight."""
         windows = [w for _, w in work]
         t0 = time.perf_counter()
         try:
-            result = self.engine.run_step(windows, prev)
+            if staged is None:
+                result = self.engine.run_step(windows, prev)
+            else:
+                result = self.engine.run_staged(staged, prev)
         except Exception as exc:  # a broken step fails its turns, never the loop
             self._fail_step(work, exc)
             return None

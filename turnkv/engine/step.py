@@ -61,6 +61,7 @@ class StepPlan:
     logit_offsets: list[int]  # window i's logits are rows [off_i, off_i + windows[i].logits) of R
     attention: StepAttention
     wide: tuple[tuple[int, int], ...] = ()  # rows of windows that take packed weights' wide path
+    feeds: torch.Tensor | None = None  # [2F] int64, device: ``carry``'s dst | src (None: no feed)
 
     @property
     def rows(self) -> int:
@@ -119,30 +120,34 @@ def carry(ids: torch.Tensor, prev: torch.Tensor | None, feeds: torch.Tensor) -> 
         ids.index_copy_(0, feeds[:f], prev.index_select(0, feeds[f:]))
 
 
-def plan_step(
-    windows: Sequence[Window],
-    backend: AttentionBackend,
-    device: torch.device,
-    prev: torch.Tensor | None = None,
-) -> StepPlan:
-    """Open every window's KV rows and build the step's inputs and attention plan (see module doc).
-    ``prev`` (device ``[R']``): the argmax of the step in flight, which fed windows read."""
+def plan_step(windows: Sequence[Window], backend: AttentionBackend, device: torch.device) -> StepPlan:
+    """Open every window's KV rows and build the step's inputs and attention plan (see module doc):
+    everything but the fed ids, which ``run_plan`` writes from the step in flight's argmax, so a
+    plan can be built (and uploaded, in stream order) before that argmax is launched."""
     windows = list(windows)
     kv = [open_kv(w) for w in windows]
     words, n, offsets = host_inputs(windows, kv)
     r = sum(w.logits for w in windows)
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
-    carry(dev[:n], prev, dev[2 * n + r :])
     attention = backend.plan(kv)
     wide = wide_rows([len(w.tokens) for w in windows])
-    return StepPlan(windows, kv, dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], offsets, attention, wide)
+    ids, pos, rows, feeds = dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], dev[2 * n + r :]
+    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, wide, feeds)
+
+
+def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``model`` (a ``LlamaModel``) over ``plan``: fp32 logits ``[R, V]``. ``prev`` (device
+    ``[R']``): the argmax of the step in flight, which fed windows read (``carry``)."""
+    if plan.feeds is not None:
+        carry(plan.ids, prev, plan.feeds)
+    model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
+    return model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)
 
 
 def forward(
     model, windows: Sequence[Window], backend: AttentionBackend, prev: torch.Tensor | None = None
 ) -> tuple[StepPlan, torch.Tensor]:
-    """Plan and run one step of ``model`` (a ``LlamaModel``): the plan and fp32 logits ``[R, V]``."""
-    plan = plan_step(windows, backend, model.device, prev)
-    model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
-    return plan, model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)
+    """Plan and run one step of ``model``: the plan and fp32 logits ``[R, V]``."""
+    plan = plan_step(windows, backend, model.device)
+    return plan, run_plan(model, plan, prev)
