@@ -3,11 +3,11 @@
 A decode step (every window one row) is a pure function of a few device buffers: the step's ids,
 positions and logit rows, and the segment table (``attention/fused.py``). ``DecodeGraphs``
 captures the whole forward once per (padded batch size, split count) into a shared memory pool,
-then each step only writes those buffers (two uploads: ``stage``) and replays (``replay``). Padding sequences have
-``q_len`` 0 and are neither read nor written by the kernels. The split count of the attention
-launch is fixed by the key bucket (the next power of two of the longest context), and the eager
-fused path picks its splits the same way (``triton_segments.pick_config``), so a replay equals an
-eager step of the same batch bit for bit.
+then each step only writes those buffers (two uploads: ``stage``) and replays (``replay``).
+Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. The split
+count of the attention launch is fixed by the key bucket (the next power of two of the longest
+context), and the eager fused path picks its splits the same way (``triton_segments.pick_config``),
+so a replay equals an eager step of the same batch bit for bit.
 
 ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, windows of one row, at most
 ``MAX_GRAPH_BATCH`` of them, each with at most ``MAX_SEGMENTS`` views; everything else runs

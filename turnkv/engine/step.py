@@ -145,9 +145,8 @@ def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.T
     return model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)
 
 
-def forward(
-    model, windows: Sequence[Window], backend: AttentionBackend, prev: torch.Tensor | None = None
-) -> tuple[StepPlan, torch.Tensor]:
-    """Plan and run one step of ``model``: the plan and fp32 logits ``[R, V]``."""
+def forward(model, windows: Sequence[Window], backend: AttentionBackend) -> tuple[StepPlan, torch.Tensor]:
+    """Plan and run one step of ``model`` without an engine (the model tests): the plan and fp32
+    logits ``[R, V]``. No window may have a ``feed``: there is no step in flight."""
     plan = plan_step(windows, backend, model.device)
-    return plan, run_plan(model, plan, prev)
+    return plan, run_plan(model, plan)
