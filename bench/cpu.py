@@ -13,7 +13,9 @@ llama.cpp's includes the KV cache and compute buffers it allocates for ``n_ctx``
     python bench/cpu.py --threads 2 --neighbour off --engines turnkv-packed,llama.cpp
     python bench/cpu.py --engines turnkv-packed,turnkv-packed@float32,llama.cpp   # KV dtype A/B
 
-``turnkv-WEIGHTS@KV`` sets ``--kv-dtype`` (default ``auto``: bfloat16 on a CPU).
+``turnkv-WEIGHTS@KV`` sets ``--kv-dtype`` (default ``auto``: bfloat16 on a CPU); a ``+torch`` suffix
+(``turnkv-packed+torch``) runs the CPU decode attention as torch ops instead of the C kernel
+(``TURNKV_CPU_KERNEL=off``), to A/B the two in one run.
 
 llama.cpp runs from its own virtual environment (never a project dependency), by default
 ``~/.cache/turnkv-bench/llamacpp-venv``; build it once with ``--build-llama-cpp`` (the sdist,
@@ -196,6 +198,8 @@ def _spawn(python: str, opts: dict, neighbour: bool) -> dict:
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         )
+        if opts.get("cpu_kernel") == "torch":  # the CPU decode attention as torch ops (cpu_native)
+            env["TURNKV_CPU_KERNEL"] = "off"
         out = subprocess.run(
             [python, __file__, "--child", json.dumps(opts)], env=env, capture_output=True, text=True
         )
@@ -273,7 +277,8 @@ def run_parent(args: argparse.Namespace) -> None:
     for threads in [0 if t == "auto" else int(t) for t in args.threads.split(",")]:
         for neighbour in [n == "on" for n in args.neighbour.split(",")]:
             for engine in engines:
-                weights, _, kv = engine.removeprefix("turnkv-").partition("@")
+                spec, _, kernel = engine.partition("+")
+                weights, _, kv = spec.removeprefix("turnkv-").partition("@")
                 opts = {
                     "engine": engine,
                     "threads": threads,
@@ -282,6 +287,7 @@ def run_parent(args: argparse.Namespace) -> None:
                     "context": args.context,
                     "weights": weights,
                     "kv_dtype": kv or "auto",
+                    "cpu_kernel": kernel or "auto",
                     "gguf": str(gguf),
                     "prompt_ids": ids,
                     "long_ids": long_ids,

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from report import save
 
+from turnkv.attention import cpu_native
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, TurnRequest
@@ -262,6 +263,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="segmented,contiguous")
     ap.add_argument("--kv-dtype", default="auto", help="KV dtypes to run, e.g. auto,float32 (A/B on a CPU)")
     ap.add_argument("--cuda-graphs", default="auto")
+    ap.add_argument(
+        "--cpu-kernel",
+        default="auto",
+        help="CPU decode attention: auto | c | torch, or a list (c,torch) to A/B them in this process",
+    )
     ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else each turn samples (seeded)"
@@ -334,7 +340,13 @@ def measure(args, group=None) -> dict:
         for e in engines.values():
             if e.shape.dtype not in histories:
                 histories[e.shape.dtype] = [synthetic_history(e, args.context, seed=i) for i in range(b)]
-        for (name, engine), ahead in itertools.product(engines.items(), args.run_ahead.split(",")):
+        kernels = getattr(args, "cpu_kernel", "auto").split(",")
+        for (name, engine), ahead, kern in itertools.product(
+            engines.items(), args.run_ahead.split(","), kernels
+        ):
+            if kern != "auto":
+                cpu_native.set_enabled(kern == "c")
+                name = f"{name}+{kern}" if len(kernels) > 1 else name
             try:
                 r = run_decode(engine, histories[engine.shape.dtype], args, ahead)
             except Exception as exc:  # one failed run must not lose the others' figures
@@ -355,7 +367,7 @@ def measure(args, group=None) -> dict:
                 "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
                 "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
                 "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
-                "kv_dtype": engine.info.kv_dtype,
+                "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(),
             })  # fmt: skip
             x = runs[-1]
             say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"

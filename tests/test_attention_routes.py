@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from turnkv.attention import cpu_native
 from turnkv.attention.backend import PortableBackend, PortableStep
 from turnkv.attention.lse import lse_attention
 from turnkv.attention.reference import reference_attention
@@ -117,10 +118,18 @@ def test_a_ragged_step_equals_each_window_alone_and_labels_its_routes():
         start += w.rows
 
 
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """The CPU decode windows on torch ops, as where no C compiler is found (``cpu_native``)."""
+    monkeypatch.setattr(cpu_native, "_LIB", None)
+    monkeypatch.setattr(cpu_native, "_STATUS", "off (test)")
+
+
 @pytest.mark.parametrize("threads", [2, 3])
-def test_decode_windows_split_over_threads_equal_each_window_alone(threads):
-    """A CPU step of narrow windows runs them in slices on the attention pool, one torch thread
-    each (backend.PortableStep): the same bits as each window alone, in the step's row order."""
+def test_decode_windows_split_over_threads_equal_each_window_alone(threads, torch_ops):
+    """Without the C kernel a CPU step of narrow windows runs them in slices on the attention
+    pool, one torch thread each (backend.PortableStep): the same bits as each window alone, in
+    the step's row order."""
     hq, hkv, d = 4, 2, 16
     shapes = [([8], 1), ([8, 3], 1), ([8, 3, 9], 4), ([5, 7], 1), ([2] * 12, 32)]
     windows = [_window(hkv, lengths, m, d, seed) for seed, (lengths, m) in enumerate(shapes)]
@@ -130,7 +139,7 @@ def test_decode_windows_split_over_threads_equal_each_window_alone(threads):
     torch.set_num_threads(threads)
     try:
         step = PortableBackend(Verdict()).plan(windows)
-        assert step.threads == threads  # the split path, whatever the machine's cores
+        assert step.native is None and step.threads == threads  # the split path
         out = step.attend(1, q, d**-0.5)
         assert torch.get_num_threads() == threads  # restored after the layer
     finally:

@@ -18,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 
+from turnkv.attention import cpu_native
 from turnkv.bank.disk import DISK_KEYS
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
@@ -277,7 +278,8 @@ def test_models_health_and_metrics(live):
     } <= set(h)
     assert h["status"] == "ok" and h["model"] == MODEL and h["kv_layout"] == "segmented"
     assert h["kv_dtype"] == "bfloat16"  # a CPU computing in fp32 stores bf16 rows (kv.cache.kv_dtype)
-    assert set(h["attention"]) == {"route", "verdict", "reason", "selfcheck"}
+    assert set(h["attention"]) == {"route", "verdict", "reason", "selfcheck", "cpu_kernel"}
+    assert h["attention"]["cpu_kernel"] == cpu_native.status()  # "ok" wherever a C compiler is found
     assert {"seals", "merges", "max_segments", "route_counts"} <= set(h["segments"])
     assert set(h["bank"]) == {
         "entries",

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from turnkv.attention import cpu_native
 from turnkv.attention.lse import CPU_FLASH_MIN_ROWS, concat_segments, lse_attention
 from turnkv.attention.rope import apply_rope
 from turnkv.attention.route import Verdict, single_attention, window_label
@@ -99,6 +100,20 @@ class PortableStep:
         # ``start``). Their checks are Python on every layer (2-core VM, one decode row over 100
         # keys, one thread: ``attend`` 39.5 -> 36.3 us, 34.2 with concat_segments' checks hoisted).
         self.concat = [_concat_route(w) for w in self.windows]
+        # CPU decode and verify windows in C (``cpu_native``; ``lse.concat_segments`` where no
+        # compiler is found): one call per layer for all of them, each view read as stored
+        self.native: cpu_native.NativeStep | None = None
+        self.others = list(range(len(self.windows)))  # the windows left to torch ops
+        picked = [i for i, w in enumerate(self.windows) if _native_route(w)]
+        if picked and cpu_native.library() is not None:
+            self.native = cpu_native.NativeStep(
+                [
+                    (self.starts[i], self.windows[i].views, self.windows[i].start, self.windows[i].rows)
+                    for i in picked
+                ],
+                threads=torch.get_num_threads(),
+            )
+            self.others = [i for i in range(len(self.windows)) if i not in set(picked)]
 
     def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
         hq = qk.shape[1] - v.shape[1]
@@ -117,6 +132,27 @@ class PortableStep:
             w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.native is None:
+            return self._attend_torch(layer, q, scale)
+        out = torch.empty(q.shape, dtype=torch.float32)  # [N, Hq, D]
+        q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float().contiguous()
+        n, cut = self.native, self.native.cuts
+        jobs = []
+        if len(cut) > 2:  # slices after the first on the pool (ctypes releases the GIL)
+            pool = _cpu_pool(len(cut) - 2)
+            jobs = [
+                pool.submit(n.attend, layer, q32, out, scale, a, b, k)
+                for k, (a, b) in enumerate(pairwise(cut[1:]), 1)
+            ]
+        n.attend(layer, q32, out, scale, cut[0], cut[1], 0)
+        for j in jobs:
+            j.result()
+        for i in self.others:  # prefill windows (torch's flash kernel) beside the decode rows
+            s, w = self.starts[i], self.windows[i]
+            out[s : s + w.rows] = self._attend(layer, q, scale, [s], [w], [self.concat[i]])
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def _attend_torch(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         # one window keeps torch's threads: with OpenMP spinning briefly (turnkv/threads.py) its
         # matmuls over a long history gain from them (2-core VM, one view of 2048 keys: 209 us a
         # layer on one thread, 158 on two; 38 and 40 us over 64 keys)
@@ -163,6 +199,17 @@ class PortableStep:
                 o = lse_attention(qs, views, scale)
             outs.append(o.transpose(0, 1))  # [m, Hq, D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _native_route(w: KVWindow) -> bool:
+    """Whether window ``w`` can take the C kernel: a CPU window of fewer rows than the flash kernel
+    takes, over views the kernel reads (fp32 or bf16, head dim a multiple of 16)."""
+    k = w.views[0][0]
+    return (
+        w.rows < CPU_FLASH_MIN_ROWS
+        and cpu_native.supports(k)
+        and all(cpu_native.supports(kk) and kk.dtype == k.dtype and vv.dtype == k.dtype for kk, vv in w.views)
+    )
 
 
 def _concat_route(w: KVWindow) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, is_dataclass
 from typing import TYPE_CHECKING
 
+from turnkv.attention import cpu_native
 from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
 
@@ -44,6 +45,8 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
             "verdict": verdict.verdict,
             "reason": verdict.reason,
             "selfcheck": selfcheck,
+            # CPU decode windows: "ok" (the C kernel) or why they run as torch ops; None off a CPU
+            "cpu_kernel": cpu_native.status() if str(info.device).startswith("cpu") else None,
         },
         "segments": {
             "seals": int(counters.get("seals", 0)),

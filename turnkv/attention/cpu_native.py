@@ -1,0 +1,210 @@
+"""The CPU decode attention in C (``cpu_attention.c``): built at first use, called through ctypes.
+
+A step's CPU decode and verify windows (fewer rows than the flash kernel takes) go through one C
+call per layer, or one per thread slice, instead of ~25 torch ops per window and layer plus an fp32
+copy of every bf16 view (``lse.concat_segments``, the path where no compiler is found). The C reads
+each view as stored and keeps every sum in fp32; a row's bits depend only on its own query and the
+keys it sees (the exactness argument is in the C file's header).
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off`` into
+``$XDG_CACHE_HOME/turnkv/kernels`` (or ``~/.cache/turnkv/kernels``), named by a hash of the source,
+the flags and this CPU's feature flags, written to a temporary name and renamed, so concurrent
+processes never load a half-written file. ``TURNKV_CPU_KERNEL=off`` keeps the torch path (the
+tests use it to run both); a failed build keeps it too, and ``status()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+SPLIT_MIN_KEYS = 16384  # keys x rows x KV heads of a step from which its items go to several threads
+_VIEW_FIELDS = 9  # k_ptr, v_ptr, k strides (layer, head, row), v strides (layer, head, row), rows
+
+_LIB: ctypes.CDLL | None = None
+_STATUS: str | None = None  # "ok" or why the torch path is used
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "turnkv" / "kernels"
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join((cc, *FLAGS, platform.machine(), _cpu_flags())).encode()).hexdigest()
+    out = _cache_dir() / f"cpu_attention-{key[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:400]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (then ``status()`` is the reason). Built once per process."""
+    global _LIB, _STATUS
+    if _STATUS is None:
+        if os.environ.get("TURNKV_CPU_KERNEL", "auto").lower() in ("off", "0", "torch"):
+            _STATUS = "off (TURNKV_CPU_KERNEL)"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            fn = lib.turnkv_attend
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [
+                i64,
+                ptr,
+                i64,
+                i64,
+                ptr,
+                i64,
+                i64,
+                i64,
+                ctypes.c_float,
+                ptr,
+                ptr,
+                i64,
+                i64,
+                i64,
+                ptr,
+            ]
+            fn.restype = ctypes.c_int
+            _LIB, _STATUS = lib, "ok"
+        except (OSError, RuntimeError) as e:
+            _STATUS = f"torch ops ({e})"
+    return _LIB
+
+
+def set_enabled(on: bool) -> None:
+    """Steps planned from now on use the C kernel (``on``: built or loaded now) or torch ops; the
+    benches A/B the two in one process with it."""
+    global _LIB, _STATUS
+    _LIB, _STATUS = None, (None if on else "off (set_enabled)")
+    if on:
+        library()
+
+
+def status() -> str:
+    """``ok`` when CPU decode windows run in C, else why they run as torch ops (``/health``)."""
+    library()
+    return _STATUS or "ok"
+
+
+def supports(k: torch.Tensor) -> bool:
+    """Whether views like ``k`` (``[L, Hkv, T, D]``) can go to the C kernel."""
+    d = k.shape[-1]
+    return k.device.type == "cpu" and k.dtype in DTYPES and k.stride(-1) == 1 and d % 16 == 0 and d <= 256
+
+
+class NativeStep:
+    """One step's C attention for the windows it was planned for: the tables are built once per
+    step (every layer's views are the same tensors at another layer offset), then ``attend`` is
+    one call per layer and thread slice.
+
+    ``windows``: ``(q_row0, views, window_start, rows)`` with ``views`` the window's ``(k, v)``
+    pairs, each ``[L, Hkv, T_i, D]``, all of one dtype that ``supports`` accepts."""
+
+    def __init__(
+        self,
+        windows: Sequence[tuple[int, Sequence[tuple[torch.Tensor, torch.Tensor]], int, int]],
+        threads: int = 1,
+    ):
+        lib = library()
+        assert lib is not None, "NativeStep needs the built kernel (check cpu_native.library())"
+        self._fn = lib.turnkv_attend
+        k0 = windows[0][1][0][0]
+        self.hkv, self.d = k0.shape[1], k0.shape[3]
+        self.dtype = DTYPES[k0.dtype]
+        wins, views = [], []
+        for row0, vs, ws, m in windows:
+            wins.append((row0, m, ws, len(views), len(vs)))
+            for k, v in vs:
+                if k.dtype is not k0.dtype or v.dtype is not k0.dtype:
+                    raise ValueError(f"one step's views are {k0.dtype}; got {k.dtype}/{v.dtype}")
+                ks, vs_ = k.stride(), v.stride()
+                views.append(
+                    (k.data_ptr(), v.data_ptr(), ks[0], ks[1], ks[2], vs_[0], vs_[1], vs_[2], k.shape[2])
+                )
+        self.wins = np.asarray(wins, dtype=np.int64).reshape(-1, 5)
+        self.views = np.asarray(views, dtype=np.int64).reshape(-1, _VIEW_FIELDS)
+        self.items = len(wins) * self.hkv
+        self._keys = max(ws + m for _, _, ws, m in windows)
+        self._rows = max(m for _, _, _, m in windows)
+        self._scratch: dict[int, torch.Tensor] = {}
+        # item slices for ``threads`` threads, cut at equal shares of the keys read; one slice
+        # below SPLIT_MIN_KEYS, where a pool hand-off costs more than it saves (2-core VM, SmolLM2:
+        # one conversation at 2K keys, 4.7 ms a step in one call, 7.1 in two slices; eight at 1K,
+        # 20.5 ms in one call, 14.3 in two)
+        work = np.repeat([(ws + m) * m for _, _, ws, m in windows], self.hkv)
+        total = int(work.sum())
+        parts = min(threads, self.items) if total >= SPLIT_MIN_KEYS else 1
+        ends = np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left") + 1
+        self.cuts = sorted({0, self.items, *(int(e) for e in ends)})
+
+    def scratch(self, hq: int, slot: int) -> torch.Tensor:
+        """A thread slice's fp32 work space (see the C file), kept for the step."""
+        buf = self._scratch.get(slot)
+        if buf is None:
+            pairs = self._rows * (hq // self.hkv)
+            buf = self._scratch[slot] = torch.empty(pairs * (self._keys + 2 * self.d) + 16)
+        return buf
+
+    def attend(
+        self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float, a: int, b: int, slot: int
+    ) -> None:
+        """Items ``[a, b)`` (window * Hkv + kv head) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim
+        contiguous) -> their rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
+        hq = q.shape[1]
+        self._fn(
+            layer,
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            out.data_ptr(),
+            hq,
+            self.hkv,
+            self.d,
+            scale,
+            self.wins.ctypes.data,
+            self.views.ctypes.data,
+            self.dtype,
+            a,
+            b,
+            self.scratch(hq, slot).data_ptr(),
+        )
