@@ -10,7 +10,9 @@ server's engine thread without HTTP, so it runs on the GPU box too. Variants in 
 - ``serial``: ``max_running = 1``, one turn at a time (turnkv before batching);
 - ``recompute``: batched, but every request in its own cache namespace, so no history is reused;
 - ``plain`` (on request): batched with ``--run-ahead off``, each step's tokens taken before the
-  next step is planned: what run-ahead adds.
+  next step is planned: what run-ahead adds;
+- any of them with ``+torch`` (``batched+torch``): the CPU decode attention as torch ops instead of
+  the C kernel (``turnkv.attention.cpu_native``), to A/B the two in one process.
 
 Per variant: output tokens/s over the whole run, TTFT p50/p90/p99 (submit to first token, the
 queue included), inter-token latency p50/p99, prompt rows prefilled per turn (follow-ups apart),
@@ -23,6 +25,7 @@ import random
 import statistics
 import time
 
+from turnkv.attention import cpu_native
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
@@ -135,6 +138,17 @@ class Client:
 
 def run(engine: Engine, variant: str, args, budget: int) -> dict:
     """One variant: every client's ``args.rounds`` rounds; the figures of the module docstring."""
+    name, _, kernel = variant.partition("+")
+    if kernel:
+        cpu_native.set_enabled(kernel != "torch")
+    try:
+        out = _run(engine, name, args, budget)
+    finally:
+        cpu_native.set_enabled(True)
+    return {**out, "variant": variant, "cpu_kernel": kernel or "auto"}
+
+
+def _run(engine: Engine, variant: str, args, budget: int) -> dict:
     bank = engine.new_bank(budget)
     max_running = 1 if variant == "serial" else args.max_running
     ahead = False if variant == "plain" else None  # None: as the engine's --run-ahead says

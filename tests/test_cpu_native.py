@@ -33,7 +33,7 @@ def _views(hkv, lengths, d, dtype, seed, layers=2):
 
 
 def _run(windows, hq, d, layer=1, threads=1, q=None, seed=0):
-    """windows: ``(views, ws, m)``; returns (q ``[N, Hq, D]``, out ``[N, Hq, D]``)."""
+    """windows: ``(views, ws, m)``, their items cut over ``threads``; returns (q, out), each ``[N, Hq, D]``."""
     n = sum(m for _, _, m in windows)
     if q is None:
         q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(seed))
@@ -45,9 +45,7 @@ def _run(windows, hq, d, layer=1, threads=1, q=None, seed=0):
         [(s, v, ws, m) for s, (v, ws, m) in zip(starts, windows, strict=True)], threads
     )
     out = torch.full((n, hq, d), float("nan"))
-    cut = step.cuts
-    for slot, (a, b) in enumerate(itertools.pairwise(cut)):
-        step.attend(layer, q, out, d**-0.5, a, b, slot)
+    step.attend(layer, q, out, d**-0.5)
     return q, out
 
 
@@ -149,3 +147,33 @@ def test_off_and_build_failures_fall_back_to_torch_ops_with_the_reason(monkeypat
     assert "no C compiler" in cpu_native.status() and "no-such-compiler-turnkv" in cpu_native.status()
     windows = [KVWindow(tuple(_views(2, [9], 16, torch.float32, 0)), 8, 1)]
     assert PortableBackend(Verdict()).plan(windows).native is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_store_writes_what_torch_writes(dtype):
+    """The step's new rows go into each window's last view in one call, the same bits as torch's
+    copy (bf16: round to nearest even, ties included) and nothing else of the cache changes."""
+    hkv, d, layer = 3, 64, 1
+    shapes = [([5, 9], 1), ([40], 4), ([1], 32)]
+    ours, theirs = [], []
+    for seed, (lengths, m) in enumerate(shapes):
+        views = _views(hkv, [*lengths[:-1], lengths[-1] + m], d, dtype, seed)
+        ours.append(KVWindow(tuple((k.clone(), v.clone()) for k, v in views), sum(lengths), m))
+        theirs.append(KVWindow(tuple(views), sum(lengths), m))
+    n = sum(w.rows for w in ours)
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(n, 2 * hkv + 3, d, generator=g)  # strided k and v, as the model's split gives
+    kv[0, 0, :8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, 0.0, -0.0, 1e38, -1e-40])
+    k, v = kv[:, :hkv], kv[:, hkv + 3 :]
+    step = cpu_native.NativeStep(
+        [(s, w.views, w.start, w.rows) for s, w in zip([0, 1, 5], ours, strict=True)]
+    )
+    assert step.store(layer, k, v)
+    row = 0
+    for a, b in zip(ours, theirs, strict=True):
+        b.write(layer, k[row : row + b.rows].transpose(0, 1), v[row : row + b.rows].transpose(0, 1))
+        for (ka, va), (kb, vb) in zip(a.views, b.views, strict=True):
+            assert torch.equal(ka.view(torch.uint8), kb.view(torch.uint8))
+            assert torch.equal(va.view(torch.uint8), vb.view(torch.uint8))
+        row += b.rows
+    assert not step.store(layer, k.bfloat16(), v)  # only fp32 rows; the caller then writes them

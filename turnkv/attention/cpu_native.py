@@ -1,12 +1,13 @@
 """The CPU decode attention in C (``cpu_attention.c``): built at first use, called through ctypes.
 
 A step's CPU decode and verify windows (fewer rows than the flash kernel takes) go through one C
-call per layer, or one per thread slice, instead of ~25 torch ops per window and layer plus an fp32
+call per layer, its slices on torch's OpenMP threads, instead of ~25 torch ops per window and layer plus an fp32
 copy of every bf16 view (``lse.concat_segments``, the path where no compiler is found). The C reads
 each view as stored and keeps every sum in fp32; a row's bits depend only on its own query and the
 keys it sees (the exactness argument is in the C file's header).
 
-Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off`` into
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp`` (without ``-fopenmp`` where that
+fails: one thread) into
 ``$XDG_CACHE_HOME/turnkv/kernels`` (or ``~/.cache/turnkv/kernels``), named by a hash of the source,
 the flags and this CPU's feature flags, written to a temporary name and renamed, so concurrent
 processes never load a half-written file. ``TURNKV_CPU_KERNEL=off`` keeps the torch path (the
@@ -30,8 +31,13 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+# -fopenmp links libgomp.so.1, which the loader resolves to the copy torch already loaded (same
+# soname): the slices run on torch's thread team, awake from the last op. Slices on a Python
+# pool instead contended with that team's spinning threads (8 conversations at 1K keys on the
+# 2-core VM: 50.3 ms a step split over a pool, 46.6 ms on the engine thread alone).
+OPENMP = ("-fopenmp",)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-SPLIT_MIN_KEYS = 16384  # keys x rows x KV heads of a step from which its items go to several threads
+SPLIT_MIN_KEYS = 256  # keys x rows x KV heads of a step from which its items go to several threads
 _VIEW_FIELDS = 9  # k_ptr, v_ptr, k strides (layer, head, row), v strides (layer, head, row), rows
 
 _LIB: ctypes.CDLL | None = None
@@ -58,7 +64,9 @@ def _build() -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((cc, *FLAGS, platform.machine(), _cpu_flags())).encode()).hexdigest()
+    key = hashlib.sha256(
+        src + " ".join((cc, *FLAGS, *OPENMP, platform.machine(), _cpu_flags())).encode()
+    ).hexdigest()
     out = _cache_dir() / f"cpu_attention-{key[:16]}.so"
     if out.exists():
         return out
@@ -66,8 +74,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if run.returncode:
+        for extra in (OPENMP, ()):
+            run = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if not run.returncode:
+                break
+        else:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:400]}")
         os.replace(tmp, out)
     finally:
@@ -100,11 +111,15 @@ def library() -> ctypes.CDLL | None:
                 ptr,
                 ptr,
                 i64,
-                i64,
+                ptr,
                 i64,
                 ptr,
+                i64,
             ]
             fn.restype = ctypes.c_int
+            st = lib.turnkv_store
+            st.argtypes = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64]
+            st.restype = ctypes.c_int
             _LIB, _STATUS = lib, "ok"
         except (OSError, RuntimeError) as e:
             _STATUS = f"torch ops ({e})"
@@ -135,10 +150,11 @@ def supports(k: torch.Tensor) -> bool:
 class NativeStep:
     """One step's C attention for the windows it was planned for: the tables are built once per
     step (every layer's views are the same tensors at another layer offset), then ``attend`` is
-    one call per layer and thread slice.
+    one call per layer.
 
     ``windows``: ``(q_row0, views, window_start, rows)`` with ``views`` the window's ``(k, v)``
-    pairs, each ``[L, Hkv, T_i, D]``, all of one dtype that ``supports`` accepts."""
+    pairs, each ``[L, Hkv, T_i, D]``, all of one dtype that ``supports`` accepts; ``threads``: the
+    OpenMP threads its items may be cut over (torch's count)."""
 
     def __init__(
         self,
@@ -147,7 +163,7 @@ class NativeStep:
     ):
         lib = library()
         assert lib is not None, "NativeStep needs the built kernel (check cpu_native.library())"
-        self._fn = lib.turnkv_attend
+        self._fn, self._store = lib.turnkv_attend, lib.turnkv_store
         k0 = windows[0][1][0][0]
         self.hkv, self.d = k0.shape[1], k0.shape[3]
         self.dtype = DTYPES[k0.dtype]
@@ -166,31 +182,25 @@ class NativeStep:
         self.items = len(wins) * self.hkv
         self._keys = max(ws + m for _, _, ws, m in windows)
         self._rows = max(m for _, _, _, m in windows)
-        self._scratch: dict[int, torch.Tensor] = {}
-        # item slices for ``threads`` threads, cut at equal shares of the keys read; one slice
-        # below SPLIT_MIN_KEYS, where a pool hand-off costs more than it saves (2-core VM, SmolLM2:
-        # one conversation at 2K keys, 4.7 ms a step in one call, 7.1 in two slices; eight at 1K,
-        # 20.5 ms in one call, 14.3 in two)
+        # item slices for ``threads`` OpenMP threads, cut at equal shares of the keys read (on the
+        # 2-core VM, SmolLM2 at 1K keys: one conversation 68.5 -> 80.6 tok/s split over 2 threads,
+        # eight 152 -> 219; at 48 keys the same within noise, 88-96 tok/s); one slice below
+        # SPLIT_MIN_KEYS
         work = np.repeat([(ws + m) * m for _, _, ws, m in windows], self.hkv)
         total = int(work.sum())
         parts = min(threads, self.items) if total >= SPLIT_MIN_KEYS else 1
         ends = np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left") + 1
-        self.cuts = sorted({0, self.items, *(int(e) for e in ends)})
+        self.cuts = np.asarray(sorted({0, self.items, *(int(e) for e in ends)}), dtype=np.int64)
+        self.parts = len(self.cuts) - 1
+        self._scratch: torch.Tensor | None = None
 
-    def scratch(self, hq: int, slot: int) -> torch.Tensor:
-        """A thread slice's fp32 work space (see the C file), kept for the step."""
-        buf = self._scratch.get(slot)
-        if buf is None:
-            pairs = self._rows * (hq // self.hkv)
-            buf = self._scratch[slot] = torch.empty(pairs * (self._keys + 2 * self.d) + 16)
-        return buf
-
-    def attend(
-        self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float, a: int, b: int, slot: int
-    ) -> None:
-        """Items ``[a, b)`` (window * Hkv + kv head) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim
-        contiguous) -> their rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """Every item (window x KV head) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim contiguous)
+        -> the windows' rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
         hq = q.shape[1]
+        stride = self._rows * (hq // self.hkv) * (self._keys + 2 * self.d) + 16
+        if self._scratch is None:  # each slice's fp32 work space (see the C file), kept for the step
+            self._scratch = torch.empty(self.parts * stride)
         self._fn(
             layer,
             q.data_ptr(),
@@ -204,7 +214,19 @@ class NativeStep:
             self.wins.ctypes.data,
             self.views.ctypes.data,
             self.dtype,
-            a,
-            b,
-            self.scratch(hq, slot).data_ptr(),
+            self.cuts.ctypes.data,
+            self.parts,
+            self._scratch.data_ptr(),
+            stride,
         )
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """The windows' new rows of ``layer`` from k, v ``[N, Hkv, D]`` into their last views, in
+        one call (fp32 copied, bf16 rounded to nearest even as torch rounds); False (nothing
+        written) where k or v is not fp32 with a contiguous last dim."""
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return False
+        ks, vs = k.stride(), v.stride()
+        self._store(layer, k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1], self.hkv, self.d,
+                    self.wins.ctypes.data, len(self.wins), self.views.ctypes.data, self.dtype)  # fmt: skip
+        return True
