@@ -40,6 +40,13 @@ def _window(hkv: int, lengths: list[int], m: int, d: int, seed: int) -> KVWindow
     return KVWindow(tuple(views), sum(lengths), m)
 
 
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """The CPU decode windows on torch ops, as where no C compiler is found (``cpu_native``)."""
+    monkeypatch.setattr(cpu_native, "_LIB", None)
+    monkeypatch.setattr(cpu_native, "_STATUS", "off (test)")
+
+
 def _ulp_diff_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a != b).float().mean().item()
 
@@ -66,7 +73,8 @@ def test_lse_equals_fp32_reference_rounded_once(dtype, lengths, m, hq, hkv):
         assert _ulp_diff_fraction(out, rounded) < 0.02  # double rounding puts ~25 % off
 
 
-def test_one_segment_is_bit_identical_to_contiguous_single():
+def test_one_segment_is_bit_identical_to_contiguous_single(torch_ops):
+    """The torch-ops route (the C kernel's own equivalence is in tests/test_cpu_native.py)."""
     hq, hkv, d, m = 8, 2, 32, 5
     w = _window(hkv, [35], m, d, seed=0)  # one strided view of all layers
     q = torch.randn(m, hq, d).to(torch.bfloat16)
@@ -116,13 +124,6 @@ def test_a_ragged_step_equals_each_window_alone_and_labels_its_routes():
         ref = reference_attention(q[rows].transpose(0, 1), w.layer_views(1), d**-0.5).transpose(0, 1)
         torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
         start += w.rows
-
-
-@pytest.fixture
-def torch_ops(monkeypatch):
-    """The CPU decode windows on torch ops, as where no C compiler is found (``cpu_native``)."""
-    monkeypatch.setattr(cpu_native, "_LIB", None)
-    monkeypatch.setattr(cpu_native, "_STATUS", "off (test)")
 
 
 @pytest.mark.parametrize("threads", [2, 3])
