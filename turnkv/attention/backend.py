@@ -113,7 +113,8 @@ class PortableStep:
                 ],
                 threads=torch.get_num_threads(),
             )
-            self.others = [i for i in range(len(self.windows)) if i not in set(picked)]
+            taken = set(picked)
+            self.others = [i for i in range(len(self.windows)) if i not in taken]
 
     def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
         hq = qk.shape[1] - v.shape[1]
