@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from turnkv.attention import cpu_native
 from turnkv.attention.backend import AttentionBackend, PortableBackend
 from turnkv.attention.reference import reference_attention
 from turnkv.attention.route import Verdict
@@ -261,6 +262,10 @@ def make_backend(
     """The engine's attention backend: the verdict is decided once; ``fused`` only when it is ``ok``."""
     verdict, fused = decide(mode, device, head_dim, num_heads, num_kv_heads, dtype)
     if fused is None:
+        if device.type == "cpu":
+            # build or load the CPU decode kernel at load, not inside the first decode step: the
+            # thread governor times that step, and a 2-thread probe that paid for it lost
+            cpu_native.library()
         return PortableBackend(verdict)
     from turnkv.attention.fused import FusedBackend
 
