@@ -116,7 +116,7 @@ def concat_segments(
 
     The same fp32 attention as per-view partials merged by their log-sum-exp, in about 2S + 3
     ops rather than ~12 per view plus the merge: the scores are concatenated (``T`` floats per
-    query row), never the keys. Decode's hot path on CPU, where op count is the cost: 8
+    query row), never the keys. Decode's path on a CPU without the C kernel (``cpu_native``), where op count is the cost: 8
     conversations of 1024 rows in 4 views, SmolLM2-135M on 2 cores, 277 ms per step through
     partials + merge (bench/decode.py; docs/BENCHMARKS.md).
 
