@@ -177,3 +177,28 @@ def test_the_store_writes_what_torch_writes(dtype):
             assert torch.equal(va.view(torch.uint8), vb.view(torch.uint8))
         row += b.rows
     assert not step.store(layer, k.bfloat16(), v)  # only fp32 rows; the caller then writes them
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_alike_with_the_kernel_and_with_torch_ops(default_model, monkeypatch):
+    """End to end through the scheduler: the default prompt's greedy answer (prefill through torch's
+    flash kernel, every decode step through the C kernel or, switched off, through torch ops)."""
+    from turnkv.config import EngineConfig
+    from turnkv.engine.engine import Engine
+    from turnkv.engine.events import GenEvent, TurnRequest
+    from turnkv.engine.sampling import SamplingParams
+    from turnkv.engine.scheduler import run_turn
+
+    engine = Engine(default_model, EngineConfig())
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    )
+    answers = {}
+    for kernel in ("c", "torch"):
+        if kernel == "torch":
+            monkeypatch.setattr(cpu_native, "_LIB", None)
+            monkeypatch.setattr(cpu_native, "_STATUS", "off (test)")
+        req = TurnRequest(list(ids), SamplingParams(), max_tokens=24, namespace=kernel)
+        bank = engine.new_bank("256M")
+        answers[kernel] = "".join(e.text for e in run_turn(engine, bank, req) if isinstance(e, GenEvent))
+    assert answers["c"] == answers["torch"] and "Paris" in answers["c"]
