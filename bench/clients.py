@@ -139,8 +139,9 @@ class Client:
 def run(engine: Engine, variant: str, args, budget: int) -> dict:
     """One variant: every client's ``args.rounds`` rounds; the figures of the module docstring."""
     name, _, kernel = variant.partition("+")
-    if kernel:
-        cpu_native.set_enabled(kernel != "torch")
+    if not kernel:
+        return {**_run(engine, name, args, budget), "variant": variant, "cpu_kernel": "auto"}
+    cpu_native.set_enabled(kernel != "torch")
     try:
         out = _run(engine, name, args, budget)
     finally:

@@ -129,14 +129,14 @@ class PortableStep:
         # the C kernel's windows in one call (2-core VM, 8 conversations: 16 copies a layer, ~2.5 ms
         # a step); the others as torch copies
         if self.native is not None and self.native.store(layer, k, v):
-            for i in self.others:
-                s, w = self.starts[i], self.windows[i]
-                w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
-            return
-        if len(self.windows) == 1:  # (no slices: each is a dispatch, ~1 us on a CPU)
+            rest = self.others
+        elif len(self.windows) == 1:  # (no slices: each is a dispatch, ~1 us on a CPU)
             self.windows[0].write(layer, k.transpose(0, 1), v.transpose(0, 1))
             return
-        for s, w in zip(self.starts, self.windows, strict=True):
+        else:
+            rest = range(len(self.windows))
+        for i in rest:
+            s, w = self.starts[i], self.windows[i]
             w.write(layer, k[s : s + w.rows].transpose(0, 1), v[s : s + w.rows].transpose(0, 1))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -203,10 +203,8 @@ def _native_route(w: KVWindow) -> bool:
     """Whether window ``w`` can take the C kernel: a CPU window of fewer rows than the flash kernel
     takes, over views the kernel reads (fp32 or bf16, head dim a multiple of 16)."""
     k = w.views[0][0]
-    return (
-        w.rows < CPU_FLASH_MIN_ROWS
-        and cpu_native.supports(k)
-        and all(cpu_native.supports(kk) and kk.dtype == k.dtype and vv.dtype == k.dtype for kk, vv in w.views)
+    return w.rows < CPU_FLASH_MIN_ROWS and all(
+        cpu_native.supports(kk) and kk.dtype == k.dtype and vv.dtype == k.dtype for kk, vv in w.views
     )
 
 

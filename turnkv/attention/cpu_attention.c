@@ -33,7 +33,8 @@
 #include <string.h>
 
 /* GCC/Clang vector extensions: 16 fp32 lanes, lowered to whatever this CPU has (AVX-512, AVX2,
- * NEON); every operation is lane-wise IEEE arithmetic, so the ISA does not change the bits */
+ * NEON); every operation is lane-wise IEEE arithmetic (a multiply and an add fused where the
+ * compiler contracts them, the same in every row's path) */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -231,9 +232,9 @@ static inline __attribute__((always_inline)) void attend_item(const item_t *it, 
                                                               int64_t row0, int64_t m, float scale, float *scratch,
                                                               const int64_t nc) {
     const int64_t d = nc * 16, pairs = m * group, keys = it->keys;
-    float *s = scratch;           /* [pairs, keys + 16] scores, then weights */
+    float *s = scratch;                /* [pairs, keys] scores, then weights (+16 floats spare) */
     float *qs = s + pairs * keys + 16; /* [pairs, d] scaled queries */
-    float *acc = qs + pairs * d;  /* [pairs, d] weighted values */
+    float *acc = qs + pairs * d;       /* [pairs, d] weighted values */
     for (int64_t p = 0; p < pairs; p++) { /* pair p = (row p / group, head p % group) */
         const float *src = q + (row0 + p / group) * q_rs + (it->h * group + p % group) * q_hs;
         for (int64_t e = 0; e < d; e++) qs[p * d + e] = src[e] * scale;
