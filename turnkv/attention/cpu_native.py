@@ -6,36 +6,23 @@ copy of every bf16 view (``lse.concat_segments``, the path where no compiler is 
 each view as stored and keeps every sum in fp32; a row's bits depend only on its own query and the
 keys it sees (the exactness argument is in the C file's header).
 
-Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp`` (without ``-fopenmp`` where that
-fails: one thread) into
-``$XDG_CACHE_HOME/turnkv/kernels`` (or ``~/.cache/turnkv/kernels``), named by a hash of the source,
-the flags and this CPU's feature flags, written to a temporary name and renamed, so concurrent
-processes never load a half-written file. ``TURNKV_CPU_KERNEL=off`` keeps the torch path (the
-tests use it to run both); a failed build keeps it too, and ``status()`` says why.
+Built at first use by ``turnkv.cbuild`` (``-O3 -march=native -fopenmp``, cached per source and
+CPU). ``TURNKV_CPU_KERNEL=off`` keeps the torch path (the tests use it to run both); a failed
+build keeps it too, and ``status()`` says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from turnkv import cbuild
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
-# -fopenmp links libgomp.so.1, which the loader resolves to the copy torch already loaded (same
-# soname): the slices run on torch's thread team, awake from the last op. Slices on a Python
-# pool instead contended with that team's spinning threads (8 conversations at 1K keys on the
-# 2-core VM: 50.3 ms a step split over a pool, 46.6 ms on the engine thread alone).
-OPENMP = ("-fopenmp",)
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SPLIT_MIN_KEYS = 256  # keys x rows x KV heads of a step from which its items go to several threads
 _VIEW_FIELDS = 9  # k_ptr, v_ptr, k strides (layer, head, row), v strides (layer, head, row), rows
@@ -44,58 +31,15 @@ _LIB: ctypes.CDLL | None = None
 _STATUS: str | None = None  # "ok" or why the torch path is used
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "turnkv" / "kernels"
-
-
-def _build() -> Path:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        src + " ".join((cc, *FLAGS, *OPENMP, platform.machine(), _cpu_flags())).encode()
-    ).hexdigest()
-    out = _cache_dir() / f"cpu_attention-{key[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        for extra in (OPENMP, ()):
-            run = subprocess.run([cc, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if not run.returncode:
-                break
-        else:
-            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:400]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None (then ``status()`` is the reason). Built once per process."""
     global _LIB, _STATUS
     if _STATUS is None:
-        if os.environ.get("TURNKV_CPU_KERNEL", "auto").lower() in ("off", "0", "torch"):
-            _STATUS = "off (TURNKV_CPU_KERNEL)"
+        if off := cbuild.switched_off():
+            _STATUS = off
             return None
         try:
-            lib = ctypes.CDLL(str(_build()))
+            lib = cbuild.load(SOURCE)
             fn = lib.turnkv_attend
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             fn.argtypes = [

@@ -1,0 +1,84 @@
+"""Build and load turnkv's C kernels (``attention/cpu_attention.c``, ``models/cpu_int4.c``).
+
+Each is compiled at first use with ``$CC`` (default ``cc``), ``-O3 -march=native -fopenmp``
+(without ``-fopenmp`` where that fails: one thread), into ``$XDG_CACHE_HOME/turnkv/kernels`` (or
+``~/.cache/turnkv/kernels``), named by a hash of the source, the flags and this CPU's feature
+flags, written under a temporary name and renamed, so concurrent processes never load a
+half-written file. ``TURNKV_CPU_KERNEL=off`` keeps every C kernel off (their torch paths run;
+the tests and benches use it to run both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+# -fopenmp links libgomp.so.1, which the loader resolves to the copy torch already loaded (same
+# soname): a kernel's parallel loops run on torch's thread team, awake from the last op. Work
+# split over a Python pool instead contended with that team's spinning threads (8 conversations'
+# attention at 1K keys on the 2-core VM: 50.3 ms a step on a pool, 46.6 ms on one thread).
+OPENMP = ("-fopenmp",)
+
+
+def switched_off() -> str | None:
+    """The reason the C kernels are off by the environment, or None."""
+    if os.environ.get("TURNKV_CPU_KERNEL", "auto").lower() in ("off", "0", "torch"):
+        return "off (TURNKV_CPU_KERNEL)"
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "turnkv" / "kernels"
+
+
+def build(source: Path) -> Path:
+    """The shared library of ``source``, compiled now or found in the cache; RuntimeError says
+    why it cannot be (no compiler, a failed compile)."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
+    src = source.read_bytes()
+    key = hashlib.sha256(
+        src + " ".join((cc, *FLAGS, *OPENMP, platform.machine(), _cpu_flags())).encode()
+    ).hexdigest()
+    out = _cache_dir() / f"{source.stem}-{key[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        for extra in (OPENMP, ()):
+            run = subprocess.run([cc, *FLAGS, *extra, str(source), "-o", tmp], capture_output=True, text=True)
+            if not run.returncode:
+                break
+        else:
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:400]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(source: Path) -> ctypes.CDLL:
+    """``build`` then load; OSError or RuntimeError says why not."""
+    return ctypes.CDLL(str(build(source)))
