@@ -47,6 +47,7 @@ from turnkv.engine.events import Failed, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
+from turnkv.models import cpu_int4
 
 SPLITS = (0.72, 0.19, 0.09)  # sizes that the merge policy keeps as three segments
 
@@ -98,7 +99,7 @@ def weight_bytes_per_step(engine: Engine) -> int:
         total -= model.embed.numel() * model.embed.element_size()  # untied: a few rows gathered
     for m in model.modules():
         if isinstance(m, QuantWeight) and m.packed is not None:
-            total += sum(t.numel() * t.element_size() for t in (m.packed, m.scale_zeros))
+            total += sum(t.numel() * t.element_size() for t in (m.packed, m.scale_zeros) if t is not None)
     return total
 
 
@@ -268,6 +269,11 @@ def main() -> None:
         default="auto",
         help="CPU decode attention: auto | c | torch, or a list (c,torch) to A/B them in this process",
     )
+    ap.add_argument(
+        "--cpu-int4",
+        default="auto",
+        help="CPU packed-weight matmul: auto | c | torch, or c,torch to A/B them (one model loaded each)",
+    )
     ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else each turn samples (seeded)"
@@ -316,14 +322,24 @@ def measure(args, group=None) -> dict:
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                         tensor_parallel=size, speculate=args.speculate)  # fmt: skip
-    kvs = args.kv_dtype.split(",")
-    first = Engine.from_config(
-        replace(base, kv_layout=args.layouts.split(",")[0], kv_dtype=kvs[0]), progress=False
-    )
-    engines = {}  # label -> engine: the layout, and the KV dtype where several are compared
-    for name, kv in itertools.product(args.layouts.split(","), kvs):
-        e = first if not engines else Engine(first.loaded, replace(base, kv_layout=name, kv_dtype=kv))
-        engines[name if len(kvs) == 1 else f"{name}/{e.info.kv_dtype}"] = e
+    kvs, int4s = args.kv_dtype.split(","), args.cpu_int4.split(",")
+    engines, matmul = (
+        {},
+        {},
+    )  # label -> engine: the layout, KV dtype and CPU matmul where several are compared
+    for int4 in int4s:
+        if int4 != "auto":  # one model loaded per matmul kernel (packing is done at load)
+            cpu_int4.set_enabled(int4 == "c")
+        loaded = None
+        for name, kv in itertools.product(args.layouts.split(","), kvs):
+            cfg = replace(base, kv_layout=name, kv_dtype=kv)
+            e = Engine.from_config(cfg, progress=False) if loaded is None else Engine(loaded, cfg)
+            loaded = e.loaded
+            label = name if len(kvs) == 1 else f"{name}/{e.info.kv_dtype}"
+            label = label if len(int4s) == 1 else f"{label}/mm-{int4}"
+            engines[label], matmul[label] = e, int4 if int4 != "auto" else cpu_int4.status()
+    cpu_int4.set_enabled(True)
+    first = next(iter(engines.values()))
     device = first.shape.device
     capacity = kv_capacity(first)  # before the histories take memory, as a server would see it
     bw = copy_bandwidth(device)
@@ -367,7 +383,7 @@ def measure(args, group=None) -> dict:
                 "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
                 "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
                 "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
-                "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(),
+                "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(), "cpu_int4": matmul[name.split("+")[0]],
             })  # fmt: skip
             x = runs[-1]
             say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"

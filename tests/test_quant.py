@@ -20,13 +20,26 @@ from turnkv.attention.route import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
+from turnkv.models import cpu_int4, quant
 from turnkv.models import gguf as gg
-from turnkv.models import quant
 from turnkv.models.load import ModelLoadError, load_model
 from turnkv.tokenizer import byte_level
 
 pytestmark = pytest.mark.skipif(quant.kernel_missing() is not None, reason="no int4 CPU kernel in torch")
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+@pytest.fixture(params=["c", "torch"])
+def kernel(request, monkeypatch):
+    """Run the test with the C kernel (where it builds) and with torch's int4 kernel."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_int4, "_LIB", None)
+        monkeypatch.setattr(cpu_int4, "_STATUS", "off (test)")
+        if quant.kernel_missing() is not None:
+            pytest.skip("no int4 op in this torch")
+    elif cpu_int4.library() is None:
+        pytest.skip(f"no C kernel: {cpu_int4.status()}")
+    return request.param
 
 
 def gguf_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -59,28 +72,30 @@ def test_planes_hold_the_gguf_values(type_name):
 
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize(("rows", "m"), [(192, 1), (192, 3), (192, 260), (40, 5)])
-def test_packed_matmul_within_the_stated_bound(type_name, rows, m):
-    """int4 kernel (m < WIDE_ROWS), the wide bf16 path (m >= WIDE_ROWS, rows % 64 == 0), and a row
-    count the packer must pad (40): every output within ``error_bound`` of x @ W_gguf.T."""
+def test_packed_matmul_within_the_stated_bound(type_name, rows, m, kernel):
+    """C or int4 kernel (m < WIDE_ROWS), the wide bf16 path (m >= WIDE_ROWS; torch's layout:
+    rows % 64 == 0), and a row count the packer must pad (40): every output within
+    ``error_bound`` of x @ W_gguf.T."""
     cols = 96
     raw = gguf_blocks(type_name, rows, cols, seed=rows + m)
     planes = quant.planes_from_blocks(raw, type_name)
     qw = quant.QuantWeight((rows, cols), planes)
-    assert qw.check_layout(planes) == (rows % 64 == 0)
+    assert qw.native == (kernel == "c")
+    assert qw.check_layout(planes) == (qw.native or rows % 64 == 0)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     got = qw.mm(x, quant.wide_rows([m])).double()  # one window of m rows
     assert got.shape == (m, rows)
     ref = gg.dequant_rows(raw, type_name)
     want = x.double() @ ref.double().T
     wide = qw.wide_ok and m >= quant.WIDE_ROWS
-    bound = quant.error_bound(x, planes, ref, wide=wide)
+    bound = quant.error_bound(x, planes, ref, wide=wide, native=qw.native)
     assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
     # the bound is not vacuous: it is far below the size of the outputs
     assert float(bound.max()) < 0.05 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-def test_a_rows_path_and_bits_depend_on_its_own_window_only(type_name):
+def test_a_rows_path_and_bits_depend_on_its_own_window_only(type_name, kernel):
     """A step of windows [3, 300, 5, 260, 270] rows: the wide path serves exactly the windows of
     WIDE_ROWS rows or more, and every row is the same bits as its window run alone."""
     rows, cols = 192, 96
@@ -99,7 +114,7 @@ def test_a_rows_path_and_bits_depend_on_its_own_window_only(type_name):
     assert not torch.equal(qw.mm(x[3:303]), qw.mm(x[3:303], ((0, 300),)))  # the two paths differ
 
 
-def test_self_check_catches_a_wrong_layout():
+def test_self_check_catches_a_wrong_layout(kernel):
     """Planes whose nibbles are read in the wrong order (the bug a layout change would cause)
     fail the load-time check; the right ones pass."""
     raw = gguf_blocks("Q4_1", 64, 64, seed=3)

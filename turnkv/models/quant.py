@@ -2,27 +2,33 @@
 
 The model's matmuls go through ``linear``, ``residual_linear`` and ``embedding``, which take
 either a plain tensor (today's dequantized path, and every HF folder and GPU load) or a
-``QuantWeight``. A ``QuantWeight`` holds one or two *planes* in torch's CPU int4 format
-(``_convert_weight_to_int4pack_for_cpu``; each value ``u`` in 0..15 and, per row and group of 32
-columns, a scale ``s`` and zero ``z``, read as ``(u - 8) * s + z``) and runs them through
-``_weight_int4pack_mm_for_cpu``. The GGUF blocks map onto that form without re-quantizing:
+``QuantWeight``. A ``QuantWeight`` holds one or two *planes*: values ``u`` in 0..15 and, per row
+and group of 32 columns, a scale ``s`` and zero ``z``, read as ``(u - 8) * s + z``. The GGUF
+blocks map onto that form without re-quantizing:
 
 - Q4_0 ``(q - 8) * d``: one plane, ``u = q, s = d, z = 0``.
 - Q4_1 ``q * d + m``: one plane, ``u = q, s = d, z = m + 8d``.
 - Q8_0 ``q * d`` (q an int8): two planes, ``q = 16 h + l`` with ``h = q >> 4`` in -8..7 and
   ``l = q & 15``: ``u = h + 8, s = 16d, z = 0`` plus ``u = l, s = d, z = 8d``.
 
-Measured on the 2-core AVX-512 VM (torch 2.13, one row, the default model's shapes): the kernel
-takes 0.02-0.05 ms for a layer's matmuls with bf16 activations, 0.9 ms for the 49152-row LM head;
-the same kernel with fp32 activations is a scalar fallback 25-30x slower (26.8 ms for the head),
-fp32 dense F.linear takes 9.5 ms for the head, bf16 dense 3.4 ms. The fast kernel reads its scales
-and zeros as bf16, takes bf16 activations and writes bf16, so the packed path is *not* bit-exact
-against the GGUF's fp32 dequantized values. ``error_bound`` states the difference per output and
-``self_check`` verifies it at load; the terms (``u = 2^-9``, bf16's unit roundoff):
+Two kernels multiply them, chosen at load:
 
-- weights: ``|W' - W| = |(u-8)(s - bf16(s)) + (z - bf16(z))|`` per value (computed exactly);
+- **C** (``cpu_int4``, wherever a C compiler builds it): the planes are stored with fp16 scales
+  and zeros ``u * s + (z - 8s)``, the GGUF's own numbers, so the weights are exact; activations
+  are rounded to bf16, sums and the output are fp32. 1.2-2.2x faster than torch's kernel on the
+  default model's shapes (see ``cpu_int4``).
+- **torch's int4 kernel** (``_weight_int4pack_mm_for_cpu``; ``TURNKV_CPU_KERNEL=off`` or no
+  compiler): it reads scales and zeros as bf16, takes bf16 activations and writes bf16.
+
+Neither is bit-exact against the GGUF's fp32 dequantized values. ``error_bound`` states the
+difference per output and ``self_check`` verifies it at load; the terms (``u = 2^-9``, bf16's
+unit roundoff; ``e = 2^-24``, fp32's):
+
+- weights: ``|W' - W|`` per value, computed exactly (zero for the C kernel's fp16 scales);
 - activations: ``|x - bf16(x)| <= u |x|``;
-- each plane's output rounded to bf16: ``<= u |y_p|``; fp32 accumulation over K: ``<= K 2^-24 sum|x||W'|``.
+- torch: each plane's output rounded to bf16 ``<= u |y_p|``, fp32 accumulation ``<= K e sum|x||W'|``;
+- C: per group of 32 the sum of ``x (128 + v)`` (``v`` the value) in 32 fp32 additions and two
+  FMAs into the row's sum: ``<= (33 + 2 G P) e sum_g (271 |s| + |z - 8s|) sum_{k in g} |x_k|``.
 
 Only the embedding *lookup* is exact: it dequantizes the gathered rows from the GGUF blocks.
 """
@@ -40,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turnkv.config import Weights
+from turnkv.models import cpu_int4
 from turnkv.models.pointwise import cast
 
 log = logging.getLogger(__name__)
@@ -57,7 +64,9 @@ WIDE_ROWS = 256
 
 
 def kernel_missing() -> str | None:
-    """Why the packed path cannot run in this torch, or None when it can."""
+    """Why the packed path cannot run here (no C kernel and no int4 op in torch), or None."""
+    if cpu_int4.library() is not None:
+        return None
     ops = torch.ops.aten
     for name in ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"):
         if not hasattr(ops, name):
@@ -111,8 +120,18 @@ def planes_from_blocks(raw: torch.Tensor, type_name: str) -> list[Plane]:
     return [Plane(u, d, m + 8 * d)]
 
 
-def plane_values(p: Plane) -> torch.Tensor:
-    """fp64 ``[R, K]``: the values the kernel computes from this plane (scale and zero in bf16)."""
+def native_scales(p: Plane) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernel's stored scale and zero of a plane (``u * s + z``), fp16 values as fp32."""
+    zero = (p.zero.double() - 8 * p.scale.double()).to(torch.float16).float()
+    return p.scale.to(torch.float16).float(), zero
+
+
+def plane_values(p: Plane, native: bool = False) -> torch.Tensor:
+    """fp64 ``[R, K]``: the values a kernel computes from this plane: the C kernel's fp16 scales
+    and zeros (``native``), or torch's bf16 ones."""
+    if native:
+        s, z = (t.double().repeat_interleave(GROUP, dim=1) for t in native_scales(p))
+        return p.u.double() * s + z
     s = p.scale.to(torch.bfloat16).double().repeat_interleave(GROUP, dim=1)
     z = p.zero.to(torch.bfloat16).double().repeat_interleave(GROUP, dim=1)
     return (p.u.double() - 8) * s + z
@@ -120,12 +139,15 @@ def plane_values(p: Plane) -> torch.Tensor:
 
 # ---- the weight object ------------------------------------------------------------------------
 class QuantWeight(nn.Module):
-    """A ``[N, K]`` weight kept quantized. ``mm(x)`` is ``x @ W.T`` through torch's int4 kernel;
-    ``lookup(ids)`` gathers dequantized rows from the GGUF blocks (embeddings). Either part may
-    be absent: an untied embedding needs no planes, an LM head needs no blocks.
+    """A ``[N, K]`` weight kept quantized. ``mm(x)`` is ``x @ W.T`` through the C kernel
+    (``native``) or torch's int4 kernel; ``lookup(ids)`` gathers dequantized rows from the GGUF
+    blocks (embeddings). Either part may be absent: an untied embedding needs no planes, an LM
+    head needs no blocks.
 
-    Invariants: planes hold ``rows_padded`` rows (a multiple of 16), the first ``shape[0]`` real;
-    ``packed`` is ``[P, rows_padded, K/2]`` uint8, ``scale_zeros`` ``[P, K/32, rows_padded, 2]`` bf16.
+    Invariants: ``native``: ``packed`` is the C layout ``[N/16 rounded up, K/32, P, 320]`` uint8
+    (``cpu_int4.pack``) and ``scale_zeros`` None. Else planes hold ``rows_padded`` rows (a
+    multiple of 16), the first ``shape[0]`` real; ``packed`` is ``[P, rows_padded, K/2]`` uint8,
+    ``scale_zeros`` ``[P, K/32, rows_padded, 2]`` bf16.
     """
 
     def __init__(self, shape: tuple[int, int], planes: list[Plane] | None, blocks=None, block_type=""):
@@ -139,7 +161,11 @@ class QuantWeight(nn.Module):
         self.register_buffer("scale_zeros", None, persistent=False)
         self.wide_ok = False  # the wide-window path is enabled by check_layout
         self._views: tuple = (None, [])  # (packed, [(plane, scale_zeros)]) see _planes
-        if planes:
+        self.native = bool(planes) and cpu_int4.library() is not None
+        if self.native:
+            n, k = self.shape
+            self.packed = cpu_int4.pack([(p.u, *native_scales(p)) for p in planes], n, k)
+        elif planes:
             n, k = self.shape
             pad = -n % _ROW_ALIGN
             packs, szs = [], []
@@ -159,20 +185,22 @@ class QuantWeight(nn.Module):
 
     @property
     def planes(self) -> int:
-        return 0 if self.packed is None else self.packed.shape[0]
+        return 0 if self.packed is None else self.packed.shape[2 if self.native else 0]
 
     def nbytes(self) -> int:
         parts = (self.blocks, self.packed, self.scale_zeros)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def mm(self, x: torch.Tensor, wide: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> bf16 ``[..., N]`` (fp32 when two planes).
+        """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> ``[..., N]``: fp32 from the C kernel,
+        else bf16 (fp32 when two planes).
 
         Rows in the ``wide`` ranges ``[start, end)`` (the step's windows of ``WIDE_ROWS`` rows or
         more: prefill chunks; ``wide_rows``) dequantize the planes to bf16 once and take oneDNN's
-        bf16 GEMM; the other rows take the int4 kernel, which dequantizes per 4-row block (see
-        ``WIDE_ROWS``). Chosen per window, not per call: a row's bits then depend on its own
-        window only (the int4 kernel is row-independent), never on what else shares the step."""
+        bf16 GEMM; the other rows take the C or int4 kernel, which unpack a block of values
+        per 8 or 4 rows (see ``WIDE_ROWS``). Chosen per window, not per call: a row's bits then
+        depend on its own window only (both kernels are row-independent), never on what else
+        shares the step."""
         # Only the calls that do something: a decode step makes ~120 of these (no-op .to/
         # .reshape/.contiguous calls each cost a dispatch; counted by the profiler, not timed).
         a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
@@ -207,7 +235,10 @@ class QuantWeight(nn.Module):
         return self._views[1]
 
     def _int4(self, a: torch.Tensor) -> torch.Tensor:
-        """The int4 kernel over bf16 rows ``a`` ``[M, K]`` -> ``[M, N]`` (fp32 when two planes)."""
+        """The C kernel (fp32 out) or torch's int4 kernel (bf16 out; fp32 when two planes) over
+        bf16 rows ``a`` ``[M, K]`` -> ``[M, N]``."""
+        if self.native:
+            return cpu_int4.mm(a, self._buffers["packed"], self.shape[0])
         mm = _int4_mm()
         (p0, sz0), *more = self._planes()
         y = mm(a, p0, GROUP, sz0)  # [M, Np]
@@ -223,7 +254,10 @@ class QuantWeight(nn.Module):
 
         Reads torch's AVX-512 int4 layout: per block of 64 rows, ``[K, 32]`` bytes whose low
         nibbles are rows 0-31 and high nibbles rows 32-63. ``wide_ok`` is set only after
-        ``check_layout`` saw this read back every value that was packed."""
+        ``check_layout`` saw this read back every value that was packed. The C layout is read by
+        ``cpu_int4.values`` (exact fp32 values, rounded to bf16 here once)."""
+        if self.native:
+            return cpu_int4.values(self.packed, self.shape[0]).to(torch.bfloat16).T
         p, np_, kh = self.packed.shape
         k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // 64
         nib = self.packed.view(p, nb, k, 32)
@@ -238,6 +272,11 @@ class QuantWeight(nn.Module):
         """Enable the wide path if ``dequant_t`` reads back exactly the values of ``planes``."""
         self.wide_ok = False
         n, k = self.shape
+        if self.native and self.packed is not None:
+            want = sum((p.u.float() * s.repeat_interleave(GROUP, 1) + z.repeat_interleave(GROUP, 1))
+                       for p in planes for s, z in [native_scales(p)])  # fmt: skip
+            self.wide_ok = bool(torch.equal(self.dequant_t().T, want.to(torch.bfloat16)))
+            return self.wide_ok
         if self.packed is None or self.packed.shape[1] % 64 or n % 64:
             return False
         u = torch.stack([pl.u.view(n, k // GROUP, GROUP) for pl in planes])  # [P, N, G, 32]
@@ -354,15 +393,26 @@ def embedding(ids: torch.Tensor, w, dtype: torch.dtype | None = None) -> torch.T
 
 
 # ---- the stated error and the load-time check -------------------------------------------------
-def error_bound(x: torch.Tensor, planes: list[Plane], ref: torch.Tensor, wide: bool = False) -> torch.Tensor:
+def error_bound(
+    x: torch.Tensor, planes: list[Plane], ref: torch.Tensor, wide: bool = False, native: bool = False
+) -> torch.Tensor:
     """Upper bound ``[M, R]`` of ``|mm(x) - x @ ref.T|`` for fp32 x ``[M, K]`` and the GGUF's fp32
     dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the
-    terms). ``wide``: the bf16 GEMM path, which also rounds each weight to bf16."""
+    terms). ``wide``: the bf16 GEMM path, which also rounds each weight to bf16; ``native``: the
+    C kernel's planes (and, not wide, its sums)."""
     xa = x.double().abs()  # [M, K]
-    vals = [plane_values(p) for p in planes]  # each [R, K]
+    vals = [plane_values(p, native) for p in planes]  # each [R, K]
     w = sum(vals)
     k = x.shape[-1]
-    rep = xa @ (w - ref.double()).abs().T  # weights' bf16 scales and zeros
+    rep = xa @ (w - ref.double()).abs().T  # weights' stored scales and zeros
+    if native and not wide:
+        g = k // GROUP
+        xg = (1 + BF16_U) * xa.view(-1, g, GROUP).sum(-1)  # [M, G]: sum |bf16(x)| per group
+        mag = sum(271 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))  # [R, G]
+        sums = (33 + 2 * g * len(planes)) * FP32_U * (xg @ mag.T)
+        return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + sums) + 1e-30
+    if native:  # wide: the exact values rounded to bf16 once, then as below with one plane
+        vals = [w]
     act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
     out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
     return 1.01 * (rep + act + out) + 1e-30
@@ -385,13 +435,13 @@ def self_check(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, qw.shape[1], generator=gen)  # [2, K]
     want = x.double() @ ref.double().T
-    outs = {False: qw.mm(x)}  # 2 rows: the int4 kernel
+    outs = {False: qw.mm(x)}  # 2 rows: the C or int4 kernel
     if wide and qw.wide_ok:
         outs[True] = torch.mm(x.to(torch.bfloat16), qw.dequant_t())
     ok, worst = True, 0.0
     for wide, y in outs.items():
         got = y.double()[:, rows]  # [2, R]
-        ratio = ((got - want).abs() / error_bound(x, planes, ref, wide)).max().item()
+        ratio = ((got - want).abs() / error_bound(x, planes, ref, wide, qw.native)).max().item()
         ok = ok and bool(torch.isfinite(got).all()) and ratio <= 1.0
         worst = max(worst, ratio)
     return ok, worst

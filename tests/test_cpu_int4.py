@@ -1,0 +1,118 @@
+"""The C matmul over 4-bit planes (models/cpu_int4.c) as a spec: the layout round-trips, every
+output equals an exact oracle where the arithmetic is exact, and a row's bits never depend on the
+other rows of the call or on the thread count."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from turnkv import cbuild
+from turnkv.models import cpu_int4
+
+pytestmark = pytest.mark.skipif(cpu_int4.library() is None, reason=f"no C kernel: {cpu_int4.status()}")
+
+
+def planes(n: int, k: int, p: int, seed: int, exact: bool):
+    """``p`` random planes ``(u, scale, zero)`` of an ``[n, k]`` matrix, fp16-exact scales and
+    zeros; ``exact``: powers of two and small integers, so every product and sum is exact."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(p):
+        u = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        if exact:
+            s = 2.0 ** torch.randint(-3, 2, (n, k // 32), generator=gen).float()
+            z = torch.randint(-8, 9, (n, k // 32), generator=gen).float()
+        else:
+            s = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
+            z = (torch.randn(n, k // 32, generator=gen) * 0.05).half().float()
+        out.append((u, s, z))
+    return out
+
+
+def oracle(x: torch.Tensor, pl) -> torch.Tensor:
+    """fp64 ``x @ W.T`` with ``W = sum_p u s + z`` (per group of 32 columns)."""
+    w = sum(
+        u.double() * s.double().repeat_interleave(32, 1) + z.double().repeat_interleave(32, 1)
+        for u, s, z in pl
+    )
+    return x.double() @ w.T
+
+
+@pytest.mark.parametrize(("n", "k", "p"), [(40, 64, 1), (17, 96, 2), (160, 32, 1), (33, 1536, 1)])
+def test_the_layout_round_trips(n, k, p):
+    pl = planes(n, k, p, seed=n + k, exact=False)
+    packed = cpu_int4.pack(pl, n, k)
+    assert packed.shape == (-(-n // 16), k // 32, p, cpu_int4.PLANE_BYTES)
+    s, z = cpu_int4.scales(packed, n)
+    assert torch.equal(s, torch.stack([t[1] for t in pl])) and torch.equal(z, torch.stack([t[2] for t in pl]))
+    want = sum(u.float() * s.repeat_interleave(32, 1) + z.repeat_interleave(32, 1) for u, s, z in pl)
+    assert torch.equal(cpu_int4.values(packed, n), want)
+
+
+@pytest.mark.parametrize(("n", "k", "p"), [(40, 64, 1), (17, 96, 2), (200, 128, 1), (33, 1536, 2)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
+def test_outputs_equal_an_exact_oracle(n, k, p, m):
+    """Small integer activations, power-of-two scales, integer zeros: every product and partial
+    sum is an integer or a few binary places below fp32's 24 bits, so any misplaced nibble, scale,
+    column, group, plane or row shows as a difference."""
+    pl = planes(n, k, p, seed=7 * n + m, exact=True)
+    x = torch.randint(-4, 5, (m, k), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    got = cpu_int4.mm(x, cpu_int4.pack(pl, n, k), n)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got.double(), oracle(x, pl))
+
+
+@pytest.mark.parametrize(("n", "k", "p"), [(3072, 64, 1), (49, 576, 2)])
+def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(n, k, p):
+    """Each row of a 23-row call (blocks of 8, 8, 7 rows) is the same bits as that row alone, on
+    one thread and on several (the columns cut differently), and close to fp64."""
+    pl = planes(n, k, p, seed=3, exact=False)
+    packed = cpu_int4.pack(pl, n, k)
+    x = torch.randn(23, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        together = cpu_int4.mm(x, packed, n)
+        torch.set_num_threads(1)
+        for r in (0, 7, 8, 16, 22):
+            assert torch.equal(cpu_int4.mm(x[r : r + 1], packed, n)[0], together[r]), r
+        assert torch.equal(cpu_int4.mm(x[5:14], packed, n), together[5:14])
+    finally:
+        torch.set_num_threads(threads)
+    want = oracle(x, pl)
+    assert float((together.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_rows_that_do_not_fit_the_weights_are_an_error_with_the_numbers():
+    packed = cpu_int4.pack(planes(16, 64, 1, seed=0, exact=True), 16, 64)
+    with pytest.raises(ValueError, match=r"bf16 rows of 64 values .* got torch.bfloat16 \[1, 96\]"):
+        cpu_int4.mm(torch.zeros(1, 96, dtype=torch.bfloat16), packed, 16)
+    with pytest.raises(ValueError, match=r"got torch\.float32"):
+        cpu_int4.mm(torch.zeros(1, 64), packed, 16)
+    with pytest.raises(ValueError, match="at most 16 outputs"):
+        cpu_int4.mm(torch.zeros(1, 64, dtype=torch.bfloat16), packed, 17)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"), reason="x86 cc")
+def test_the_portable_build_equals_the_oracle_too(tmp_path, monkeypatch):
+    """Built without AVX-512 (the code an AVX2 laptop compiles: fp32 FMAs on ``u``, no bf16 dot),
+    the same layout gives the same exact results and row-independent bits."""
+    so = tmp_path / "cpu_int4_avx2.so"
+    flags = [*cbuild.FLAGS, *cbuild.OPENMP, "-mno-avx512f"]
+    subprocess.run(["cc", *flags, str(cpu_int4.SOURCE), "-o", str(so)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(so))
+    lib.turnkv_q4_mm.argtypes = cpu_int4.library().turnkv_q4_mm.argtypes
+    monkeypatch.setattr(cpu_int4, "_LIB", lib)
+    pl = planes(17, 96, 2, seed=4, exact=True)
+    x = torch.randint(-4, 5, (11, 96), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed = cpu_int4.pack(pl, 17, 96)
+    got = cpu_int4.mm(x, packed, 17)
+    assert torch.equal(got.double(), oracle(x, pl))
+    y = torch.randn(11, 96).to(torch.bfloat16)
+    assert torch.equal(cpu_int4.mm(y[4:5], packed, 17)[0], cpu_int4.mm(y, packed, 17)[4])

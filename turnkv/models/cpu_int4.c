@@ -1,0 +1,209 @@
+/* turnkv: the CPU matmul over 4-bit weights, y = x @ W.T, for up to a few hundred rows.
+ *
+ * Weights: P planes of values u in 0..15 with a scale s and a zero z per column and group of 32
+ * inputs; W[n, k] = sum_p u_p[n, k] * s_p[n, g] + z_p[n, g] (g = k / 32). GGUF Q4_0, Q4_1 and
+ * Q8_0 map onto this exactly (cpu_int4.py); s and z are stored as fp16, as the GGUF stores them.
+ *
+ * Layout (built by cpu_int4.py): tiles of 16 columns; per tile and group, per plane, 320 bytes:
+ *   16 fp16 scales | 16 fp16 zeros | 16 units of 16 bytes,
+ * unit j's byte c holding u[c, 2j] in its low nibble and u[c, 2j + 1] in its high nibble.
+ * Order [tile][group][plane][320]: a tile's weights are one run of memory.
+ *
+ * Arithmetic, per row m, column n, group g, plane p (x as bf16, as the step hands it):
+ *   t  = sum_j (x[2j] * w[2j] + x[2j+1] * w[2j+1])   16 unit steps in order, fp32
+ *   acc = fma(s, t, acc);  acc = fma(zc, xs[m, g], acc)
+ * where xs[m, g] is the group's sum of x (fp32, in order). With AVX512-BF16, w = 128 + u as
+ * bf16 (exact: 128..143 need 8 significant bits) and one vdpbf16ps does both products of 16
+ * columns (each product exact in fp32); the 128 is taken back through zc = z - 128 s. Without
+ * it, w = u in fp32 FMAs and zc = z.
+ *
+ * Exactness: a row's result is the same instructions in the same order whatever rows share the
+ * call, however the rows are blocked and the columns cut over threads (each (row, column) sum
+ * runs over k in order in one lane of one register). So a conversation's logits do not depend
+ * on the other conversations in its step.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define TKV_DOT 1
+#define W_OFFSET 128.0f
+#else
+#define TKV_DOT 0
+#define W_OFFSET 0.0f
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef _Float16 v16h __attribute__((vector_size(32)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+#endif
+
+#define TILE 16
+#define UNITS 16
+#define GROUP 32
+#define PLANE_BYTES 320
+#define MAX_ROWS 8 /* rows per block */
+#define MAX_REGS 24 /* rows x tiles of running sums held in registers */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* One block: rows r0..r0+R of x, tiles t0..t0+T of the weights, every group and plane. R and T
+ * are constants where it is inlined, so the running sums stay in registers. */
+static inline __attribute__((always_inline)) void block(
+    const int R, const int T, int64_t G, int64_t P, const uint16_t *x, int64_t xs_stride,
+    const float *xsum, const uint8_t *w, int64_t tile_bytes, float *acc /* [R][T*16] */) {
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t p = 0; p < P; p++) {
+#if TKV_DOT
+            __m512 tmp[MAX_ROWS * 8];
+            for (int i = 0; i < R * T; i++) tmp[i] = _mm512_setzero_ps();
+            const __m512i lo4 = _mm512_set1_epi32(0x000F000F);
+            const __m512i bias = _mm512_set1_epi32(0x43004300);
+            for (int j = 0; j < UNITS; j++) {
+                __m512i wv[8];
+                for (int t = 0; t < T; t++) {
+                    const uint8_t *u = w + t * tile_bytes + (g * P + p) * PLANE_BYTES + 64 + j * 16;
+                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u));
+                    __m512i h = _mm512_slli_epi32(b, 12);
+                    wv[t] = _mm512_or_si512(_mm512_ternarylogic_epi32(b, h, lo4, 0xA8), bias);
+                }
+                for (int r = 0; r < R; r++) {
+                    uint32_t pair;
+                    memcpy(&pair, x + r * xs_stride + g * GROUP + 2 * j, 4);
+                    __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                    for (int t = 0; t < T; t++) tmp[r * T + t] = _mm512_dpbf16_ps(tmp[r * T + t], (__m512bh)wv[t], xv);
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const uint8_t *sz = w + t * tile_bytes + (g * P + p) * PLANE_BYTES;
+                __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sz));
+                __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sz + 32)));
+                __m512 zc = _mm512_fmadd_ps(_mm512_set1_ps(-W_OFFSET), s, z);
+                for (int r = 0; r < R; r++) {
+                    float *a = acc + r * T * TILE + t * TILE;
+                    __m512 av = _mm512_loadu_ps(a);
+                    av = _mm512_fmadd_ps(s, tmp[r * T + t], av);
+                    av = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[r * G + g]), av);
+                    _mm512_storeu_ps(a, av);
+                }
+            }
+#else
+            v16f tmp[MAX_ROWS * 8];
+            for (int i = 0; i < R * T; i++) tmp[i] = (v16f){0};
+            for (int j = 0; j < UNITS; j++) {
+                v16f lo[8], hi[8];
+                for (int t = 0; t < T; t++) {
+                    v16b raw;
+                    memcpy(&raw, w + t * tile_bytes + (g * P + p) * PLANE_BYTES + 64 + j * 16, 16);
+                    v16u b = __builtin_convertvector(raw, v16u);
+                    lo[t] = __builtin_convertvector((v16i)(b & 15u), v16f);
+                    hi[t] = __builtin_convertvector((v16i)(b >> 4), v16f);
+                }
+                for (int r = 0; r < R; r++) {
+                    const uint16_t *xr = x + r * xs_stride + g * GROUP + 2 * j;
+                    float x0 = bf16_to_f32(xr[0]), x1 = bf16_to_f32(xr[1]);
+                    for (int t = 0; t < T; t++) {
+                        tmp[r * T + t] += x0 * lo[t];
+                        tmp[r * T + t] += x1 * hi[t];
+                    }
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const uint8_t *sz = w + t * tile_bytes + (g * P + p) * PLANE_BYTES;
+                v16h sh, zh;
+                memcpy(&sh, sz, 32);
+                memcpy(&zh, sz + 32, 32);
+                v16f s = __builtin_convertvector(sh, v16f), zc = __builtin_convertvector(zh, v16f);
+                for (int r = 0; r < R; r++) {
+                    v16f av;
+                    memcpy(&av, acc + r * T * TILE + t * TILE, 64);
+                    av += s * tmp[r * T + t];
+                    av += zc * xsum[r * G + g];
+                    memcpy(acc + r * T * TILE + t * TILE, &av, 64);
+                }
+            }
+#endif
+        }
+    }
+}
+
+/* Rows r0..r0+R (R <= MAX_ROWS), tiles t0..t1 of the output: blocks of T tiles, then single tiles. */
+#define BLOCK_CASE(RR, TT)                                                                      \
+    case RR:                                                                                    \
+        for (; t + TT <= t1; t += TT) {                                                         \
+            memset(acc, 0, sizeof(float) * RR * TT * TILE);                                     \
+            block(RR, TT, G, P, xr, x_stride, xs, w + t * tile_bytes, tile_bytes, acc);         \
+            emit(RR, TT, t, acc, out + r0 * out_stride, out_stride, n_out);                     \
+        }                                                                                       \
+        for (; t < t1; t++) {                                                                   \
+            memset(acc, 0, sizeof(float) * RR * TILE);                                          \
+            block(RR, 1, G, P, xr, x_stride, xs, w + t * tile_bytes, tile_bytes, acc);          \
+            emit(RR, 1, t, acc, out + r0 * out_stride, out_stride, n_out);                      \
+        }                                                                                       \
+        break;
+
+static inline void emit(int R, int T, int64_t t, const float *acc, float *out, int64_t out_stride,
+                        int64_t n_out) {
+    int64_t n0 = t * TILE, n = T * TILE;
+    if (n0 + n > n_out) n = n_out - n0;
+    for (int r = 0; r < R; r++) memcpy(out + r * out_stride + n0, acc + r * T * TILE, sizeof(float) * n);
+}
+
+static __attribute__((noinline)) void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t G, int64_t P,
+                                               const uint16_t *xr, int64_t x_stride, const float *xs,
+                                               const uint8_t *w, int64_t tile_bytes, float *out,
+                                               int64_t out_stride, int64_t n_out, int64_t r0) {
+    float acc[MAX_ROWS * 8 * TILE];
+    int64_t t = t0;
+    switch (R) {
+        BLOCK_CASE(1, 8)
+        BLOCK_CASE(2, 8)
+        BLOCK_CASE(3, 8)
+        BLOCK_CASE(4, 6)
+        BLOCK_CASE(5, 4)
+        BLOCK_CASE(6, 4)
+        BLOCK_CASE(7, 3)
+        BLOCK_CASE(8, 3)
+    }
+}
+
+/* y[M, n_out] (fp32, row stride out_stride) = x[M, K] (bf16, row stride x_stride) @ W.T.
+ * w: the packed planes of N = tiles * 16 columns (n_out <= N real). threads: the column cut. */
+int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t *x, int64_t x_stride,
+                 const uint8_t *w, float *out, int64_t out_stride, int64_t n_out, int64_t threads) {
+    if (K % GROUP) return 1;
+    const int64_t G = K / GROUP, tile_bytes = G * P * PLANE_BYTES;
+    float *xs = (float *)malloc(sizeof(float) * (M > 0 ? M : 1) * G);
+    if (!xs) return 2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int k = 0; k < GROUP; k++) s += bf16_to_f32(x[m * x_stride + g * GROUP + k]);
+            xs[m * G + g] = s;
+        }
+    if (threads > tiles) threads = tiles;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+    for (int64_t part = 0; part < threads; part++) {
+        /* equal shares of the tiles; every thread walks all rows of its tiles, 8 rows a block,
+           so a block of tiles stays in cache across the row blocks */
+        int64_t t0 = tiles * part / threads, t1 = tiles * (part + 1) / threads;
+        for (int64_t tb = t0; tb < t1; tb += 24) {
+            int64_t te = tb + 24 < t1 ? tb + 24 : t1;
+            for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
+                int64_t R = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
+                run_rows(R, tb, te, G, P, x + r0 * x_stride, x_stride, xs + r0 * G, w, tile_bytes, out,
+                         out_stride, n_out, r0);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}

@@ -1,0 +1,130 @@
+"""The CPU matmul over 4-bit weights in C (``cpu_int4.c``): built at first use, called through ctypes.
+
+Packed GGUF weights (``quant.QuantWeight``) run here wherever the C builds: one call per matrix
+for every row of a step that is not a wide prefill window, its columns cut over torch's OpenMP
+threads. Against torch's int4 kernel on the 2-core AVX-512 VM (the default model's shapes, one
+process, ``bench/cpu_matmul.py``): 1.2-1.6x at one row and 1.5-2.2x at 8-32 rows, because the C
+unpacks a 32-value block once for 8 rows (torch's kernel unpacks it again per 4 rows) and with
+AVX512-BF16 multiplies two values and 16 columns per instruction. Its error against the GGUF's
+own values is ~1000x smaller: scales and zeros stay fp16 (exact) and the output fp32.
+
+A row's bits do not depend on the other rows of the call (see the C file's header), so a
+conversation's logits are the same alone and in company.
+
+``TURNKV_CPU_KERNEL=off`` or a failed build (``status()`` says why) keep torch's int4 kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from turnkv import cbuild
+
+SOURCE = Path(__file__).with_name("cpu_int4.c")
+TILE = 16  # columns per tile
+GROUP = 32
+PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 256 bytes of values
+# The C's unpacked value is 128 + u where the CPU has AVX512-BF16 (else u); its sums' error
+# bound (quant.error_bound) uses the larger.
+VALUE_OFFSET = 128
+
+_LIB: ctypes.CDLL | None = None
+_STATUS: str | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (then ``status()`` is the reason). Built once per process."""
+    global _LIB, _STATUS
+    if _STATUS is None:
+        if off := cbuild.switched_off():
+            _STATUS = off
+            return None
+        try:
+            lib = cbuild.load(SOURCE)
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.turnkv_q4_mm.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+            lib.turnkv_q4_mm.restype = ctypes.c_int
+            _LIB, _STATUS = lib, "ok"
+        except (OSError, RuntimeError) as e:
+            _STATUS = f"torch int4 ({e})"
+    return _LIB
+
+
+def set_enabled(on: bool) -> None:
+    """Weights packed from now on use the C kernel (``on``: built or loaded now) or torch's int4
+    kernel; the benches A/B the two in one process with it (one model loaded each way)."""
+    global _LIB, _STATUS
+    _LIB, _STATUS = None, (None if on else "off (set_enabled)")
+    if on:
+        library()
+
+
+def status() -> str:
+    """``ok`` when packed weights multiply in C, else why torch's int4 kernel does (``/health``)."""
+    library()
+    return _STATUS or "ok"
+
+
+def pack(planes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int, k: int) -> torch.Tensor:
+    """Planes ``(u [N, K] uint8 in 0..15, scale [N, K/32], zero [N, K/32])``, each meaning
+    ``u * scale + zero``, -> the C layout ``[tiles, K/32, P, 320]`` uint8 (module doc of the C file).
+    Columns are padded to a whole tile with zeros. Scales and zeros are stored as fp16: callers
+    check the values they get back (``values``)."""
+    tiles, g = -(-n // TILE), k // GROUP
+    pad = tiles * TILE - n
+    out = []
+    for u, s, z in planes:
+        if pad:
+            u = torch.cat([u, u.new_zeros(pad, k)])
+            s, z = (torch.cat([t, t.new_zeros(pad, g)]) for t in (s, z))
+        u4 = u.view(tiles, TILE, g, GROUP // 2, 2)
+        nib = (u4[..., 0] | (u4[..., 1] << 4)).permute(0, 2, 3, 1).reshape(tiles, g, 256)
+        sz = [
+            t.to(torch.float16).view(tiles, TILE, g).transpose(1, 2).contiguous().view(torch.uint8)
+            for t in (s, z)
+        ]
+        out.append(torch.cat([*sz, nib], dim=-1))  # [tiles, G, 320]
+    return torch.stack(out, dim=2).contiguous()
+
+
+def scales(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored fp16 scales and zeros as fp32 ``[P, N, K/32]`` each."""
+    tiles, g, p, _ = packed.shape
+    sz = packed[..., :64].contiguous().view(torch.float16).float().view(tiles, g, p, 2, TILE)
+    s, z = (sz[..., i, :].permute(2, 0, 3, 1).reshape(p, tiles * TILE, g)[:, :n] for i in (0, 1))
+    return s, z
+
+
+def values(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The weights the C multiplies by, fp32 ``[N, K]`` (each ``sum_p u s + z``, exact in fp32 for
+    GGUF planes: a 4-bit value times an fp16 scale plus an fp16 zero)."""
+    tiles, g, p, _ = packed.shape
+    nib = packed[..., 64:].view(tiles, g, p, GROUP // 2, TILE)
+    u = torch.stack([nib & 15, nib >> 4], dim=-1)  # [tiles, G, P, 16 units, 16 cols, 2]
+    u = u.permute(2, 0, 4, 1, 3, 5).reshape(p, tiles * TILE, g, GROUP)[:, :n]
+    s, z = scales(packed, n)
+    w = u.float() * s[..., None] + z[..., None]  # [P, N, G, 32]
+    return w.sum(0).reshape(n, g * GROUP)
+
+
+def mm(a: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``a @ W.T`` for bf16 rows ``a`` ``[M, K]`` (last dim contiguous) -> fp32 ``[M, n]``."""
+    lib = library()
+    assert lib is not None, "cpu_int4.mm needs the built kernel (check cpu_int4.library())"
+    m, k = a.shape
+    tiles, g, p, _ = packed.shape
+    if k != g * GROUP or a.dtype != torch.bfloat16 or a.stride(-1) != 1 or n > tiles * TILE:
+        raise ValueError(
+            f"cpu_int4.mm takes bf16 rows of {g * GROUP} values (last dim contiguous) for at most "
+            f"{tiles * TILE} outputs; got {a.dtype} [{m}, {k}] stride {a.stride(-1)}, n={n}"
+        )
+    out = torch.empty(m, n)
+    rc = lib.turnkv_q4_mm(m, k, tiles, p, a.data_ptr(), a.stride(0), packed.data_ptr(), out.data_ptr(),
+                          n, n, torch.get_num_threads())  # fmt: skip
+    if rc:
+        raise RuntimeError(f"turnkv_q4_mm failed ({rc})")
+    return out
