@@ -43,8 +43,8 @@ def _window(hkv: int, lengths: list[int], m: int, d: int, seed: int) -> KVWindow
 @pytest.fixture
 def torch_ops(monkeypatch):
     """The CPU decode windows on torch ops, as where no C compiler is found (``cpu_native``)."""
-    monkeypatch.setattr(cpu_native, "_LIB", None)
-    monkeypatch.setattr(cpu_native, "_STATUS", "off (test)")
+    monkeypatch.setattr(cpu_native.KERNEL, "lib", None)
+    monkeypatch.setattr(cpu_native.KERNEL, "why", "off (test)")
 
 
 def _ulp_diff_fraction(a: torch.Tensor, b: torch.Tensor) -> float:

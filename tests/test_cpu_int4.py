@@ -107,8 +107,8 @@ def test_the_portable_build_equals_the_oracle_too(tmp_path, monkeypatch):
     flags = [*cbuild.FLAGS, *cbuild.OPENMP, "-mno-avx512f"]
     subprocess.run(["cc", *flags, str(cpu_int4.SOURCE), "-o", str(so)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
-    lib.turnkv_q4_mm.argtypes = cpu_int4.library().turnkv_q4_mm.argtypes
-    monkeypatch.setattr(cpu_int4, "_LIB", lib)
+    cpu_int4._setup(lib)
+    monkeypatch.setattr(cpu_int4.KERNEL, "lib", lib)
     pl = planes(17, 96, 2, seed=4, exact=True)
     x = torch.randint(-4, 5, (11, 96), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     packed = cpu_int4.pack(pl, 17, 96)

@@ -136,11 +136,11 @@ def test_the_portable_step_uses_it_for_cpu_decode_windows_and_torch_for_prefill(
 
 
 def test_off_and_build_failures_fall_back_to_torch_ops_with_the_reason(monkeypatch):
-    monkeypatch.setattr(cpu_native, "_LIB", None)
-    monkeypatch.setattr(cpu_native, "_STATUS", None)
+    monkeypatch.setattr(cpu_native.KERNEL, "lib", None)
+    monkeypatch.setattr(cpu_native.KERNEL, "why", None)
     monkeypatch.setenv("TURNKV_CPU_KERNEL", "off")
     assert cpu_native.library() is None and cpu_native.status() == "off (TURNKV_CPU_KERNEL)"
-    monkeypatch.setattr(cpu_native, "_STATUS", None)
+    monkeypatch.setattr(cpu_native.KERNEL, "why", None)
     monkeypatch.delenv("TURNKV_CPU_KERNEL")
     monkeypatch.setenv("CC", "no-such-compiler-turnkv")
     assert cpu_native.library() is None
@@ -196,8 +196,8 @@ def test_the_default_model_answers_alike_with_the_kernel_and_with_torch_ops(defa
     answers = {}
     for kernel in ("c", "torch"):
         if kernel == "torch":
-            monkeypatch.setattr(cpu_native, "_LIB", None)
-            monkeypatch.setattr(cpu_native, "_STATUS", "off (test)")
+            monkeypatch.setattr(cpu_native.KERNEL, "lib", None)
+            monkeypatch.setattr(cpu_native.KERNEL, "why", "off (test)")
         req = TurnRequest(list(ids), SamplingParams(), max_tokens=24, namespace=kernel)
         bank = engine.new_bank("256M")
         answers[kernel] = "".join(e.text for e in run_turn(engine, bank, req) if isinstance(e, GenEvent))

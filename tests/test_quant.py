@@ -33,8 +33,8 @@ TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 def kernel(request, monkeypatch):
     """Run the test with the C kernel (where it builds) and with torch's int4 kernel."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_int4, "_LIB", None)
-        monkeypatch.setattr(cpu_int4, "_STATUS", "off (test)")
+        monkeypatch.setattr(cpu_int4.KERNEL, "lib", None)
+        monkeypatch.setattr(cpu_int4.KERNEL, "why", "off (test)")
         if quant.kernel_missing() is not None:
             pytest.skip("no int4 op in this torch")
     elif cpu_int4.library() is None:

@@ -22,7 +22,7 @@ from turnkv.engine.scheduler import run_turn
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
-from turnkv.models import quant
+from turnkv.models import cpu_int4, quant
 from turnkv.models.load import default_model_path, load_model
 
 pytestmark = [
@@ -52,6 +52,8 @@ def models():
     packed = load_model("default", "cpu", "float32", progress=False, weights="auto")
     exact = load_model("default", "cpu", "float32", progress=False, weights="dequant")
     assert packed.weights == "packed", packed.weights_note
+    assert packed.matmul == ("c" if cpu_int4.library() is not None else "torch-int4")
+    assert exact.matmul == ""
     return packed, exact
 
 
@@ -80,6 +82,8 @@ def test_default_answer_and_greedy_text(models):
     any change of fp32 summation order, so no prompt is pinned to agree)."""
     packed, exact = models
     ep, ee = Engine(packed, EngineConfig(device="cpu")), Engine(exact, EngineConfig(device="cpu"))
+    assert ep.info.weights == {"held": "packed", "note": "self-check ok", "matmul": packed.matmul}
+    assert ep.info.fingerprint != ee.info.fingerprint  # their KV rows differ, so do their cache keys
     assert "Paris" in packed.tokenizer.decode(greedy(ep, PROMPTS[0]))
     same = 0
     for prompt in PROMPTS:

@@ -280,6 +280,8 @@ def test_models_health_and_metrics(live):
     assert h["kv_dtype"] == "bfloat16"  # a CPU computing in fp32 stores bf16 rows (kv.cache.kv_dtype)
     assert set(h["attention"]) == {"route", "verdict", "reason", "selfcheck", "cpu_kernel"}
     assert h["attention"]["cpu_kernel"] == cpu_native.status()  # "ok" wherever a C compiler is found
+    # the shared model is loaded dequantized (conftest); packed loads: tests/test_quant_default.py
+    assert h["weights"] == {"held": "dequant", "note": "--weights dequant", "matmul": None}
     assert {"seals", "merges", "max_segments", "route_counts"} <= set(h["segments"])
     assert set(h["bank"]) == {
         "entries",

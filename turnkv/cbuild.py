@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
@@ -82,3 +83,39 @@ def build(source: Path) -> Path:
 def load(source: Path) -> ctypes.CDLL:
     """``build`` then load; OSError or RuntimeError says why not."""
     return ctypes.CDLL(str(build(source)))
+
+
+class Kernel:
+    """One C kernel of a module: built and loaded at the first ``library()`` call, or the reason
+    it is not (its torch path runs then). ``setup`` declares the library's argument types."""
+
+    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None], fallback: str):
+        self.source, self.setup, self.fallback = source, setup, fallback
+        self.lib: ctypes.CDLL | None = None
+        self.why: str | None = None  # "ok", why not, or None before the first call
+
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded kernel, or None (then ``status()`` is the reason). Built once per process."""
+        if self.why is None:
+            if off := switched_off():
+                self.why = off
+                return None
+            try:
+                lib = load(self.source)
+                self.setup(lib)
+                self.lib, self.why = lib, "ok"
+            except (OSError, RuntimeError, AttributeError) as e:
+                self.why = f"{self.fallback} ({e})"
+        return self.lib
+
+    def set_enabled(self, on: bool) -> None:
+        """Use the C kernel from now on (``on``: built or loaded now) or the torch path; the
+        benches A/B the two in one process with it."""
+        self.lib, self.why = None, (None if on else "off (set_enabled)")
+        if on:
+            self.library()
+
+    def status(self) -> str:
+        """``ok`` when the C kernel runs, else why the torch path does (``/health``)."""
+        self.library()
+        return self.why or "ok"

@@ -27,62 +27,36 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SPLIT_MIN_KEYS = 256  # keys x rows x KV heads of a step from which its items go to several threads
 _VIEW_FIELDS = 9  # k_ptr, v_ptr, k strides (layer, head, row), v strides (layer, head, row), rows
 
-_LIB: ctypes.CDLL | None = None
-_STATUS: str | None = None  # "ok" or why the torch path is used
+
+def _setup(lib: ctypes.CDLL) -> None:
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.turnkv_attend.argtypes = [
+        i64,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        f32,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i64,
+    ]
+    lib.turnkv_attend.restype = ctypes.c_int
+    lib.turnkv_store.argtypes = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.turnkv_store.restype = ctypes.c_int
 
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (then ``status()`` is the reason). Built once per process."""
-    global _LIB, _STATUS
-    if _STATUS is None:
-        if off := cbuild.switched_off():
-            _STATUS = off
-            return None
-        try:
-            lib = cbuild.load(SOURCE)
-            fn = lib.turnkv_attend
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [
-                i64,
-                ptr,
-                i64,
-                i64,
-                ptr,
-                i64,
-                i64,
-                i64,
-                ctypes.c_float,
-                ptr,
-                ptr,
-                i64,
-                ptr,
-                i64,
-                ptr,
-                i64,
-            ]
-            fn.restype = ctypes.c_int
-            st = lib.turnkv_store
-            st.argtypes = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64]
-            st.restype = ctypes.c_int
-            _LIB, _STATUS = lib, "ok"
-        except (OSError, RuntimeError) as e:
-            _STATUS = f"torch ops ({e})"
-    return _LIB
-
-
-def set_enabled(on: bool) -> None:
-    """Steps planned from now on use the C kernel (``on``: built or loaded now) or torch ops; the
-    benches A/B the two in one process with it."""
-    global _LIB, _STATUS
-    _LIB, _STATUS = None, (None if on else "off (set_enabled)")
-    if on:
-        library()
-
-
-def status() -> str:
-    """``ok`` when CPU decode windows run in C, else why they run as torch ops (``/health``)."""
-    library()
-    return _STATUS or "ok"
+KERNEL = cbuild.Kernel(SOURCE, _setup, "torch ops")
+library = KERNEL.library  # the loaded kernel or None
+set_enabled = KERNEL.set_enabled  # steps planned from now on use C (True) or torch ops
+status = KERNEL.status  # "ok" when CPU decode windows run in C, else why they run as torch ops
 
 
 def supports(k: torch.Tensor) -> bool:

@@ -43,6 +43,7 @@ class EngineInfo:
     max_context: int
     verdict: Verdict
     graphs: str  # "on", or why decode steps run eagerly
+    weights: dict  # how the matrices are held: {"held", "note", "matmul"} (``/health.weights``)
 
 
 Staged = StepPlan | GraphStep  # a step built and uploaded, not launched (``Engine.stage``)
@@ -93,7 +94,8 @@ class Engine:
         self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
         self.info = EngineInfo(
             loaded.name,
-            cache_fingerprint(loaded.fingerprint, self.shape, loaded.dtype),  # weights, dtypes, geometry
+            # weights, their matmul kernel, dtypes, geometry
+            cache_fingerprint(loaded.fingerprint, self.shape, loaded.dtype, loaded.matmul),
             str(loaded.device),
             str(loaded.dtype).removeprefix("torch."),
             str(kv).removeprefix("torch."),
@@ -101,6 +103,7 @@ class Engine:
             self.max_context,
             self.backend.verdict,
             self.graphs.status,
+            {"held": loaded.weights, "note": loaded.weights_note, "matmul": loaded.matmul or None},
         )
 
     @classmethod

@@ -32,41 +32,17 @@ PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 2
 # bound (quant.error_bound) uses the larger.
 VALUE_OFFSET = 128
 
-_LIB: ctypes.CDLL | None = None
-_STATUS: str | None = None
+
+def _setup(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.turnkv_q4_mm.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.turnkv_q4_mm.restype = ctypes.c_int
 
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (then ``status()`` is the reason). Built once per process."""
-    global _LIB, _STATUS
-    if _STATUS is None:
-        if off := cbuild.switched_off():
-            _STATUS = off
-            return None
-        try:
-            lib = cbuild.load(SOURCE)
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.turnkv_q4_mm.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64]
-            lib.turnkv_q4_mm.restype = ctypes.c_int
-            _LIB, _STATUS = lib, "ok"
-        except (OSError, RuntimeError) as e:
-            _STATUS = f"torch int4 ({e})"
-    return _LIB
-
-
-def set_enabled(on: bool) -> None:
-    """Weights packed from now on use the C kernel (``on``: built or loaded now) or torch's int4
-    kernel; the benches A/B the two in one process with it (one model loaded each way)."""
-    global _LIB, _STATUS
-    _LIB, _STATUS = None, (None if on else "off (set_enabled)")
-    if on:
-        library()
-
-
-def status() -> str:
-    """``ok`` when packed weights multiply in C, else why torch's int4 kernel does (``/health``)."""
-    library()
-    return _STATUS or "ok"
+KERNEL = cbuild.Kernel(SOURCE, _setup, "torch int4")
+library = KERNEL.library  # the loaded kernel or None
+set_enabled = KERNEL.set_enabled  # weights packed from now on use C (True) or torch's int4 kernel
+status = KERNEL.status  # "ok" when packed weights multiply in C, else why torch's int4 kernel does
 
 
 def pack(planes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: int, k: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ class PackReport:
     packed_names: frozenset[str] = frozenset()
     packed_bytes: int = 0
     worst_ratio: float = 0.0  # largest |packed - dequantized| / error_bound seen by the self-check
+    matmul: str = ""  # the packed matrices' kernel: "c" (cpu_int4) or "torch-int4"; "" none packed
 
 
 def _concat(planes_per_part: list[list[Plane]], cols: int) -> list[Plane]:
@@ -134,7 +135,8 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
     reason = f"self-check failed for {', '.join(failed[:3])}" if failed else "self-check ok"
     _trim_heap()
     log.info("weights %s: %d tensors packed, %.1f MiB (%s)", used, len(done), nbytes / 2**20, reason)
-    return PackReport(used, reason, frozenset(done), nbytes, worst)
+    matmul = ("c" if qw.native else "torch-int4") if done else ""  # one kernel for every matrix of a load
+    return PackReport(used, reason, frozenset(done), nbytes, worst, matmul)
 
 
 def _trim_heap() -> None:

@@ -126,6 +126,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "dequant"  # packed | mixed | dequant: how the matrices are held (models/quant.py)
     weights_note: str = ""  # why, e.g. "self-check ok" or "packed weights run on CPU, ..."
+    matmul: str = ""  # packed weights' kernel: "c" or "torch-int4" (models/quant.py); "" dense
 
 
 # ---- device / dtype -------------------------------------------------------------------------
@@ -174,7 +175,9 @@ def file_fingerprint(path: Path, h=None, samples: int = 16, chunk: int = 1 << 16
     return h.hexdigest()[:24]
 
 
-def cache_fingerprint(weights: str, shape: KVShape, compute: torch.dtype | None = None) -> str:
+def cache_fingerprint(
+    weights: str, shape: KVShape, compute: torch.dtype | None = None, matmul: str = ""
+) -> str:
     """The identity of a model's KV rows: its weights' fingerprint plus the KV dtype and geometry,
     and the compute dtype where it differs from the KV dtype.
 
@@ -182,12 +185,14 @@ def cache_fingerprint(weights: str, shape: KVShape, compute: torch.dtype | None 
     GGUF served in bf16 and in fp32 has one weights fingerprint but rows of another dtype, and bf16
     rows computed in fp32 (a CPU's ``--kv-dtype auto``) differ from rows computed in bf16. (A file
     fingerprint samples 16 x 64 KiB of each file; two checkpoints that differ only outside those
-    samples, with the same size, would share it.)
+    samples, with the same size, would share it.) Packed weights' kernel (``matmul``) is a fact
+    too: the C and torch int4 kernels round differently, so their rows differ in the last bits.
     """
     dtype = str(shape.dtype).removeprefix("torch.")
     if compute is not None and compute != shape.dtype:
         dtype += "@" + str(compute).removeprefix("torch.")
     facts = f"{weights}|{dtype}|L{shape.num_layers}|Hkv{shape.num_kv_heads}|D{shape.head_dim}"
+    facts += f"|{matmul}" if matmul else ""  # dense loads keep the keys they had
     return hashlib.sha256(facts.encode()).hexdigest()[:24]
 
 
@@ -367,7 +372,7 @@ def _load_gguf(
             if n not in report.packed_names
         ]
         _fill(model, items, f"loading {name}", progress, report.packed_names)
-    return LoadedModel(model, tok, cfg, name, fp, dev, dt, report.used, report.reason)
+    return LoadedModel(model, tok, cfg, name, fp, dev, dt, report.used, report.reason, report.matmul)
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:

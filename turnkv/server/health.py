@@ -40,6 +40,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
         "device": info.device,
         "kv_dtype": info.kv_dtype,
         "kv_layout": info.kv_layout,
+        "weights": info.weights,
         "attention": {
             "route": verdict.route,
             "verdict": verdict.verdict,
