@@ -116,3 +116,38 @@ def test_the_portable_build_equals_the_oracle_too(tmp_path, monkeypatch):
     assert torch.equal(got.double(), oracle(x, pl))
     y = torch.randn(11, 96).to(torch.bfloat16)
     assert torch.equal(cpu_int4.mm(y[4:5], packed, 17)[0], cpu_int4.mm(y, packed, 17)[4])
+    q, d = q8_matrix(17, 96, seed=5, exact=True)
+    w = q.float() * d.repeat_interleave(32, 1)
+    assert torch.equal(cpu_int4.mm(x, cpu_int4.pack_q8(q, d, 17, 96), 17).double(), x.double() @ w.double().T)
+
+
+def q8_matrix(n: int, k: int, seed: int, exact: bool):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int16, generator=gen).to(torch.int8)
+    if exact:
+        d = 2.0 ** torch.randint(-4, 1, (n, k // 32), generator=gen).float()
+    else:
+        d = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    return q, d
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (17, 96), (200, 576)])
+@pytest.mark.parametrize("m", [1, 8, 13])
+def test_the_int8_form_equals_an_exact_oracle(n, k, m):
+    """Q8_0's form: the layout round-trips and every output equals the exact oracle."""
+    q, d = q8_matrix(n, k, seed=n + m, exact=True)
+    packed = cpu_int4.pack_q8(q, d, n, k)
+    assert packed.shape == (-(-n // 16), k // 32, 1, cpu_int4.Q8_BYTES)
+    w = q.float() * d.repeat_interleave(32, 1)
+    assert torch.equal(cpu_int4.values(packed, n), w)
+    x = torch.randint(-4, 5, (m, k), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    assert torch.equal(cpu_int4.mm(x, packed, n).double(), x.double() @ w.double().T)
+
+
+def test_the_int8_forms_rows_do_not_depend_on_their_company():
+    q, d = q8_matrix(49, 576, seed=2, exact=False)
+    packed = cpu_int4.pack_q8(q, d, 49, 576)
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    together = cpu_int4.mm(x, packed, 49)
+    for r in (0, 8, 18):
+        assert torch.equal(cpu_int4.mm(x[r : r + 1], packed, 49)[0], together[r])

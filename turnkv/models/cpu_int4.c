@@ -17,6 +17,12 @@
  * columns (each product exact in fp32); the 128 is taken back through zc = z - 128 s. Without
  * it, w = u in fp32 FMAs and zc = z.
  *
+ * Q8_0 matrices (int8 values q times one fp16 scale per group) have a layout of their own, one
+ * plane of 576 bytes per tile and group: 16 fp16 scales | 32 bytes unused | 16 units of 32 bytes,
+ * unit j holding (q[c, 2j], q[c, 2j + 1]) for columns c = 0..7, then for c = 8..15 (int8 each).
+ * With AVX512-BF16 the values become bf16 exactly (|q| <= 128 needs 8 significant bits) and the
+ * same dot instruction runs; acc = fma(s, t, acc) per group.
+ *
  * Exactness: a row's result is the same instructions in the same order whatever rows share the
  * call, however the rows are blocked and the columns cut over threads (each (row, column) sum
  * runs over k in order in one lane of one register). So a conversation's logits do not depend
@@ -134,17 +140,88 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
+/* The int8 form (Q8_0): as block(), one plane, values q in -128..127 and no zero. */
+#define Q8_BYTES 576
+static inline __attribute__((always_inline)) void block8(
+    const int R, const int T, int64_t G, int64_t P, const uint16_t *x, int64_t xs_stride,
+    const float *xsum, const uint8_t *w, int64_t tile_bytes, float *acc) {
+    (void)P;
+    (void)xsum;
+    for (int64_t g = 0; g < G; g++) {
+#if TKV_DOT
+        __m512 tmp[MAX_ROWS * 8];
+        for (int i = 0; i < R * T; i++) tmp[i] = _mm512_setzero_ps();
+        for (int j = 0; j < UNITS; j++) {
+            __m512i wv[8];
+            for (int t = 0; t < T; t++) {
+                const int8_t *q = (const int8_t *)(w + t * tile_bytes + g * Q8_BYTES + 64 + j * 32);
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+                wv[t] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            }
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, x + r * xs_stride + g * GROUP + 2 * j, 4);
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int t = 0; t < T; t++) tmp[r * T + t] = _mm512_dpbf16_ps(tmp[r * T + t], (__m512bh)wv[t], xv);
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const uint8_t *sz = w + t * tile_bytes + g * Q8_BYTES;
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sz));
+            for (int r = 0; r < R; r++) {
+                float *a = acc + r * T * TILE + t * TILE;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(s, tmp[r * T + t], _mm512_loadu_ps(a)));
+            }
+        }
+#else
+        v16f tmp[MAX_ROWS * 8];
+        for (int i = 0; i < R * T; i++) tmp[i] = (v16f){0};
+        for (int j = 0; j < UNITS; j++) {
+            v16f lo[8], hi[8];
+            for (int t = 0; t < T; t++) {
+                int8_t raw[32];
+                memcpy(raw, w + t * tile_bytes + g * Q8_BYTES + 64 + j * 32, 32);
+                for (int c = 0; c < 16; c++) {
+                    lo[t][c] = (float)raw[2 * c];
+                    hi[t][c] = (float)raw[2 * c + 1];
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const uint16_t *xr = x + r * xs_stride + g * GROUP + 2 * j;
+                float x0 = bf16_to_f32(xr[0]), x1 = bf16_to_f32(xr[1]);
+                for (int t = 0; t < T; t++) {
+                    tmp[r * T + t] += x0 * lo[t];
+                    tmp[r * T + t] += x1 * hi[t];
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            v16h sh;
+            memcpy(&sh, w + t * tile_bytes + g * Q8_BYTES, 32);
+            v16f s = __builtin_convertvector(sh, v16f);
+            for (int r = 0; r < R; r++) {
+                v16f av;
+                memcpy(&av, acc + r * T * TILE + t * TILE, 64);
+                av += s * tmp[r * T + t];
+                memcpy(acc + r * T * TILE + t * TILE, &av, 64);
+            }
+        }
+#endif
+    }
+}
+
 /* Rows r0..r0+R (R <= MAX_ROWS), tiles t0..t1 of the output: blocks of T tiles, then single tiles. */
-#define BLOCK_CASE(RR, TT)                                                                      \
+#define BLOCK_CASE(BLOCK, RR, TT)                                                               \
     case RR:                                                                                    \
         for (; t + TT <= t1; t += TT) {                                                         \
             memset(acc, 0, sizeof(float) * RR * TT * TILE);                                     \
-            block(RR, TT, G, P, xr, x_stride, xs, w + t * tile_bytes, tile_bytes, acc);         \
+            BLOCK(RR, TT, G, P, xr, x_stride, xs, w + t * tile_bytes, tile_bytes, acc);         \
             emit(RR, TT, t, acc, out + r0 * out_stride, out_stride, n_out);                     \
         }                                                                                       \
         for (; t < t1; t++) {                                                                   \
             memset(acc, 0, sizeof(float) * RR * TILE);                                          \
-            block(RR, 1, G, P, xr, x_stride, xs, w + t * tile_bytes, tile_bytes, acc);          \
+            BLOCK(RR, 1, G, P, xr, x_stride, xs, w + t * tile_bytes, tile_bytes, acc);          \
             emit(RR, 1, t, acc, out + r0 * out_stride, out_stride, n_out);                      \
         }                                                                                       \
         break;
@@ -156,33 +233,37 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
     for (int r = 0; r < R; r++) memcpy(out + r * out_stride + n0, acc + r * T * TILE, sizeof(float) * n);
 }
 
-static __attribute__((noinline)) void run_rows(int64_t R, int64_t t0, int64_t t1, int64_t G, int64_t P,
-                                               const uint16_t *xr, int64_t x_stride, const float *xs,
-                                               const uint8_t *w, int64_t tile_bytes, float *out,
-                                               int64_t out_stride, int64_t n_out, int64_t r0) {
-    float acc[MAX_ROWS * 8 * TILE];
-    int64_t t = t0;
-    switch (R) {
-        BLOCK_CASE(1, 8)
-        BLOCK_CASE(2, 8)
-        BLOCK_CASE(3, 8)
-        BLOCK_CASE(4, 6)
-        BLOCK_CASE(5, 4)
-        BLOCK_CASE(6, 4)
-        BLOCK_CASE(7, 3)
-        BLOCK_CASE(8, 3)
+#define RUN_ROWS(NAME, BLOCK)                                                                   \
+    static __attribute__((noinline)) void NAME(int64_t R, int64_t t0, int64_t t1, int64_t G, int64_t P, \
+                                               const uint16_t *xr, int64_t x_stride, const float *xs, \
+                                               const uint8_t *w, int64_t tile_bytes, float *out,    \
+                                               int64_t out_stride, int64_t n_out, int64_t r0) {     \
+        float acc[MAX_ROWS * 8 * TILE];                                                         \
+        int64_t t = t0;                                                                         \
+        switch (R) {                                                                            \
+            BLOCK_CASE(BLOCK, 1, 8)                                                             \
+            BLOCK_CASE(BLOCK, 2, 8)                                                             \
+            BLOCK_CASE(BLOCK, 3, 8)                                                             \
+            BLOCK_CASE(BLOCK, 4, 6)                                                             \
+            BLOCK_CASE(BLOCK, 5, 4)                                                             \
+            BLOCK_CASE(BLOCK, 6, 4)                                                             \
+            BLOCK_CASE(BLOCK, 7, 3)                                                             \
+            BLOCK_CASE(BLOCK, 8, 3)                                                             \
+        }                                                                                       \
     }
-}
+RUN_ROWS(run_rows4, block)
+RUN_ROWS(run_rows8, block8)
 
 /* y[M, n_out] (fp32, row stride out_stride) = x[M, K] (bf16, row stride x_stride) @ W.T.
- * w: the packed planes of N = tiles * 16 columns (n_out <= N real). threads: the column cut. */
+ * w: the packed planes of N = tiles * 16 columns (n_out <= N real); P = 0: the int8 form.
+ * threads: the column cut. */
 int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t *x, int64_t x_stride,
                  const uint8_t *w, float *out, int64_t out_stride, int64_t n_out, int64_t threads) {
     if (K % GROUP) return 1;
-    const int64_t G = K / GROUP, tile_bytes = G * P * PLANE_BYTES;
+    const int64_t G = K / GROUP, tile_bytes = P ? G * P * PLANE_BYTES : G * Q8_BYTES;
     float *xs = (float *)malloc(sizeof(float) * (M > 0 ? M : 1) * G);
     if (!xs) return 2;
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = 0; P && m < M; m++) /* the int8 form has no zeros to take back */
         for (int64_t g = 0; g < G; g++) {
             float s = 0.0f;
             for (int k = 0; k < GROUP; k++) s += bf16_to_f32(x[m * x_stride + g * GROUP + k]);
@@ -199,8 +280,8 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
             int64_t te = tb + 24 < t1 ? tb + 24 : t1;
             for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
                 int64_t R = M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS;
-                run_rows(R, tb, te, G, P, x + r0 * x_stride, x_stride, xs + r0 * G, w, tile_bytes, out,
-                         out_stride, n_out, r0);
+                (P ? run_rows4 : run_rows8)(R, tb, te, G, P, x + r0 * x_stride, x_stride, xs + r0 * G, w,
+                                            tile_bytes, out, out_stride, n_out, r0);
             }
         }
     }

@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_int4.c")
 TILE = 16  # columns per tile
 GROUP = 32
 PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 256 bytes of values
+Q8_BYTES = 576  # the int8 form, per tile and group: 16 fp16 scales, 32 unused, 512 bytes of values
 # The C's unpacked value is 128 + u where the CPU has AVX512-BF16 (else u); its sums' error
 # bound (quant.error_bound) uses the larger.
 VALUE_OFFSET = 128
@@ -67,21 +68,42 @@ def pack(planes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: i
     return torch.stack(out, dim=2).contiguous()
 
 
+def pack_q8(q: torch.Tensor, d: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 form (Q8_0): values ``q`` ``[N, K]`` int8 times fp16-exact scales ``d``
+    ``[N, K/32]`` -> ``[tiles, K/32, 1, 576]`` uint8 (the C file's header)."""
+    tiles, g = -(-n // TILE), k // GROUP
+    pad = tiles * TILE - n
+    if pad:
+        q, d = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, g)])
+    # [tiles, 16 cols, G, 16 units, 2] -> per unit: columns 0-7 then 8-15, each (2j, 2j + 1)
+    vals = q.view(tiles, TILE, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, g, 512)
+    sc = d.to(torch.float16).view(tiles, TILE, g).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([sc, sc.new_zeros(tiles, g, 32), vals.view(torch.uint8)], dim=-1)[:, :, None]
+
+
+def is_q8(packed: torch.Tensor) -> bool:
+    return packed.shape[-1] == Q8_BYTES
+
+
 def scales(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored fp16 scales and zeros as fp32 ``[P, N, K/32]`` each."""
+    """The stored fp16 scales and zeros as fp32 ``[P, N, K/32]`` each (the int8 form: zeros 0)."""
     tiles, g, p, _ = packed.shape
     sz = packed[..., :64].contiguous().view(torch.float16).float().view(tiles, g, p, 2, TILE)
     s, z = (sz[..., i, :].permute(2, 0, 3, 1).reshape(p, tiles * TILE, g)[:, :n] for i in (0, 1))
-    return s, z
+    return s, (torch.zeros_like(z) if is_q8(packed) else z)
 
 
 def values(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The weights the C multiplies by, fp32 ``[N, K]`` (each ``sum_p u s + z``, exact in fp32 for
-    GGUF planes: a 4-bit value times an fp16 scale plus an fp16 zero)."""
+    """The weights the C multiplies by, fp32 ``[N, K]`` (each ``sum_p u s + z``, or ``q s``, exact
+    in fp32 for GGUF planes: a 4- or 8-bit value times an fp16 scale plus an fp16 zero)."""
     tiles, g, p, _ = packed.shape
-    nib = packed[..., 64:].view(tiles, g, p, GROUP // 2, TILE)
-    u = torch.stack([nib & 15, nib >> 4], dim=-1)  # [tiles, G, P, 16 units, 16 cols, 2]
-    u = u.permute(2, 0, 4, 1, 3, 5).reshape(p, tiles * TILE, g, GROUP)[:, :n]
+    if is_q8(packed):
+        q = packed[..., 64:].contiguous().view(torch.int8).view(tiles, g, GROUP // 2, TILE, 2)
+        u = q.permute(0, 3, 1, 2, 4).reshape(1, tiles * TILE, g, GROUP)[:, :n]
+    else:
+        nib = packed[..., 64:].view(tiles, g, p, GROUP // 2, TILE)
+        u = torch.stack([nib & 15, nib >> 4], dim=-1)  # [tiles, G, P, 16 units, 16 cols, 2]
+        u = u.permute(2, 0, 4, 1, 3, 5).reshape(p, tiles * TILE, g, GROUP)[:, :n]
     s, z = scales(packed, n)
     w = u.float() * s[..., None] + z[..., None]  # [P, N, G, 32]
     return w.sum(0).reshape(n, g * GROUP)
@@ -99,7 +121,7 @@ def mm(a: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
             f"{tiles * TILE} outputs; got {a.dtype} [{m}, {k}] stride {a.stride(-1)}, n={n}"
         )
     out = torch.empty(m, n)
-    rc = lib.turnkv_q4_mm(m, k, tiles, p, a.data_ptr(), a.stride(0), packed.data_ptr(), out.data_ptr(),
+    rc = lib.turnkv_q4_mm(m, k, tiles, 0 if is_q8(packed) else p, a.data_ptr(), a.stride(0), packed.data_ptr(), out.data_ptr(),
                           n, n, torch.get_num_threads())  # fmt: skip
     if rc:
         raise RuntimeError(f"turnkv_q4_mm failed ({rc})")

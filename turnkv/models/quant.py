@@ -120,6 +120,21 @@ def planes_from_blocks(raw: torch.Tensor, type_name: str) -> list[Plane]:
     return [Plane(u, d, m + 8 * d)]
 
 
+def int8_form(planes: list[Plane]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q, d)``: int8 values ``[N, K]`` and fp16-exact scales ``[N, K/32]`` when ``planes`` are one
+    int8 value times a scale (Q8_0's two planes, ``planes_from_blocks``), else None. The C kernel
+    multiplies that form in one pass instead of two (the default model's tied LM head)."""
+    if len(planes) != 2:
+        return None
+    hi, lo = planes
+    d = lo.scale
+    if not (torch.equal(hi.scale, 16 * d) and not hi.zero.any() and torch.equal(lo.zero, 8 * d)):
+        return None
+    if not torch.equal(d.to(torch.float16).float(), d):
+        return None
+    return (16 * (hi.u.to(torch.int16) - 8) + lo.u.to(torch.int16)).to(torch.int8), d
+
+
 def native_scales(p: Plane) -> tuple[torch.Tensor, torch.Tensor]:
     """The C kernel's stored scale and zero of a plane (``u * s + z``), fp16 values as fp32."""
     zero = (p.zero.double() - 8 * p.scale.double()).to(torch.float16).float()
@@ -145,7 +160,8 @@ class QuantWeight(nn.Module):
     head needs no blocks.
 
     Invariants: ``native``: ``packed`` is the C layout ``[N/16 rounded up, K/32, P, 320]`` uint8
-    (``cpu_int4.pack``) and ``scale_zeros`` None. Else planes hold ``rows_padded`` rows (a
+    (``cpu_int4.pack``), or ``[.., 1, 576]`` for the int8 form (``int8_form``, ``cpu_int4.pack_q8``),
+    and ``scale_zeros`` None. Else planes hold ``rows_padded`` rows (a
     multiple of 16), the first ``shape[0]`` real; ``packed`` is ``[P, rows_padded, K/2]`` uint8,
     ``scale_zeros`` ``[P, K/32, rows_padded, 2]`` bf16.
     """
@@ -164,7 +180,11 @@ class QuantWeight(nn.Module):
         self.native = bool(planes) and cpu_int4.library() is not None
         if self.native:
             n, k = self.shape
-            self.packed = cpu_int4.pack([(p.u, *native_scales(p)) for p in planes], n, k)
+            q8 = int8_form(planes)
+            if q8 is not None:
+                self.packed = cpu_int4.pack_q8(*q8, n, k)
+            else:
+                self.packed = cpu_int4.pack([(p.u, *native_scales(p)) for p in planes], n, k)
         elif planes:
             n, k = self.shape
             pad = -n % _ROW_ALIGN
@@ -185,6 +205,7 @@ class QuantWeight(nn.Module):
 
     @property
     def planes(self) -> int:
+        """Passes of the kernel: 1 for the C kernel's int8 form, else the planes."""
         return 0 if self.packed is None else self.packed.shape[2 if self.native else 0]
 
     def nbytes(self) -> int:
