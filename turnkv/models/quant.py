@@ -57,9 +57,12 @@ WEIGHT_MODES = get_args(Weights)  # config.py owns the values
 BF16_U = 2.0**-9  # unit roundoff of bfloat16 (8 significant bits)
 FP32_U = 2.0**-24
 _ROW_ALIGN = 16  # the packer wants a multiple of 16 rows; pad with zero rows
-# Rows from which mm dequantizes to bf16 + oneDNN GEMM (QuantWeight.mm). CPU time, one thread,
-# the 3072x576 gate|up matrix: int4 kernel 5.5 / 11.0 / 21.6 ms at 128 / 256 / 512 rows, dequantize
-# + GEMM 5.6 / 9.4 / 13.5 ms (the dequantization alone ~3-6 ms, paid once per window).
+# Rows from which torch's int4 kernel hands a window to dequantize-to-bf16 + oneDNN GEMM
+# (QuantWeight.mm). CPU time, one thread, the 3072x576 gate|up matrix: int4 kernel 5.5 / 11.0 /
+# 21.6 ms at 128 / 256 / 512 rows, dequantize + GEMM 5.6 / 9.4 / 13.5 ms (the dequantization alone
+# ~3-6 ms, paid once per window). The C kernel takes every window: on two threads it ran the same
+# matrix in 1.5 / 3.4 / 6.0 / 13.2 ms at 128 / 256 / 512 / 1024 rows, dequantize + GEMM 7.3 / 9.4 /
+# 11.3 / 13.3 ms; the default prefill chunk is 512 rows.
 WIDE_ROWS = 256
 
 
@@ -218,10 +221,10 @@ class QuantWeight(nn.Module):
 
         Rows in the ``wide`` ranges ``[start, end)`` (the step's windows of ``WIDE_ROWS`` rows or
         more: prefill chunks; ``wide_rows``) dequantize the planes to bf16 once and take oneDNN's
-        bf16 GEMM; the other rows take the C or int4 kernel, which unpack a block of values
-        per 8 or 4 rows (see ``WIDE_ROWS``). Chosen per window, not per call: a row's bits then
-        depend on its own window only (both kernels are row-independent), never on what else
-        shares the step."""
+        bf16 GEMM (torch's layout; the C kernel takes every row, see ``WIDE_ROWS``); the other
+        rows take the int4 kernel, which dequantizes per 4-row block. Chosen per window, not per
+        call: a row's bits then depend on its own window only (both kernels are
+        row-independent), never on what else shares the step."""
         # Only the calls that do something: a decode step makes ~120 of these (no-op .to/
         # .reshape/.contiguous calls each cost a dispatch; counted by the profiler, not timed).
         a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
@@ -275,10 +278,7 @@ class QuantWeight(nn.Module):
 
         Reads torch's AVX-512 int4 layout: per block of 64 rows, ``[K, 32]`` bytes whose low
         nibbles are rows 0-31 and high nibbles rows 32-63. ``wide_ok`` is set only after
-        ``check_layout`` saw this read back every value that was packed. The C layout is read by
-        ``cpu_int4.values`` (exact fp32 values, rounded to bf16 here once)."""
-        if self.native:
-            return cpu_int4.values(self.packed, self.shape[0]).to(torch.bfloat16).T
+        ``check_layout`` saw this read back every value that was packed."""
         p, np_, kh = self.packed.shape
         k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // 64
         nib = self.packed.view(p, nb, k, 32)
@@ -290,15 +290,11 @@ class QuantWeight(nn.Module):
         return wt[:, : self.shape[0]]
 
     def check_layout(self, planes: list[Plane]) -> bool:
-        """Enable the wide path if ``dequant_t`` reads back exactly the values of ``planes``."""
+        """Enable the wide path (torch's layout only: the C kernel takes every window) if
+        ``dequant_t`` reads back exactly the values of ``planes``."""
         self.wide_ok = False
         n, k = self.shape
-        if self.native and self.packed is not None:
-            want = sum((p.u.float() * s.repeat_interleave(GROUP, 1) + z.repeat_interleave(GROUP, 1))
-                       for p in planes for s, z in [native_scales(p)])  # fmt: skip
-            self.wide_ok = bool(torch.equal(self.dequant_t().T, want.to(torch.bfloat16)))
-            return self.wide_ok
-        if self.packed is None or self.packed.shape[1] % 64 or n % 64:
+        if self.native or self.packed is None or self.packed.shape[1] % 64 or n % 64:
             return False
         u = torch.stack([pl.u.view(n, k // GROUP, GROUP) for pl in planes])  # [P, N, G, 32]
         s = torch.stack([pl.scale for pl in planes]).to(torch.bfloat16)[..., None]  # [P, N, G, 1]
@@ -420,20 +416,18 @@ def error_bound(
     """Upper bound ``[M, R]`` of ``|mm(x) - x @ ref.T|`` for fp32 x ``[M, K]`` and the GGUF's fp32
     dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the
     terms). ``wide``: the bf16 GEMM path, which also rounds each weight to bf16; ``native``: the
-    C kernel's planes (and, not wide, its sums)."""
+    C kernel (its stored scales and its sums)."""
     xa = x.double().abs()  # [M, K]
     vals = [plane_values(p, native) for p in planes]  # each [R, K]
     w = sum(vals)
     k = x.shape[-1]
     rep = xa @ (w - ref.double()).abs().T  # weights' stored scales and zeros
-    if native and not wide:
+    if native:  # every window (the C kernel has no wide path)
         g = k // GROUP
         xg = (1 + BF16_U) * xa.view(-1, g, GROUP).sum(-1)  # [M, G]: sum |bf16(x)| per group
         mag = sum(271 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))  # [R, G]
         sums = (33 + 2 * g * len(planes)) * FP32_U * (xg @ mag.T)
         return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + sums) + 1e-30
-    if native:  # wide: the exact values rounded to bf16 once, then as below with one plane
-        vals = [w]
     act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
     out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
     return 1.01 * (rep + act + out) + 1e-30
