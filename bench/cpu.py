@@ -14,8 +14,8 @@ llama.cpp's includes the KV cache and compute buffers it allocates for ``n_ctx``
     python bench/cpu.py --engines turnkv-packed,turnkv-packed@float32,llama.cpp   # KV dtype A/B
 
 ``turnkv-WEIGHTS@KV`` sets ``--kv-dtype`` (default ``auto``: bfloat16 on a CPU); a ``+torch`` suffix
-(``turnkv-packed+torch``) runs the CPU decode attention as torch ops instead of the C kernel
-(``TURNKV_CPU_KERNEL=off``), to A/B the two in one run.
+(``turnkv-packed+torch``) turns turnkv's C kernels off (``TURNKV_CPU_KERNEL=off``: decode attention
+as torch ops, packed matmuls through torch's int4 kernel), to A/B them in one run.
 
 llama.cpp runs from its own virtual environment (never a project dependency), by default
 ``~/.cache/turnkv-bench/llamacpp-venv``; build it once with ``--build-llama-cpp`` (the sdist,
