@@ -103,14 +103,14 @@ def test_the_index_drafts_a_copy_of_the_conversation():
 def test_the_governor_drafts_long_when_rows_are_cheap_and_drafts_succeed():
     g = Governor(FixedCost(per_row=0.0))
     for _ in range(5):
-        g.update(drafted=31, accepted=31, match=12, rows=32)
+        g.update(drafted=31, accepted=31, match=12)
     assert g.alpha(12) > 0.95 and g.length(31, match=12) == 31
 
 
 def test_the_governor_shrinks_drafts_as_rows_cost_more():
     cheap, dear = Governor(FixedCost(per_row=0.001)), Governor(FixedCost(per_row=0.05))
     for g in (cheap, dear):
-        g.update(drafted=8, accepted=4, match=5, rows=9)
+        g.update(drafted=8, accepted=4, match=5)
     assert cheap.length(31, match=5) > dear.length(31, match=5) > 0
     assert Governor(FixedCost(per_row=1.0)).length(31, match=20) == 0  # a row costs a step: never
 
@@ -124,7 +124,7 @@ def test_the_governor_pauses_short_matches_with_exponential_backoff():
     g = Governor(FixedCost())
     pauses = []
     for _ in range(8):
-        g.update(drafted=4, accepted=0, match=2, rows=5)
+        g.update(drafted=4, accepted=0, match=2)
         assert g.length(4, match=9) == 4  # a long match is drafted even now
         n = 0
         while g.length(4, match=2) == 0:
@@ -132,14 +132,14 @@ def test_the_governor_pauses_short_matches_with_exponential_backoff():
             n += 1
         pauses.append(n)
     assert pauses == [1, 3, 7, 15, 31, 63, MAX_PAUSE, MAX_PAUSE]
-    g.update(drafted=4, accepted=2, match=2, rows=5)  # a success ends the backoff
+    g.update(drafted=4, accepted=2, match=2)  # a success ends the backoff
     assert g.failures == 0
 
 
 def test_failing_short_drafts_stop_until_the_estimate_recovers():
     g = Governor(FixedCost(per_row=0.05))
     for _ in range(6):
-        g.update(drafted=4, accepted=0, match=3, rows=5)
+        g.update(drafted=4, accepted=0, match=3)
     g.pause = 0
     assert g.length(31, match=3) == 0 and g.length(31, match=12) > 0  # other buckets unharmed
     for _ in range(100):
@@ -149,9 +149,9 @@ def test_failing_short_drafts_stop_until_the_estimate_recovers():
 
 def test_a_batch_makes_the_governor_weigh_the_other_turns():
     alone, batch = Governor(FixedCost(per_row=0.02)), Governor(FixedCost(per_row=0.02))
-    batch.cost.windows, batch.cost.rows = 8, 8  # the latest step: eight one-row windows
+    batch.cost.company(8, 8)  # the step being gathered: eight one-row windows
     for g in (alone, batch):
-        g.update(drafted=8, accepted=6, match=5, rows=1)
+        g.update(drafted=8, accepted=6, match=5)
     assert alone.length(31, match=5) > batch.length(31, match=5)
 
 
@@ -168,7 +168,8 @@ def test_step_costs_are_fitted_from_observed_steps():
     c.observe(windows(12, logits=1), 9.0)  # nor is a short prefill (or rebase) chunk
     assert c.cost(1, False) == pytest.approx(0.010)
     assert c.cost(20, True) == pytest.approx(0.012 + 0.0005 * 20, rel=1e-3)
-    assert (c.windows, c.rows) == (1, 2)
+    c.company(3, 5)  # the scheduler says what the step being gathered holds
+    assert (c.windows, c.rows) == (3, 5)
 
 
 # -- exact acceptance on a Markov source ----------------------------------------------------------

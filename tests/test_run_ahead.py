@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from turnkv.config import EngineConfig
+from turnkv.engine import context_copy
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Banked, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
@@ -331,12 +332,14 @@ def test_masks_that_break_after_the_next_step_was_staged_fail_only_that_steps_tu
     bank.check_integrity()
 
 
-def test_turns_that_draft_wait_for_their_tokens_instead_of_sitting_steps_out():
+def test_turns_that_draft_wait_for_their_tokens_instead_of_sitting_steps_out(monkeypatch):
     """With speculation drafting (a CPU engine drafts by default), a turn's next window depends on
     the tokens in flight: its steps complete before the next is planned, as without run-ahead, so
     it never sits a step out -- every step holds a window of every turn still running -- and the
     answers are the plain loop's. (One engine per loop: the drafts' governor learns from the step
-    times it sees, so the two loops' draft lengths may differ.)"""
+    times it sees, so the two loops' draft lengths may differ. The governor's cap on what a draft
+    may cost the other turn is lifted, so the turns draft in company.)"""
+    monkeypatch.setattr(context_copy, "OTHERS_LOSS", float("inf"))
     runs, calls, steps = [], {}, {}
     for ahead in (False, True):
         engine = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))

@@ -138,8 +138,8 @@ class _Fit:
         self.snn = self.snn * d + n * n
         self.snt = self.snt * d + n * t
 
-    def mean_n(self) -> float | None:
-        return self.sn / self.w if self.w >= 0.5 else None
+    def mean_t(self) -> float | None:
+        return self.st / self.w if self.w >= 0.5 else None
 
     def predict(self, n: float, slope: float) -> float | None:
         """The fitted time at ``n`` rows; ``slope`` per row where the rows seen barely varied."""
@@ -156,20 +156,23 @@ class StepCost:
     CUDA graphs replay these) and one for steps with a verify window (always eager).
 
     The scheduler reports every step (``observe``); only steps of decode and verify windows (every
-    row asks for its logits) are counted, not prefill.
-    Before any verify step was seen, a verify step is priced as a plain one plus ``PRIOR_ROW`` of
-    it per row beyond the plain steps' usual rows (a guess between a GPU's nearly free rows and a
-    CPU's ~2.5 % per row), so the first drafts are tried and then priced by what they really cost
-    (on this VM's CPU a verify step of the default model costs about 1.4x a one-row step plus ~5 % of
-    one per row: one-row matmuls take a matrix-vector path).
+    row asks for its logits) are counted, not prefill. Where a fit has not seen its rows vary,
+    each row beyond them costs ``prior_row`` of the plain steps' mean time (no plain step seen
+    yet: relative units, a step of one row costs 1). A verify step never costs less than a plain
+    step of as many rows (a fit over a few wide windows, extrapolated down, can fall to zero).
+    The prior is the device's: ``PRIOR_ROW`` (1/64: a GPU's rows are nearly free) or
+    ``PRIOR_ROW_CPU`` (the default model on the 2-core VM with the C matmul: 8.1 ms a one-row
+    step, 16.6 ms eight rows, ~1.2 ms each row more).
     """
 
     PRIOR_ROW = 1 / 64
+    PRIOR_ROW_CPU = 1 / 8
 
-    def __init__(self) -> None:
+    def __init__(self, prior_row: float = PRIOR_ROW) -> None:
+        self.prior_row = prior_row
         self.plain = _Fit()
         self.verify = _Fit()
-        self.windows = 1  # windows and rows of the latest decode/verify step
+        self.windows = 1  # windows and rows of the step being gathered (``company``)
         self.rows = 1
 
     def observe(self, windows: Sequence[Window], seconds: float) -> None:
@@ -179,19 +182,23 @@ class StepCost:
         rows = [len(w.tokens) for w in windows]
         n = sum(rows)
         (self.verify if max(rows) > 1 else self.plain).add(n, seconds)
-        self.windows, self.rows = len(rows), n
+
+    def company(self, windows: int, rows: int) -> None:
+        """The step being gathered, as a decode turn is about to draft: ``windows`` windows and
+        ``rows`` rows so far, the turn's own decode row included (the scheduler says, so the first
+        step of a new batch is priced with its company, not the step before it: eight turns that
+        each took themselves for alone drafted 54- and 84-row windows into the first steps of a
+        batch of 8 on the 2-core VM, 4-6x a plain step)."""
+        self.windows, self.rows = windows, rows
 
     def cost(self, n: int, verify: bool) -> float:
         """Seconds for a step of ``n`` rows (relative figures are what matter)."""
-        plain = self.plain.predict(n, 0.0)
-        base = plain if plain is not None else 1.0
-        if not verify:
-            return base
-        v = self.verify.predict(n, base * self.PRIOR_ROW)
-        if v is not None:
-            return v
-        usual = self.plain.mean_n() or 1.0  # the plain steps' usual rows: one per decoding turn
-        return base * (1 + self.PRIOR_ROW * max(n - usual, 0.0))
+        mean = self.plain.mean_t()
+        slope = (mean or 1.0) * self.prior_row
+        plain = self.plain.predict(n, slope)
+        base = plain if plain is not None else 1.0 + slope * max(n - 1, 0)
+        v = self.verify.predict(n, slope) if verify else None
+        return base if v is None else max(v, base)
 
 
 # -- the governor -----------------------------------------------------------------------------
@@ -206,6 +213,11 @@ MEMORY = 0.8  # weight of older windows in a bucket's estimate (about the last 5
 RECOVER = 0.97  # per step a bucket is not drafted, its estimate moves this much back to the prior
 MAX_PAUSE = 64  # longest pause (decode steps) after drafts kept failing
 FAIRNESS = 3.0  # in a batch, the other turns' lost time counts this many times
+# ... and no draft may lengthen a step that other windows share by more than this share: each
+# of them gains nothing from it. On the 2-core VM's CPU a row costs ~5 % of an 8-row step, and
+# the gain rule alone let turns draft 10-token windows beside the others: in a batch of 8 the
+# slowest turn decoded at 0.90-0.95x its speed without speculation (bench/speculation.py).
+OTHERS_LOSS = 0.02
 
 
 def match_bucket(match: int) -> int:
@@ -221,7 +233,7 @@ class Governor:
     alpha^k`` tokens from the window. The step it rides in has ``others`` other windows (about one
     token each) and ``n0`` rows without the draft: the draft is worth it when this turn's gain in
     tokens per second beats the others' loss (``FAIRNESS`` times) from the longer step, both under
-    the measured ``StepCost``. After ``s`` windows in a row with nothing accepted, short matches
+    the measured ``StepCost``, and the others' step grows by at most ``OTHERS_LOSS``. After ``s`` windows in a row with nothing accepted, short matches
     pause ``2^s - 1`` decode steps (at most ``MAX_PAUSE``); a long match (8+) is drafted anyway.
     """
 
@@ -231,7 +243,6 @@ class Governor:
         self.misses = [(1 - a) * PRIOR_WEIGHT for a in ALPHA_PRIOR]
         self.failures = 0  # windows in a row with no drafted token accepted
         self.pause = 0
-        self.last_rows = 0  # rows of this turn's window in the latest step
 
     def alpha(self, match: int) -> float:
         b = match_bucket(match)
@@ -250,8 +261,8 @@ class Governor:
         if available <= 0 or (self.pause and match_bucket(match) < len(MATCH_BUCKETS)):
             return 0
         c = self.cost
-        others = max(c.windows - (1 if self.last_rows else 0), 0)
-        others_rows = max(c.rows - self.last_rows, others)
+        others = max(c.windows - 1, 0)  # the step's other windows and their rows (``company``)
+        others_rows = max(c.rows - 1, others)
         n0 = others_rows + 1
         t0 = c.cost(n0, others_rows > others)  # another window verifies: the step is eager anyway
         weight = 1 + FAIRNESS * others
@@ -261,16 +272,22 @@ class Governor:
             term *= a
             e += term
             t = c.cost(n0 + k, True)
+            if others and t > (1 + OTHERS_LOSS) * t0:
+                break  # the step grows with k: a longer draft costs the others more still
             # this turn's extra tokens per second minus everyone's loss from the longer step
             gain = (e - 1) / t - weight * (t - t0) / (t * t0)
             if gain > best_gain:
                 best, best_gain = k, gain
+            elif k == 1:
+                # gain's sign is that of (e(k) - 1) t0 - weight (t(k) - t0): concave in k (e is,
+                # t is convex) and 0 at k = 0, so no longer draft pays if one token does not
+                # (a batch of 8 on the CPU asks 8 times a step; the 31 prices cost ~0.7 ms)
+                return 0
         return best
 
-    def update(self, drafted: int, accepted: int, match: int, rows: int) -> None:
-        """After a step: this turn's window had ``rows`` rows; ``accepted`` of ``drafted`` tokens
-        (from a match of ``match`` tokens) were kept."""
-        self.last_rows = rows
+    def update(self, drafted: int, accepted: int, match: int) -> None:
+        """After a step: ``accepted`` of ``drafted`` tokens (from a match of ``match`` tokens) were
+        kept."""
         if not drafted:
             return
         b = match_bucket(match)
@@ -305,7 +322,7 @@ class TurnDrafts:
     def verified(self, drafted: int, accepted: int, emitted: int) -> None:
         """One decode window: ``drafted`` tokens verified, ``accepted`` kept, ``emitted`` tokens
         taken from it (the accepted ones plus the correction or bonus, fewer at a stop)."""
-        self.governor.update(drafted, accepted, self.match, drafted + 1)
+        self.governor.update(drafted, accepted, self.match)
         self.stats.window(drafted, accepted, emitted)
 
 
@@ -363,12 +380,13 @@ class SpeculationStats:
 class Speculation:
     """The engine's speculation: ``--speculate auto|off``, the step cost model, the counters."""
 
-    def __init__(self, mode: str = "auto", off_because: str | None = None) -> None:
-        """``off_because``: why ``auto`` drafts nothing on this engine (None: it drafts)."""
+    def __init__(self, mode: str = "auto", off_because: str | None = None, device: str = "cpu") -> None:
+        """``off_because``: why ``auto`` drafts nothing on this engine (None: it drafts);
+        ``device``: its type, for the step cost's prior."""
         if mode not in get_args(Speculate):
             raise ValueError(f"--speculate must be one of {', '.join(get_args(Speculate))}, not {mode!r}")
         self.enabled = mode == "auto" and off_because is None
-        self.cost = StepCost()
+        self.cost = StepCost(StepCost.PRIOR_ROW_CPU if device == "cpu" else StepCost.PRIOR_ROW)
         status = "on" if self.enabled else f"off: {off_because or '--speculate off'}"
         self.stats = SpeculationStats(mode, status)
 

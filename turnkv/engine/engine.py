@@ -89,7 +89,7 @@ class Engine:
         self.graphs = make_graphs(self, cfg.cuda_graphs)
         # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
         self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
-        self.speculation = Speculation(cfg.speculate, _speculation_off(self))
+        self.speculation = Speculation(cfg.speculate, _speculation_off(self), self.shape.device.type)
         # torch's CPU threads per step: chosen by timing decode steps with --threads 0 (cpu_threads.py)
         self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
         self.info = EngineInfo(

@@ -209,9 +209,13 @@ class Scheduler:
                 budget -= len(w.tokens)
                 prefill.append((e, w))
         work: list[tuple[_Entry, Window]] = []
+        cost = self.engine.speculation.cost  # what the drafts are priced with: this step's company
+        rows = sum(len(w.tokens) for _, w in prefill) + len(decode)
         for e in decode:
+            cost.company(len(prefill) + len(decode), rows)
             if (w := window(e, 1 + max(budget, 0))) is not None:  # a decode row, or drafts after it
                 budget -= len(w.tokens) - 1
+                rows += len(w.tokens) - 1
                 work.append((e, w))
         return work + prefill
 
