@@ -146,7 +146,12 @@ class _Srv:
     def __init__(self) -> None:
         self.bank = new_bank()
         info = SimpleNamespace(
-            model_name="m", device="cpu", kv_dtype="bfloat16", kv_layout="segmented", verdict=Verdict()
+            model_name="m",
+            device="cpu",
+            kv_dtype="bfloat16",
+            kv_layout="segmented",
+            verdict=Verdict(),
+            weights={"held": "dequant", "note": "--weights dequant", "matmul": None},
         )
         self.engine = SimpleNamespace(
             info=info,
