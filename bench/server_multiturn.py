@@ -280,6 +280,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=0, help="concurrent clients (bench/clients.py)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
+        "--ignore-eos",
+        dest="ignore_eos",
+        action="store_true",
+        help="(--clients) every answer runs to its length",
+    )
+    ap.add_argument(
         "--warmup-rounds",
         dest="warmup_rounds",
         type=int,
@@ -358,7 +364,9 @@ def run_clients(args: argparse.Namespace) -> None:
         speculate=args.speculate,
     )
     engine = Engine.from_config(cfg, progress=False)
-    args.ignore_eos = bool(args.shape)  # random weights end answers at random: run each to its length
+    # random weights end answers at random: run each to its length; --ignore-eos does it for a real
+    # model too (every answer A tokens: no client's longer answers leave it decoding alone at the end)
+    args.ignore_eos = bool(args.shape) or args.ignore_eos
     per_client = args.rounds * (args.user_tokens + args.answer_tokens + 32)
     budget = (
         parse_size(args.bank_bytes)
