@@ -1,8 +1,8 @@
 """The CPU matmul over 4-bit weights in C (``cpu_int4.c``): built at first use, called through ctypes.
 
 Packed GGUF weights (``quant.QuantWeight``) run here wherever the C builds: one call per matrix
-for every row of a step that is not a wide prefill window, its columns cut over torch's OpenMP
-threads. Against torch's int4 kernel on the 2-core AVX-512 VM (the default model's shapes, one
+for every row of a step (decode, verify and prefill windows alike), its columns cut over torch's
+OpenMP threads. Against torch's int4 kernel on the 2-core AVX-512 VM (the default model's shapes, one
 process, ``bench/cpu_matmul.py``): 1.2-1.6x at one row and 1.5-2.2x at 8-32 rows, because the C
 unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it again per 4) and with
 AVX512-BF16 multiplies two values and 16 columns per instruction. Its error against the GGUF's
