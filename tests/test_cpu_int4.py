@@ -151,3 +151,18 @@ def test_the_int8_forms_rows_do_not_depend_on_their_company():
     together = cpu_int4.mm(x, packed, 49)
     for r in (0, 8, 18):
         assert torch.equal(cpu_int4.mm(x[r : r + 1], packed, 49)[0], together[r])
+
+
+def test_weights_packed_for_c_keep_multiplying_after_it_is_switched_off():
+    """``set_enabled(False)`` (the benches' A/B) decides how weights packed later are held; those
+    packed before go on through the C kernel."""
+    pl = planes(16, 64, 1, seed=1, exact=True)
+    packed = cpu_int4.pack(pl, 16, 64)
+    x = torch.randint(-4, 5, (2, 64), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    try:
+        cpu_int4.set_enabled(False)
+        assert cpu_int4.library() is None and cpu_int4.status() == "off (set_enabled)"
+        assert torch.equal(cpu_int4.mm(x, packed, 16).double(), oracle(x, pl))
+    finally:
+        cpu_int4.set_enabled(True)
+    assert cpu_int4.status() == "ok"

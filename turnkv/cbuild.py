@@ -93,6 +93,7 @@ class Kernel:
         self.source, self.setup, self.fallback = source, setup, fallback
         self.lib: ctypes.CDLL | None = None
         self.why: str | None = None  # "ok", why not, or None before the first call
+        self.loaded: ctypes.CDLL | None = None  # the library once loaded, whatever set_enabled says later
 
     def library(self) -> ctypes.CDLL | None:
         """The loaded kernel, or None (then ``status()`` is the reason). Built once per process."""
@@ -103,7 +104,7 @@ class Kernel:
             try:
                 lib = load(self.source)
                 self.setup(lib)
-                self.lib, self.why = lib, "ok"
+                self.lib, self.why, self.loaded = lib, "ok", lib
             except (OSError, RuntimeError, AttributeError) as e:
                 self.why = f"{self.fallback} ({e})"
         return self.lib

@@ -110,8 +110,10 @@ def values(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def mm(a: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``a @ W.T`` for bf16 rows ``a`` ``[M, K]`` (last dim contiguous) -> fp32 ``[M, n]``."""
-    lib = library()
+    """``a @ W.T`` for bf16 rows ``a`` ``[M, K]`` (last dim contiguous) -> fp32 ``[M, n]``. Weights
+    packed for the C kernel keep using it after ``set_enabled(False)`` (which only decides how
+    weights packed later are held)."""
+    lib = KERNEL.lib or KERNEL.loaded
     assert lib is not None, "cpu_int4.mm needs the built kernel (check cpu_int4.library())"
     m, k = a.shape
     tiles, g, p, _ = packed.shape
