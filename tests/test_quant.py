@@ -20,7 +20,7 @@ from turnkv.attention.route import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
-from turnkv.models import cpu_int4, quant
+from turnkv.models import cpu_int4, quant, quant_check
 from turnkv.models import gguf as gg
 from turnkv.models.load import ModelLoadError, load_model
 from turnkv.tokenizer import byte_level
@@ -88,7 +88,7 @@ def test_packed_matmul_within_the_stated_bound(type_name, rows, m, kernel):
     ref = gg.dequant_rows(raw, type_name)
     want = x.double() @ ref.double().T
     wide = qw.wide_ok and m >= quant.WIDE_ROWS
-    bound = quant.error_bound(x, planes, ref, wide=wide, native=qw.native)
+    bound = quant_check.error_bound(x, planes, ref, wide=wide, native=qw.native)
     assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
     # the bound is not vacuous: it is far below the size of the outputs
     assert float(bound.max()) < 0.05 * float(want.abs().max())
@@ -125,10 +125,10 @@ def test_self_check_catches_a_wrong_layout(kernel):
     rows = torch.tensor([0, 31, 63])
     good = quant.QuantWeight((64, 64), planes)
     sampled = [quant.Plane(p.u[rows], p.scale[rows], p.zero[rows]) for p in planes]
-    assert quant.self_check(good, sampled, ref[rows], rows, wide=True)[0]
+    assert quant_check.self_check(good, sampled, ref[rows], rows, wide=True)[0]
     swapped = [quant.Plane(p.u.view(64, 2, 32).flip(1).reshape(64, 64), p.scale, p.zero) for p in planes]
     bad = quant.QuantWeight((64, 64), swapped)
-    ok, ratio = quant.self_check(bad, sampled, ref[rows], rows)
+    ok, ratio = quant_check.self_check(bad, sampled, ref[rows], rows)
     assert not ok and ratio > 10
 
 

@@ -30,7 +30,7 @@ GROUP = 32
 PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 256 bytes of values
 Q8_BYTES = 576  # the int8 form, per tile and group: 16 fp16 scales, 32 unused, 512 bytes of values
 # The C's unpacked value is 128 + u where the CPU has AVX512-BF16 (else u); its sums' error
-# bound (quant.error_bound) uses the larger.
+# bound (quant_check.error_bound) uses the larger.
 VALUE_OFFSET = 128
 
 

@@ -17,8 +17,8 @@ from turnkv.models.quant import (
     QuantWeight,
     kernel_missing,
     planes_from_blocks,
-    self_check,
 )
+from turnkv.models.quant_check import self_check
 
 log = logging.getLogger(__name__)
 

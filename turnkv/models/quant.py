@@ -21,7 +21,7 @@ Two kernels multiply them, chosen at load:
   compiler): it reads scales and zeros as bf16, takes bf16 activations and writes bf16.
 
 Neither is bit-exact against the GGUF's fp32 dequantized values. ``error_bound`` states the
-difference per output and ``self_check`` verifies it at load; the terms (``u = 2^-9``, bf16's
+difference per output and ``self_check`` verifies it at load (both in ``quant_check``); the terms (``u = 2^-9``, bf16's
 unit roundoff; ``e = 2^-24``, fp32's):
 
 - weights: ``|W' - W|`` per value, computed exactly (zero for the C kernel's fp16 scales);
@@ -142,17 +142,6 @@ def native_scales(p: Plane) -> tuple[torch.Tensor, torch.Tensor]:
     """The C kernel's stored scale and zero of a plane (``u * s + z``), fp16 values as fp32."""
     zero = (p.zero.double() - 8 * p.scale.double()).to(torch.float16).float()
     return p.scale.to(torch.float16).float(), zero
-
-
-def plane_values(p: Plane, native: bool = False) -> torch.Tensor:
-    """fp64 ``[R, K]``: the values a kernel computes from this plane: the C kernel's fp16 scales
-    and zeros (``native``), or torch's bf16 ones."""
-    if native:
-        s, z = (t.double().repeat_interleave(GROUP, dim=1) for t in native_scales(p))
-        return p.u.double() * s + z
-    s = p.scale.to(torch.bfloat16).double().repeat_interleave(GROUP, dim=1)
-    z = p.zero.to(torch.bfloat16).double().repeat_interleave(GROUP, dim=1)
-    return (p.u.double() - 8) * s + z
 
 
 # ---- the weight object ------------------------------------------------------------------------
@@ -407,56 +396,3 @@ def embedding(ids: torch.Tensor, w, dtype: torch.dtype | None = None) -> torch.T
     if isinstance(w, torch.Tensor):
         return F.embedding(ids, w)
     return w.lookup(ids).to(dtype or torch.float32)
-
-
-# ---- the stated error and the load-time check -------------------------------------------------
-def error_bound(
-    x: torch.Tensor, planes: list[Plane], ref: torch.Tensor, wide: bool = False, native: bool = False
-) -> torch.Tensor:
-    """Upper bound ``[M, R]`` of ``|mm(x) - x @ ref.T|`` for fp32 x ``[M, K]`` and the GGUF's fp32
-    dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the
-    terms). ``wide``: the bf16 GEMM path, which also rounds each weight to bf16; ``native``: the
-    C kernel (its stored scales and its sums)."""
-    xa = x.double().abs()  # [M, K]
-    vals = [plane_values(p, native) for p in planes]  # each [R, K]
-    w = sum(vals)
-    k = x.shape[-1]
-    rep = xa @ (w - ref.double()).abs().T  # weights' stored scales and zeros
-    if native:  # every window (the C kernel has no wide path)
-        g = k // GROUP
-        xg = (1 + BF16_U) * xa.view(-1, g, GROUP).sum(-1)  # [M, G]: sum |bf16(x)| per group
-        mag = sum(271 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))  # [R, G]
-        sums = (33 + 2 * g * len(planes)) * FP32_U * (xg @ mag.T)
-        return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + sums) + 1e-30
-    act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
-    out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
-    return 1.01 * (rep + act + out) + 1e-30
-
-
-def self_check(
-    qw: QuantWeight,
-    planes: list[Plane],
-    ref: torch.Tensor,
-    rows: torch.Tensor,
-    wide: bool = False,
-    seed: int = 0,
-):
-    """Run ``qw`` on two random activation rows through the int4 kernel (and, with ``wide``, the
-    wide path) and compare the sampled ``rows`` with the GGUF's dequantized values ``ref``
-    (``[len(rows), K]``) against ``error_bound``. Returns ``(ok, worst ratio of error to bound)``.
-
-    The load skips ``wide``: ``check_layout`` already proved that path's weights are the kernel's,
-    rounded to bf16 once, which is what the bound's ``wide`` term allows for."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, qw.shape[1], generator=gen)  # [2, K]
-    want = x.double() @ ref.double().T
-    outs = {False: qw.mm(x)}  # 2 rows: the C or int4 kernel
-    if wide and qw.wide_ok:
-        outs[True] = torch.mm(x.to(torch.bfloat16), qw.dequant_t())
-    ok, worst = True, 0.0
-    for wide, y in outs.items():
-        got = y.double()[:, rows]  # [2, R]
-        ratio = ((got - want).abs() / error_bound(x, planes, ref, wide, qw.native)).max().item()
-        ok = ok and bool(torch.isfinite(got).all()) and ratio <= 1.0
-        worst = max(worst, ratio)
-    return ok, worst
