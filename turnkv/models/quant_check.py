@@ -33,12 +33,14 @@ def error_bound(
     w = sum(vals)
     k = x.shape[-1]
     rep = xa @ (w - ref.double()).abs().T  # weights' stored scales and zeros
-    if native:  # every window (the C kernel has no wide path)
+    if native and not wide:
         g = k // GROUP
         xg = (1 + BF16_U) * xa.view(-1, g, GROUP).sum(-1)  # [M, G]: sum |bf16(x)| per group
         mag = sum(271 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))  # [R, G]
         sums = (33 + 2 * g * len(planes)) * FP32_U * (xg @ mag.T)
         return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + sums) + 1e-30
+    if native:  # wide: the exact values rounded to bf16 once, then as torch's one plane
+        vals = [w]
     act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
     out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
     return 1.01 * (rep + act + out) + 1e-30
