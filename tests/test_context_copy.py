@@ -22,17 +22,10 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from turnkv.config import EngineConfig
-from turnkv.engine.context_copy import (
-    CHAIN,
-    MAX_MATCH,
-    MAX_PAUSE,
-    ContextIndex,
-    Governor,
-    Speculation,
-    StepCost,
-)
+from turnkv.engine.context_copy import CHAIN, MAX_MATCH, ContextIndex, Speculation
 from turnkv.engine.engine import Engine, StepResult
 from turnkv.engine.events import GenEvent, TurnRequest
+from turnkv.engine.governor import MAX_PAUSE, Governor, StepCost
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import plan_step

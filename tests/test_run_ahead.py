@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from turnkv.config import EngineConfig
-from turnkv.engine import context_copy
+from turnkv.engine import governor
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Banked, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
@@ -339,7 +339,7 @@ def test_turns_that_draft_wait_for_their_tokens_instead_of_sitting_steps_out(mon
     answers are the plain loop's. (One engine per loop: the drafts' governor learns from the step
     times it sees, so the two loops' draft lengths may differ. The governor's cap on what a draft
     may cost the other turn is lifted, so the turns draft in company.)"""
-    monkeypatch.setattr(context_copy, "OTHERS_LOSS", float("inf"))
+    monkeypatch.setattr(governor, "OTHERS_LOSS", float("inf"))
     runs, calls, steps = [], {}, {}
     for ahead in (False, True):
         engine = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))

@@ -18,7 +18,7 @@ one draw of the turn's generator, in order, a seeded request emits the same toke
 speculation on or off, whatever the draft lengths were (up to logits that differ by rounding
 between a one-row and a many-row forward).
 
-``Governor`` (one per turn) sizes each draft: the length that maximises the expected tokens per
+``Governor`` (one per turn, ``governor.py``) sizes each draft: the length that maximises the expected tokens per
 second of the whole step under the engine's measured step costs (``StepCost``: what a step of
 ``N`` rows costs with and without a verify window; a verify window's extra rows cost every turn in
 the step) and the turn's recent acceptance, and it pauses with exponential backoff while drafts
@@ -33,7 +33,7 @@ from typing import get_args
 import numpy as np
 
 from turnkv.config import Speculate
-from turnkv.engine.step import Window
+from turnkv.engine.governor import Governor, StepCost
 from turnkv.limits import MAX_WINDOW_ROWS
 
 MAX_DRAFT = MAX_WINDOW_ROWS - 1  # the current token and up to 31 drafted ones in one window
@@ -120,186 +120,6 @@ class ContextIndex:
         return out, best_len
 
 
-# -- what a step costs ------------------------------------------------------------------------
-DECAY = 0.95  # weight of an older step observation relative to the next one (about 20 recent steps)
-
-
-class _Fit:
-    """``t ~ a + b * n`` by least squares over recent observations (older ones decay)."""
-
-    def __init__(self) -> None:
-        self.w = self.sn = self.st = self.snn = self.snt = 0.0
-
-    def add(self, n: float, t: float) -> None:
-        d = DECAY
-        self.w = self.w * d + 1
-        self.sn = self.sn * d + n
-        self.st = self.st * d + t
-        self.snn = self.snn * d + n * n
-        self.snt = self.snt * d + n * t
-
-    def mean_t(self) -> float | None:
-        return self.st / self.w if self.w >= 0.5 else None
-
-    def predict(self, n: float, slope: float) -> float | None:
-        """The fitted time at ``n`` rows; ``slope`` per row where the rows seen barely varied."""
-        if self.w < 0.5:
-            return None
-        mn, mt = self.sn / self.w, self.st / self.w
-        var = self.snn / self.w - mn * mn
-        b = (self.snt / self.w - mn * mt) / var if var > 1.0 else slope
-        return max(mt + max(b, 0.0) * (n - mn), 1e-6)
-
-
-class StepCost:
-    """What a step of ``n`` rows costs, measured: one fit for plain steps (every window one row;
-    CUDA graphs replay these) and one for steps with a verify window (always eager).
-
-    The scheduler reports every step (``observe``); only steps of decode and verify windows (every
-    row asks for its logits) are counted, not prefill. Where a fit has not seen its rows vary,
-    each row beyond them costs ``prior_row`` of the plain steps' mean time (no plain step seen
-    yet: relative units, a step of one row costs 1). A verify step never costs less than a plain
-    step of as many rows (a fit over a few wide windows, extrapolated down, can fall to zero).
-    The prior is the device's: ``PRIOR_ROW`` (1/64: a GPU's rows are nearly free) or
-    ``PRIOR_ROW_CPU`` (the default model on the 2-core VM with the C matmul: 8.1 ms a one-row
-    step, 16.6 ms eight rows, ~1.2 ms each row more).
-    """
-
-    PRIOR_ROW = 1 / 64
-    PRIOR_ROW_CPU = 1 / 8
-
-    def __init__(self, prior_row: float = PRIOR_ROW) -> None:
-        self.prior_row = prior_row
-        self.plain = _Fit()
-        self.verify = _Fit()
-        self.windows = 1  # windows and rows of the step being gathered (``company``)
-        self.rows = 1
-
-    def observe(self, windows: Sequence[Window], seconds: float) -> None:
-        """One step's windows and wall time (host work plus waiting for the device)."""
-        if not windows or any(w.logits != len(w.tokens) for w in windows):
-            return  # a prefill or rebase chunk rode in this step: not a decode step's cost
-        rows = [len(w.tokens) for w in windows]
-        n = sum(rows)
-        (self.verify if max(rows) > 1 else self.plain).add(n, seconds)
-
-    def company(self, windows: int, rows: int) -> None:
-        """The step being gathered, as a decode turn is about to draft: ``windows`` windows and
-        ``rows`` rows so far, the turn's own decode row included (the scheduler says, so the first
-        step of a new batch is priced with its company, not the step before it: eight turns that
-        each took themselves for alone drafted 54- and 84-row windows into the first steps of a
-        batch of 8 on the 2-core VM, 4-6x a plain step)."""
-        self.windows, self.rows = windows, rows
-
-    def cost(self, n: int, verify: bool) -> float:
-        """Seconds for a step of ``n`` rows (relative figures are what matter)."""
-        mean = self.plain.mean_t()
-        slope = (mean or 1.0) * self.prior_row
-        plain = self.plain.predict(n, slope)
-        base = plain if plain is not None else 1.0 + slope * max(n - 1, 0)
-        v = self.verify.predict(n, slope) if verify else None
-        return base if v is None else max(v, base)
-
-
-# -- the governor -----------------------------------------------------------------------------
-# Acceptance by match length: how long the newest tokens' earlier match is predicts how long the
-# copy goes on. Measured with SmolLM2-135M greedy on edit / list / free-text prompts (accepted per
-# drafted-and-judged token): match 2-3 tokens 0.80 / 0.62 / 0.36, 4-7 0.91 / 0.54 / 0.60, 8+ 0.97 /
-# 0.67 / 0. A fresh turn starts from these priors (worth PRIOR_WEIGHT windows) and learns its own.
-MATCH_BUCKETS = (4, 8)  # match lengths [2, 4), [4, 8), [8, ...)
-ALPHA_PRIOR = (0.5, 0.7, 0.85)
-PRIOR_WEIGHT = 2.0
-MEMORY = 0.8  # weight of older windows in a bucket's estimate (about the last 5 windows)
-RECOVER = 0.97  # per step a bucket is not drafted, its estimate moves this much back to the prior
-MAX_PAUSE = 64  # longest pause (decode steps) after drafts kept failing
-FAIRNESS = 3.0  # in a batch, the other turns' lost time counts this many times
-# ... and no draft may lengthen a step that other windows share by more than this share: each
-# of them gains nothing from it. On the 2-core VM's CPU a row costs ~5 % of an 8-row step, and
-# the gain rule alone let turns draft 10-token windows beside the others: in a batch of 8 the
-# slowest turn decoded at 0.90-0.95x its speed without speculation (bench/speculation.py).
-OTHERS_LOSS = 0.02
-
-
-def match_bucket(match: int) -> int:
-    return sum(match >= b for b in MATCH_BUCKETS)
-
-
-class Governor:
-    """Sizes one turn's drafts (see the module docstring).
-
-    ``alpha(match)`` estimates the chance that a drafted token is accepted given the one before was,
-    for drafts whose match is that long (recent windows weigh most; buckets not drafted drift back
-    to their prior). For a draft of ``k`` tokens the turn expects ``E(k) = 1 + alpha + ... +
-    alpha^k`` tokens from the window. The step it rides in has ``others`` other windows (about one
-    token each) and ``n0`` rows without the draft: the draft is worth it when this turn's gain in
-    tokens per second beats the others' loss (``FAIRNESS`` times) from the longer step, both under
-    the measured ``StepCost``, and the others' step grows by at most ``OTHERS_LOSS``. After ``s`` windows in a row with nothing accepted, short matches
-    pause ``2^s - 1`` decode steps (at most ``MAX_PAUSE``); a long match (8+) is drafted anyway.
-    """
-
-    def __init__(self, cost: StepCost) -> None:
-        self.cost = cost
-        self.hits = [a * PRIOR_WEIGHT for a in ALPHA_PRIOR]
-        self.misses = [(1 - a) * PRIOR_WEIGHT for a in ALPHA_PRIOR]
-        self.failures = 0  # windows in a row with no drafted token accepted
-        self.pause = 0
-
-    def alpha(self, match: int) -> float:
-        b = match_bucket(match)
-        return self.hits[b] / (self.hits[b] + self.misses[b])
-
-    def step(self) -> None:
-        """One decode step passed: the pause counts down, undrafted estimates drift to the prior."""
-        self.pause = max(self.pause - 1, 0)
-        for b, a in enumerate(ALPHA_PRIOR):
-            self.hits[b] = self.hits[b] * RECOVER + a * PRIOR_WEIGHT * (1 - RECOVER)
-            self.misses[b] = self.misses[b] * RECOVER + (1 - a) * PRIOR_WEIGHT * (1 - RECOVER)
-
-    def length(self, available: int, match: int) -> int:
-        """How many of ``available`` drafted tokens (from a match of ``match`` tokens) to verify
-        this step (0: a plain decode row)."""
-        if available <= 0 or (self.pause and match_bucket(match) < len(MATCH_BUCKETS)):
-            return 0
-        c = self.cost
-        others = max(c.windows - 1, 0)  # the step's other windows and their rows (``company``)
-        others_rows = max(c.rows - 1, others)
-        n0 = others_rows + 1
-        t0 = c.cost(n0, others_rows > others)  # another window verifies: the step is eager anyway
-        weight = 1 + FAIRNESS * others
-        a = self.alpha(match)
-        best, best_gain, e, term = 0, 0.0, 1.0, 1.0
-        for k in range(1, available + 1):
-            term *= a
-            e += term
-            t = c.cost(n0 + k, True)
-            if others and t > (1 + OTHERS_LOSS) * t0:
-                break  # the step grows with k: a longer draft costs the others more still
-            # this turn's extra tokens per second minus everyone's loss from the longer step
-            gain = (e - 1) / t - weight * (t - t0) / (t * t0)
-            if gain > best_gain:
-                best, best_gain = k, gain
-            elif k == 1:
-                # gain's sign is that of (e(k) - 1) t0 - weight (t(k) - t0): concave in k (e is,
-                # t is convex) and 0 at k = 0, so no longer draft pays if one token does not
-                # (a batch of 8 on the CPU asks 8 times a step; the 31 prices cost ~0.7 ms)
-                return 0
-        return best
-
-    def update(self, drafted: int, accepted: int, match: int) -> None:
-        """After a step: ``accepted`` of ``drafted`` tokens (from a match of ``match`` tokens) were
-        kept."""
-        if not drafted:
-            return
-        b = match_bucket(match)
-        self.hits[b] = self.hits[b] * MEMORY + accepted
-        self.misses[b] = self.misses[b] * MEMORY + (1 if accepted < drafted else 0)
-        if accepted:
-            self.failures = 0
-        else:
-            self.failures += 1
-            self.pause = min(2**self.failures - 1, MAX_PAUSE)
-
-
 # -- one turn's drafts ------------------------------------------------------------------------
 class TurnDrafts:
     """A turn's drafting: the conversation's index, its governor, and the engine's counters."""
@@ -313,6 +133,9 @@ class TurnDrafts:
     def draft(self, limit: int) -> list[int]:
         """The tokens to verify after the turn's newest token (at most ``limit``; maybe none)."""
         self.governor.step()
+        if not self.governor.may_draft():
+            self.match = 0
+            return []
         tokens, self.match = self.index.draft(min(limit, MAX_DRAFT))
         return tokens[: self.governor.length(len(tokens), self.match)]
 

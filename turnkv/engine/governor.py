@@ -1,0 +1,208 @@
+"""What a step costs and how long a turn's draft should be (context-copy speculation's governor).
+
+``StepCost`` fits the engine's measured step times (plain steps and steps with a verify window)
+and knows the step being gathered (``company``); ``Governor`` (one per turn) sizes each draft
+from the turn's recent acceptance and those costs, counting what a longer step costs the other
+turns in it, and pauses with backoff while drafts keep failing (``context_copy``'s module doc).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from turnkv.engine.step import Window
+
+# -- what a step costs ------------------------------------------------------------------------
+DECAY = 0.95  # weight of an older step observation relative to the next one (about 20 recent steps)
+
+
+class _Fit:
+    """``t ~ a + b * n`` by least squares over recent observations (older ones decay)."""
+
+    def __init__(self) -> None:
+        self.w = self.sn = self.st = self.snn = self.snt = 0.0
+
+    def add(self, n: float, t: float) -> None:
+        d = DECAY
+        self.w = self.w * d + 1
+        self.sn = self.sn * d + n
+        self.st = self.st * d + t
+        self.snn = self.snn * d + n * n
+        self.snt = self.snt * d + n * t
+
+    def mean_t(self) -> float | None:
+        return self.st / self.w if self.w >= 0.5 else None
+
+    def predict(self, n: float, slope: float) -> float | None:
+        """The fitted time at ``n`` rows; ``slope`` per row where the rows seen barely varied."""
+        if self.w < 0.5:
+            return None
+        mn, mt = self.sn / self.w, self.st / self.w
+        var = self.snn / self.w - mn * mn
+        b = (self.snt / self.w - mn * mt) / var if var > 1.0 else slope
+        return max(mt + max(b, 0.0) * (n - mn), 1e-6)
+
+
+class StepCost:
+    """What a step of ``n`` rows costs, measured: one fit for plain steps (every window one row;
+    CUDA graphs replay these) and one for steps with a verify window (always eager).
+
+    The scheduler reports every step (``observe``); only steps of decode and verify windows (every
+    row asks for its logits) are counted, not prefill. Where a fit has not seen its rows vary,
+    each row beyond them costs ``prior_row`` of the plain steps' mean time (no plain step seen
+    yet: relative units, a step of one row costs 1). A verify step never costs less than a plain
+    step of as many rows (a fit over a few wide windows, extrapolated down, can fall to zero).
+    The prior is the device's: ``PRIOR_ROW`` (1/64: a GPU's rows are nearly free) or
+    ``PRIOR_ROW_CPU`` (the default model on the 2-core VM with the C matmul: 8.1 ms a one-row
+    step, 16.6 ms eight rows, ~1.2 ms each row more).
+    """
+
+    PRIOR_ROW = 1 / 64
+    PRIOR_ROW_CPU = 1 / 8
+
+    def __init__(self, prior_row: float = PRIOR_ROW) -> None:
+        self.prior_row = prior_row
+        self.plain = _Fit()
+        self.verify = _Fit()
+        self.windows = 1  # windows and rows of the step being gathered (``company``)
+        self.rows = 1
+
+    def observe(self, windows: Sequence[Window], seconds: float) -> None:
+        """One step's windows and wall time (host work plus waiting for the device)."""
+        if not windows or any(w.logits != len(w.tokens) for w in windows):
+            return  # a prefill or rebase chunk rode in this step: not a decode step's cost
+        rows = [len(w.tokens) for w in windows]
+        n = sum(rows)
+        (self.verify if max(rows) > 1 else self.plain).add(n, seconds)
+
+    def company(self, windows: int, rows: int) -> None:
+        """The step being gathered, as a decode turn is about to draft: ``windows`` windows and
+        ``rows`` rows so far, the turn's own decode row included (the scheduler says, so the first
+        step of a new batch is priced with its company, not the step before it: eight turns that
+        each took themselves for alone drafted 54- and 84-row windows into the first steps of a
+        batch of 8 on the 2-core VM, 4-6x a plain step)."""
+        self.windows, self.rows = windows, rows
+
+    def cost(self, n: int, verify: bool) -> float:
+        """Seconds for a step of ``n`` rows (relative figures are what matter)."""
+        mean = self.plain.mean_t()
+        slope = (mean or 1.0) * self.prior_row
+        plain = self.plain.predict(n, slope)
+        base = plain if plain is not None else 1.0 + slope * max(n - 1, 0)
+        v = self.verify.predict(n, slope) if verify else None
+        return base if v is None else max(v, base)
+
+
+# -- the governor -----------------------------------------------------------------------------
+# Acceptance by match length: how long the newest tokens' earlier match is predicts how long the
+# copy goes on. Measured with SmolLM2-135M greedy on edit / list / free-text prompts (accepted per
+# drafted-and-judged token): match 2-3 tokens 0.80 / 0.62 / 0.36, 4-7 0.91 / 0.54 / 0.60, 8+ 0.97 /
+# 0.67 / 0. A fresh turn starts from these priors (worth PRIOR_WEIGHT windows) and learns its own.
+MATCH_BUCKETS = (4, 8)  # match lengths [2, 4), [4, 8), [8, ...)
+ALPHA_PRIOR = (0.5, 0.7, 0.85)
+PRIOR_WEIGHT = 2.0
+MEMORY = 0.8  # weight of older windows in a bucket's estimate (about the last 5 windows)
+RECOVER = 0.97  # per step a bucket is not drafted, its estimate moves this much back to the prior
+MAX_PAUSE = 64  # longest pause (decode steps) after drafts kept failing
+FAIRNESS = 3.0  # in a batch, the other turns' lost time counts this many times
+# ... and no draft may lengthen a step that other windows share by more than this share: each
+# of them gains nothing from it. On the 2-core VM's CPU a row costs ~5 % of an 8-row step, and
+# the gain rule alone let turns draft 10-token windows beside the others: in a batch of 8 the
+# slowest turn decoded at 0.90-0.95x its speed without speculation (bench/speculation.py).
+OTHERS_LOSS = 0.02
+
+
+def match_bucket(match: int) -> int:
+    return sum(match >= b for b in MATCH_BUCKETS)
+
+
+class Governor:
+    """Sizes one turn's drafts (see the module docstring).
+
+    ``alpha(match)`` estimates the chance that a drafted token is accepted given the one before was,
+    for drafts whose match is that long (recent windows weigh most; buckets not drafted drift back
+    to their prior). For a draft of ``k`` tokens the turn expects ``E(k) = 1 + alpha + ... +
+    alpha^k`` tokens from the window. The step it rides in has ``others`` other windows (about one
+    token each) and ``n0`` rows without the draft: the draft is worth it when this turn's gain in
+    tokens per second beats the others' loss (``FAIRNESS`` times) from the longer step, both under
+    the measured ``StepCost``, and the others' step grows by at most ``OTHERS_LOSS``. After ``s`` windows in a row with nothing accepted, short matches
+    pause ``2^s - 1`` decode steps (at most ``MAX_PAUSE``); a long match (8+) is drafted anyway.
+    """
+
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+        self.hits = [a * PRIOR_WEIGHT for a in ALPHA_PRIOR]
+        self.misses = [(1 - a) * PRIOR_WEIGHT for a in ALPHA_PRIOR]
+        self.failures = 0  # windows in a row with no drafted token accepted
+        self.pause = 0
+
+    def alpha(self, match: int) -> float:
+        b = match_bucket(match)
+        return self.hits[b] / (self.hits[b] + self.misses[b])
+
+    def step(self) -> None:
+        """One decode step passed: the pause counts down, undrafted estimates drift to the prior."""
+        self.pause = max(self.pause - 1, 0)
+        for b, a in enumerate(ALPHA_PRIOR):
+            self.hits[b] = self.hits[b] * RECOVER + a * PRIOR_WEIGHT * (1 - RECOVER)
+            self.misses[b] = self.misses[b] * RECOVER + (1 - a) * PRIOR_WEIGHT * (1 - RECOVER)
+
+    def _prices(self) -> tuple[int, int, float, float]:
+        """This step's ``(others, n0, t0, weight)``: the other windows, the rows without a draft,
+        the step's price then, and how much the others' loss counts (``StepCost.company``)."""
+        c = self.cost
+        others = max(c.windows - 1, 0)
+        others_rows = max(c.rows - 1, others)
+        n0 = others_rows + 1
+        t0 = c.cost(n0, others_rows > others)  # another window verifies: the step is eager anyway
+        return others, n0, t0, 1 + FAIRNESS * others
+
+    def _gain(self, k: int, e: float, others: int, n0: int, t0: float, weight: float) -> float | None:
+        """This turn's extra tokens per second from a ``k``-token draft expected to give ``e``
+        tokens, minus everyone's loss from the longer step; None past the others' loss cap."""
+        t = self.cost.cost(n0 + k, True)
+        if others and t > (1 + OTHERS_LOSS) * t0:
+            return None
+        return (e - 1) / t - weight * (t - t0) / (t * t0)
+
+    def may_draft(self) -> bool:
+        """Whether any draft can pay this step: one token at the most hopeful bucket's ``alpha``.
+        The gain's sign is that of ``(e(k) - 1) t0 - weight (t(k) - t0)``, concave in ``k`` (``e``
+        is, ``t`` is convex) and 0 at ``k = 0``, so no longer draft pays if one token does not;
+        then the index is not even searched (in a full CPU batch: 8 turns a step, ~6 us each)."""
+        gain = self._gain(1, 1 + max(self.alpha(b) for b in (2, *MATCH_BUCKETS)), *self._prices())
+        return gain is not None and gain > 0
+
+    def length(self, available: int, match: int) -> int:
+        """How many of ``available`` drafted tokens (from a match of ``match`` tokens) to verify
+        this step (0: a plain decode row)."""
+        if available <= 0 or (self.pause and match_bucket(match) < len(MATCH_BUCKETS)):
+            return 0
+        prices = self._prices()
+        a = self.alpha(match)
+        best, best_gain, e, term = 0, 0.0, 1.0, 1.0
+        for k in range(1, available + 1):
+            term *= a
+            e += term
+            gain = self._gain(k, e, *prices)
+            if gain is None:
+                break  # the step grows with k: a longer draft costs the others more still
+            if gain > best_gain:
+                best, best_gain = k, gain
+            elif k == 1:
+                return 0  # no longer draft pays either (``may_draft``)
+        return best
+
+    def update(self, drafted: int, accepted: int, match: int) -> None:
+        """After a step: ``accepted`` of ``drafted`` tokens (from a match of ``match`` tokens) were
+        kept."""
+        if not drafted:
+            return
+        b = match_bucket(match)
+        self.hits[b] = self.hits[b] * MEMORY + accepted
+        self.misses[b] = self.misses[b] * MEMORY + (1 if accepted < drafted else 0)
+        if accepted:
+            self.failures = 0
+        else:
+            self.failures += 1
+            self.pause = min(2**self.failures - 1, MAX_PAUSE)
