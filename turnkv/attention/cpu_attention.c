@@ -196,7 +196,10 @@ static inline __attribute__((always_inline)) void scores(const item_t *it, const
                     for (int64_t c = 1; c < nc; c++) a[i] += qv[c] * kblk[i][c];
                 }
                 v16 r = reduce16(a);
-                memcpy(s + p * it->keys + g, &r, nb * sizeof(float));
+                if (nb == 16)
+                    store16(s + p * it->keys + g, r);
+                else
+                    memcpy(s + p * it->keys + g, &r, nb * sizeof(float));
             }
         }
         g -= (16 - (t_end % 16)) % 16; /* the last block's padding */
