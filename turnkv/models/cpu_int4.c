@@ -52,7 +52,6 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
 #define PLANE_BYTES 320
 #define MAX_ROWS 10 /* rows per block: a call of up to 10 rows is one block, more go 8 at a time */
 #define BIG_BLOCK 8
-#define MAX_REGS 24 /* rows x tiles of running sums held in registers */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
@@ -60,6 +59,34 @@ static inline float bf16_to_f32(uint16_t h) {
     memcpy(&f, &b, 4);
     return f;
 }
+
+#if TKV_DOT
+/* tmp[r * T + t] += both products of the unit at input k (a bf16 pair of row r's x) and tile t */
+static inline __attribute__((always_inline)) void dot_rows(const int R, const int T, const uint16_t *x,
+                                                           int64_t x_stride, int64_t k, const __m512i *wv,
+                                                           __m512 *tmp) {
+    for (int r = 0; r < R; r++) {
+        uint32_t pair;
+        memcpy(&pair, x + r * x_stride + k, 4);
+        __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+        for (int t = 0; t < T; t++) tmp[r * T + t] = _mm512_dpbf16_ps(tmp[r * T + t], (__m512bh)wv[t], xv);
+    }
+}
+#else
+/* as above in fp32: the unit's values u as floats, even inputs in lo, odd in hi */
+static inline __attribute__((always_inline)) void dot_rows(const int R, const int T, const uint16_t *x,
+                                                           int64_t x_stride, int64_t k, const v16f *lo,
+                                                           const v16f *hi, v16f *tmp) {
+    for (int r = 0; r < R; r++) {
+        const uint16_t *xr = x + r * x_stride + k;
+        float x0 = bf16_to_f32(xr[0]), x1 = bf16_to_f32(xr[1]);
+        for (int t = 0; t < T; t++) {
+            tmp[r * T + t] += x0 * lo[t];
+            tmp[r * T + t] += x1 * hi[t];
+        }
+    }
+}
+#endif
 
 /* One block: rows r0..r0+R of x, tiles t0..t0+T of the weights, every group and plane. R and T
  * are constants where it is inlined, so the running sums stay in registers. */
@@ -81,12 +108,7 @@ static inline __attribute__((always_inline)) void block(
                     __m512i h = _mm512_slli_epi32(b, 12);
                     wv[t] = _mm512_or_si512(_mm512_ternarylogic_epi32(b, h, lo4, 0xA8), bias);
                 }
-                for (int r = 0; r < R; r++) {
-                    uint32_t pair;
-                    memcpy(&pair, x + r * xs_stride + g * GROUP + 2 * j, 4);
-                    __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-                    for (int t = 0; t < T; t++) tmp[r * T + t] = _mm512_dpbf16_ps(tmp[r * T + t], (__m512bh)wv[t], xv);
-                }
+                dot_rows(R, T, x, xs_stride, g * GROUP + 2 * j, wv, tmp);
             }
             for (int t = 0; t < T; t++) {
                 const uint8_t *sz = w + t * tile_bytes + (g * P + p) * PLANE_BYTES;
@@ -113,14 +135,7 @@ static inline __attribute__((always_inline)) void block(
                     lo[t] = __builtin_convertvector((v16i)(b & 15u), v16f);
                     hi[t] = __builtin_convertvector((v16i)(b >> 4), v16f);
                 }
-                for (int r = 0; r < R; r++) {
-                    const uint16_t *xr = x + r * xs_stride + g * GROUP + 2 * j;
-                    float x0 = bf16_to_f32(xr[0]), x1 = bf16_to_f32(xr[1]);
-                    for (int t = 0; t < T; t++) {
-                        tmp[r * T + t] += x0 * lo[t];
-                        tmp[r * T + t] += x1 * hi[t];
-                    }
-                }
+                dot_rows(R, T, x, xs_stride, g * GROUP + 2 * j, lo, hi, tmp);
             }
             for (int t = 0; t < T; t++) {
                 const uint8_t *sz = w + t * tile_bytes + (g * P + p) * PLANE_BYTES;
@@ -160,12 +175,7 @@ static inline __attribute__((always_inline)) void block8(
                 __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
                 wv[t] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
             }
-            for (int r = 0; r < R; r++) {
-                uint32_t pair;
-                memcpy(&pair, x + r * xs_stride + g * GROUP + 2 * j, 4);
-                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-                for (int t = 0; t < T; t++) tmp[r * T + t] = _mm512_dpbf16_ps(tmp[r * T + t], (__m512bh)wv[t], xv);
-            }
+            dot_rows(R, T, x, xs_stride, g * GROUP + 2 * j, wv, tmp);
         }
         for (int t = 0; t < T; t++) {
             const uint8_t *sz = w + t * tile_bytes + g * Q8_BYTES;
@@ -188,14 +198,7 @@ static inline __attribute__((always_inline)) void block8(
                     hi[t][c] = (float)raw[2 * c + 1];
                 }
             }
-            for (int r = 0; r < R; r++) {
-                const uint16_t *xr = x + r * xs_stride + g * GROUP + 2 * j;
-                float x0 = bf16_to_f32(xr[0]), x1 = bf16_to_f32(xr[1]);
-                for (int t = 0; t < T; t++) {
-                    tmp[r * T + t] += x0 * lo[t];
-                    tmp[r * T + t] += x1 * hi[t];
-                }
-            }
+            dot_rows(R, T, x, xs_stride, g * GROUP + 2 * j, lo, hi, tmp);
         }
         for (int t = 0; t < T; t++) {
             v16h sh;
