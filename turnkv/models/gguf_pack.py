@@ -16,6 +16,7 @@ from turnkv.models.quant import (
     Plane,
     QuantWeight,
     kernel_missing,
+    packed_kernel,
     planes_from_blocks,
 )
 from turnkv.models.quant_check import self_check
@@ -135,8 +136,7 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
     reason = f"self-check failed for {', '.join(failed[:3])}" if failed else "self-check ok"
     _trim_heap()
     log.info("weights %s: %d tensors packed, %.1f MiB (%s)", used, len(done), nbytes / 2**20, reason)
-    matmul = ("c" if qw.native else "torch-int4") if done else ""  # one kernel for every matrix of a load
-    return PackReport(used, reason, frozenset(done), nbytes, worst, matmul)
+    return PackReport(used, reason, frozenset(done), nbytes, worst, packed_kernel() if done else "")
 
 
 def _trim_heap() -> None:

@@ -76,6 +76,12 @@ def kernel_missing() -> str | None:
     return None
 
 
+def packed_kernel() -> str:
+    """The kernel weights packed now multiply through: ``c`` (``cpu_int4``) where it loads, else
+    ``torch-int4`` (``/health.weights.matmul``, the KV cache fingerprint)."""
+    return "c" if cpu_int4.library() is not None else "torch-int4"
+
+
 @functools.cache
 def _int4_mm():
     """torch's int4 matmul op, looked up once (``torch.ops.aten.<name>`` is two lookups a call)."""
@@ -168,7 +174,7 @@ class QuantWeight(nn.Module):
         self.register_buffer("scale_zeros", None, persistent=False)
         self.wide_ok = False  # the wide-window path is enabled by check_layout
         self._views: tuple = (None, [])  # (packed, [(plane, scale_zeros)]) see _planes
-        self.native = bool(planes) and cpu_int4.library() is not None
+        self.native = bool(planes) and packed_kernel() == "c"
         if self.native:
             n, k = self.shape
             q8 = int8_form(planes)
