@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from turnkv.models.cpu_int4 import VALUE_OFFSET
 from turnkv.models.quant import BF16_U, FP32_U, GROUP, Plane, QuantWeight, native_scales
 
 
@@ -36,7 +37,11 @@ def error_bound(
     if native and not wide:
         g = k // GROUP
         xg = (1 + BF16_U) * xa.view(-1, g, GROUP).sum(-1)  # [M, G]: sum |bf16(x)| per group
-        mag = sum(271 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))  # [R, G]
+        # |s| (offset + 15) from the products, |z - offset s| <= |z| + offset |s| from the zero term
+        mag = sum(
+            (2 * VALUE_OFFSET + 15) * s.double().abs() + z.double().abs()
+            for s, z in map(native_scales, planes)
+        )
         sums = (33 + 2 * g * len(planes)) * FP32_U * (xg @ mag.T)
         return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + sums) + 1e-30
     if native:  # wide: the exact values rounded to bf16 once, then as torch's one plane
