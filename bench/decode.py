@@ -323,10 +323,7 @@ def measure(args, group=None) -> dict:
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                         tensor_parallel=size, speculate=args.speculate)  # fmt: skip
     kvs, int4s = args.kv_dtype.split(","), args.cpu_int4.split(",")
-    engines, matmul = (
-        {},
-        {},
-    )  # label -> engine: the layout, KV dtype and CPU matmul where several are compared
+    engines = {}  # label -> engine: the layout, KV dtype and CPU matmul where several are compared
     for int4 in int4s:
         if int4 != "auto":  # one model loaded per matmul kernel (packing is done at load)
             cpu_int4.set_enabled(int4 == "c")
@@ -337,7 +334,7 @@ def measure(args, group=None) -> dict:
             loaded = e.loaded
             label = name if len(kvs) == 1 else f"{name}/{e.info.kv_dtype}"
             label = label if len(int4s) == 1 else f"{label}/mm-{int4}"
-            engines[label], matmul[label] = e, int4 if int4 != "auto" else cpu_int4.status()
+            engines[label] = e
     cpu_int4.set_enabled(True)
     first = next(iter(engines.values()))
     device = first.shape.device
@@ -383,7 +380,7 @@ def measure(args, group=None) -> dict:
                 "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
                 "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
                 "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
-                "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(), "cpu_int4": matmul[name.split("+")[0]],
+                "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(), "cpu_int4": engine.info.weights["matmul"],
             })  # fmt: skip
             x = runs[-1]
             say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
