@@ -1,6 +1,7 @@
-"""The C matmul over 4-bit planes (models/cpu_int4.c) as a spec: the layout round-trips, every
-output equals an exact oracle where the arithmetic is exact, and a row's bits never depend on the
-other rows of the call or on the thread count."""
+"""The C matmul over 4-bit planes (models/cpu_int4.c) as a spec: the layout round-trips, the
+activations are quantized as ``cpu_int4.quantize`` says (ties included), every output equals an
+exact oracle where the arithmetic is exact, and a row's bits never depend on the other rows of the
+call or on the thread count."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ def planes(n: int, k: int, p: int, seed: int, exact: bool):
     return out
 
 
+def exact_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """bf16 rows that the C quantizes exactly: every group of 32 holds one +-127 (so its step is 1
+    and ``q = x``), the rest small integers (so the sums stay within fp32's 24 bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (m, k), generator=gen)
+    at = torch.randint(0, 32, (m, k // 32), generator=gen) + torch.arange(0, k, 32)
+    sign = torch.randint(0, 2, (m, k // 32), generator=gen) * 2 - 1
+    x.scatter_(1, at, 127 * sign)
+    return x.to(torch.bfloat16)
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """``q * d`` of ``cpu_int4.quantize`` (the product rounded to fp32, as the C's scaling of a
+    sum by ``s * d`` is for ``s = 1``): the activations the C multiplies."""
+    q, d = cpu_int4.quantize(x)
+    return (q.float().view(q.shape[0], -1, 32) * d[..., None]).view(q.shape).double()
+
+
 def oracle(x: torch.Tensor, pl) -> torch.Tensor:
     """fp64 ``x @ W.T`` with ``W = sum_p u s + z`` (per group of 32 columns)."""
     w = sum(
@@ -58,11 +77,11 @@ def test_the_layout_round_trips(n, k, p):
 @pytest.mark.parametrize(("n", "k", "p"), [(40, 64, 1), (17, 96, 2), (200, 128, 1), (33, 1536, 2)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
 def test_outputs_equal_an_exact_oracle(n, k, p, m):
-    """Small integer activations, power-of-two scales, integer zeros: every product and partial
-    sum is an integer or a few binary places below fp32's 24 bits, so any misplaced nibble, scale,
-    column, group, plane or row shows as a difference."""
+    """Activations the quantization keeps exactly, power-of-two scales, integer zeros: every
+    product and partial sum is an integer or a few binary places below fp32's 24 bits, so any
+    misplaced nibble, scale, column, group, plane or row shows as a difference."""
     pl = planes(n, k, p, seed=7 * n + m, exact=True)
-    x = torch.randint(-4, 5, (m, k), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x = exact_rows(m, k, seed=m)
     got = cpu_int4.mm(x, cpu_int4.pack(pl, n, k), n)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     assert torch.equal(got.double(), oracle(x, pl))
@@ -85,8 +104,26 @@ def test_a_rows_bits_do_not_depend_on_its_company_or_the_threads(n, k, p):
         assert torch.equal(cpu_int4.mm(x[5:14], packed, n), together[5:14])
     finally:
         torch.set_num_threads(threads)
-    want = oracle(x, pl)
+    want = oracle(dequantized(x), pl)
     assert float((together.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_activations_are_quantized_as_the_reference_says_ties_included():
+    """An identity weight reads back ``q * d`` per input: the C's quantization equals
+    ``cpu_int4.quantize`` bit for bit, on random rows (2K groups), on zero groups, and on halves,
+    which round to even (a group whose largest value is 254 has step 2: 3 -> 1.5 -> 2, 5 -> 2.5 -> 2)."""
+    k = 512
+    eye = torch.eye(k, dtype=torch.uint8)
+    packed = cpu_int4.pack([(eye, torch.ones(k, k // 32), torch.zeros(k, k // 32))], k, k)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(128, k, generator=gen) * torch.rand(128, 1, generator=gen) * 10).to(torch.bfloat16)
+    x[0, :32] = 0
+    x[1] = torch.arange(k).remainder(32).mul(2).sub(31).float()  # odd values
+    x[1, ::32] = 254
+    assert torch.equal(cpu_int4.mm(x, packed, k).double(), dequantized(x))
+    q, d = cpu_int4.quantize(x[1:2])
+    assert q[0, 1:6].tolist() == [-14, -14, -12, -12, -10] and d[0, 0] == 2  # -29/2, -27/2, ...
+    assert q[0, 0] == 127 and (q[0, 1:32] % 2 == 0).all()
 
 
 def test_rows_that_do_not_fit_the_weights_are_an_error_with_the_numbers():
@@ -101,8 +138,8 @@ def test_rows_that_do_not_fit_the_weights_are_an_error_with_the_numbers():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"), reason="x86 cc")
 def test_the_portable_build_equals_the_oracle_too(tmp_path, monkeypatch):
-    """Built without AVX-512 (the code an AVX2 laptop compiles: fp32 FMAs on ``u``, no bf16 dot),
-    the same layout gives the same exact results and row-independent bits."""
+    """Built without AVX-512 (the code an AVX2 laptop compiles: integer sums in plain C, no VNNI),
+    the same layout gives the same quantization, the same exact results and row-independent bits."""
     so = tmp_path / "cpu_int4_avx2.so"
     flags = [*cbuild.FLAGS, *cbuild.OPENMP, "-mno-avx512f"]
     subprocess.run(["cc", *flags, str(cpu_int4.SOURCE), "-o", str(so)], check=True, capture_output=True)
@@ -110,12 +147,14 @@ def test_the_portable_build_equals_the_oracle_too(tmp_path, monkeypatch):
     cpu_int4._setup(lib)
     monkeypatch.setattr(cpu_int4.KERNEL, "lib", lib)
     pl = planes(17, 96, 2, seed=4, exact=True)
-    x = torch.randint(-4, 5, (11, 96), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = exact_rows(11, 96, seed=0)
     packed = cpu_int4.pack(pl, 17, 96)
     got = cpu_int4.mm(x, packed, 17)
     assert torch.equal(got.double(), oracle(x, pl))
     y = torch.randn(11, 96).to(torch.bfloat16)
     assert torch.equal(cpu_int4.mm(y[4:5], packed, 17)[0], cpu_int4.mm(y, packed, 17)[4])
+    eye = cpu_int4.pack([(torch.eye(96, dtype=torch.uint8), torch.ones(96, 3), torch.zeros(96, 3))], 96, 96)
+    assert torch.equal(cpu_int4.mm(y, eye, 96).double(), dequantized(y))
     q, d = q8_matrix(17, 96, seed=5, exact=True)
     w = q.float() * d.repeat_interleave(32, 1)
     assert torch.equal(cpu_int4.mm(x, cpu_int4.pack_q8(q, d, 17, 96), 17).double(), x.double() @ w.double().T)
@@ -140,7 +179,7 @@ def test_the_int8_form_equals_an_exact_oracle(n, k, m):
     assert packed.shape == (-(-n // 16), k // 32, 1, cpu_int4.Q8_BYTES)
     w = q.float() * d.repeat_interleave(32, 1)
     assert torch.equal(cpu_int4.values(packed, n), w)
-    x = torch.randint(-4, 5, (m, k), generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x = exact_rows(m, k, seed=m)
     assert torch.equal(cpu_int4.mm(x, packed, n).double(), x.double() @ w.double().T)
 
 
@@ -158,7 +197,7 @@ def test_weights_packed_for_c_keep_multiplying_after_it_is_switched_off():
     packed before go on through the C kernel."""
     pl = planes(16, 64, 1, seed=1, exact=True)
     packed = cpu_int4.pack(pl, 16, 64)
-    x = torch.randint(-4, 5, (2, 64), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = exact_rows(2, 64, seed=0)
     try:
         cpu_int4.set_enabled(False)
         assert cpu_int4.library() is None and cpu_int4.status() == "off (set_enabled)"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_quant import YARDSTICK_FACTOR, bf16_yardstick
+from test_quant import bf16_yardstick, yardstick_factor
 
 from turnkv.attention.backend import PortableBackend
 from turnkv.attention.route import Verdict
@@ -43,7 +43,8 @@ PROMPTS = [
 # Greedy text is identical for 32 tokens on these; on the others the two paths part at a near-tie
 # (measured: tokens 2-26, where the exact model's top two logits are close) -- covered below.
 # Logits: where the exact model's top-1 leads by more, the packed model must agree. Measured over
-# these prompts' 518 positions: 14 disagreements, all where the lead was below 0.09.
+# these prompts' 497 teacher-forced positions: 9 top-1 disagreements with the C kernel (int8
+# activations), 14 with torch's int4 kernel, none where the lead was over MARGIN.
 MARGIN = 0.5
 
 
@@ -103,7 +104,7 @@ def test_default_answer_and_greedy_text(models):
 
 def test_logits_and_decisions_along_the_exact_continuation(models, yard):
     """Teacher-forced on the exact model's greedy continuation of every prompt: the packed logits
-    stay within YARDSTICK_FACTOR of the bf16 yardstick's distance, and every decision the exact
+    stay within ``yardstick_factor`` of the bf16 yardstick's distance, and every decision the exact
     model makes by more than MARGIN the packed model makes too."""
     packed, exact = models
     ee = Engine(exact, EngineConfig(device="cpu"))
@@ -114,7 +115,7 @@ def test_logits_and_decisions_along_the_exact_continuation(models, yard):
         got = window_logits(packed, seq)
         off = float((got - want).abs().max())
         yard_off = float((window_logits(yard, seq) - want).abs().max())
-        assert off <= YARDSTICK_FACTOR * yard_off, (prompt, off, yard_off)
+        assert off <= yardstick_factor(packed) * yard_off, (prompt, off, yard_off)
         top2 = want.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > MARGIN
         agree = got.argmax(-1) == want.argmax(-1)
@@ -173,7 +174,7 @@ def test_cached_equals_uncached_within_tolerance(models, yard):
     want = window_logits(exact, seq)
     yard_off = float((window_logits(yard, seq) - want).abs().max())
     off = float((turned - whole).abs().max())
-    assert off <= YARDSTICK_FACTOR * yard_off, (off, yard_off)
+    assert off <= yardstick_factor(packed) * yard_off, (off, yard_off)
     top2 = whole.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > MARGIN
     assert bool((turned.argmax(-1) == whole.argmax(-1))[clear].all())

@@ -3,11 +3,13 @@
 Packed GGUF weights (``quant.QuantWeight``) run here wherever the C builds: one call per matrix
 for the rows of a step's narrow windows (decode, verify, prefill chunks under ``quant.WIDE_ROWS``
 rows), its columns cut over torch's OpenMP threads; wide windows take ``dequant_t`` and oneDNN's
-bf16 GEMM. Against torch's int4 kernel on the 2-core AVX-512 VM (the default model's shapes, one
-process, ``bench/cpu_matmul.py``): 1.2-1.6x at one row and 1.5-2.2x at 8-32 rows, because the C
-unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it again per 4) and with
-AVX512-BF16 multiplies two values and 16 columns per instruction. Its error against the GGUF's
-own values is ~1000x smaller: scales and zeros stay fp16 (exact) and the output fp32.
+bf16 GEMM. The C unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it
+again per 4), quantizes each row's activations to int8 per group of 32 (``quantize``: what
+llama.cpp does for these formats) and with AVX512-VNNI multiplies four values of 16 columns per
+instruction, in exact integer sums. Scales and zeros stay fp16 (the GGUF's own numbers) and the
+output fp32; the error against the GGUF's values is the activations' rounding (~0.3 % of an
+output, ``quant_check.error_bound``), as in llama.cpp. Speed: ``bench/cpu_matmul.py``,
+``docs/BENCHMARKS.md``.
 
 A row's bits do not depend on the other rows of the call (see the C file's header), so a
 conversation's logits are the same alone and in company.
@@ -28,11 +30,25 @@ from turnkv import cbuild
 SOURCE = Path(__file__).with_name("cpu_int4.c")
 TILE = 16  # columns per tile
 GROUP = 32
+QUADS = GROUP // 4  # the C's unit: 4 inputs x 16 columns, one multiply-add instruction
 PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 256 bytes of values
-Q8_BYTES = 576  # the int8 form, per tile and group: 16 fp16 scales, 32 unused, 512 bytes of values
-# The C's unpacked value is 128 + u where the CPU has AVX512-BF16 (else u); its sums' error
-# bound (quant_check.error_bound) uses the larger.
-VALUE_OFFSET = 128
+Q8_BYTES = 576  # the int8 form, per tile and group: 16 fp16 scales, 16 int16 column sums, 512 values
+QMAX = 127  # activations are quantized to -127..127 per row and group of 32
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C's activation quantization, in torch: bf16 rows ``x`` ``[M, K]`` -> ``(q, d)``, int8
+    ``q`` ``[M, K]`` and fp32 steps ``d`` ``[M, K/32]`` with ``x ~ q * d`` (within ``d / 2``), as
+    llama.cpp quantizes activations for Q4_0/Q4_1/Q8_0 dot products. The same fp32 operations as
+    the C (``127 / max|x|`` once per group, the product rounded to the nearest, ties to even), so
+    the same values; tests build their oracles from it."""
+    m, k = x.shape
+    v = x.to(torch.bfloat16).float().view(m, k // GROUP, GROUP)
+    amax = v.abs().amax(-1, keepdim=True)
+    # a tensor over a tensor: torch computes ``scalar / tensor`` as a reciprocal times the scalar
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
+    q = torch.round(v * inv).clamp(-QMAX, QMAX).to(torch.int8).view(m, k)
+    return q, (amax / QMAX).squeeze(-1)
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -61,8 +77,8 @@ def pack(planes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n: i
         if pad:
             u = torch.cat([u, u.new_zeros(pad, k)])
             s, z = (torch.cat([t, t.new_zeros(pad, g)]) for t in (s, z))
-        u4 = u.view(tiles, TILE, g, GROUP // 2, 2)
-        nib = (u4[..., 0] | (u4[..., 1] << 4)).permute(0, 2, 3, 1).reshape(tiles, g, 256)
+        u4 = u.view(tiles, TILE, g, QUADS, 2, 2)  # [tiles, col, G, quad, h, nibble]
+        nib = (u4[..., 0] | (u4[..., 1] << 4)).permute(0, 2, 3, 1, 4).reshape(tiles, g, 256)
         sz = [
             t.to(torch.float16).view(tiles, TILE, g).transpose(1, 2).contiguous().view(torch.uint8)
             for t in (s, z)
@@ -78,10 +94,12 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, n: int, k: int) -> torch.Tensor:
     pad = tiles * TILE - n
     if pad:
         q, d = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([d, d.new_zeros(pad, g)])
-    # [tiles, 16 cols, G, 16 units, 2] -> per unit: columns 0-7 then 8-15, each (2j, 2j + 1)
-    vals = q.view(tiles, TILE, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, g, 512)
+    q5 = q.view(tiles, TILE, g, QUADS, 4)  # [tiles, col, G, quad, 4]
+    vals = q5.permute(0, 2, 3, 1, 4).reshape(tiles, g, 512)
     sc = d.to(torch.float16).view(tiles, TILE, g).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat([sc, sc.new_zeros(tiles, g, 32), vals.view(torch.uint8)], dim=-1)[:, :, None]
+    # [tiles, G, 16]: each column's sum of its group's 32 values (the C takes back its 128 offset)
+    colsum = q5.sum((-2, -1), dtype=torch.int32).to(torch.int16).transpose(1, 2).contiguous()
+    return torch.cat([sc, colsum.view(torch.uint8), vals.view(torch.uint8)], dim=-1)[:, :, None]
 
 
 def is_q8(packed: torch.Tensor) -> bool:
@@ -101,12 +119,12 @@ def values(packed: torch.Tensor, n: int) -> torch.Tensor:
     in fp32 for GGUF planes: a 4- or 8-bit value times an fp16 scale plus an fp16 zero)."""
     tiles, g, p, _ = packed.shape
     if is_q8(packed):
-        q = packed[..., 64:].contiguous().view(torch.int8).view(tiles, g, GROUP // 2, TILE, 2)
+        q = packed[..., 64:].contiguous().view(torch.int8).view(tiles, g, QUADS, TILE, 4)
         u = q.permute(0, 3, 1, 2, 4).reshape(1, tiles * TILE, g, GROUP)[:, :n]
     else:
-        nib = packed[..., 64:].view(tiles, g, p, GROUP // 2, TILE)
-        u = torch.stack([nib & 15, nib >> 4], dim=-1)  # [tiles, G, P, 16 units, 16 cols, 2]
-        u = u.permute(2, 0, 4, 1, 3, 5).reshape(p, tiles * TILE, g, GROUP)[:, :n]
+        nib = packed[..., 64:].view(tiles, g, p, QUADS, TILE, 2)
+        u = torch.stack([nib & 15, nib >> 4], dim=-1)  # [tiles, G, P, quad, col, h, nibble]
+        u = u.permute(2, 0, 4, 1, 3, 5, 6).reshape(p, tiles * TILE, g, GROUP)[:, :n]
     s, z = scales(packed, n)
     w = u.float() * s[..., None] + z[..., None]  # [P, N, G, 32]
     return w.sum(0).reshape(n, g * GROUP)

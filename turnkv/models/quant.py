@@ -15,8 +15,8 @@ Two kernels multiply them, chosen at load:
 
 - **C** (``cpu_int4``, wherever a C compiler builds it): the planes are stored with fp16 scales
   and zeros ``u * s + (z - 8s)``, the GGUF's own numbers, so the weights are exact; activations
-  are rounded to bf16, sums and the output are fp32. 1.2-2.2x faster than torch's kernel on the
-  default model's shapes (see ``cpu_int4``).
+  are quantized to int8 per row and group of 32 (llama.cpp's arithmetic for these formats: its
+  Q8_0 activations), integer sums exact, scaling and the output fp32. See ``cpu_int4`` for speed.
 - **torch's int4 kernel** (``_weight_int4pack_mm_for_cpu``; ``TURNKV_CPU_KERNEL=off`` or no
   compiler): it reads scales and zeros as bf16, takes bf16 activations and writes bf16.
 
@@ -27,8 +27,9 @@ unit roundoff; ``e = 2^-24``, fp32's):
 - weights: ``|W' - W|`` per value, computed exactly (zero for the C kernel's fp16 scales);
 - activations: ``|x - bf16(x)| <= u |x|``;
 - torch: each plane's output rounded to bf16 ``<= u |y_p|``, fp32 accumulation ``<= K e sum|x||W'|``;
-- C: per group of 32 the sum of ``x (128 + v)`` (``v`` the value) in 32 fp32 additions and two
-  FMAs into the row's sum: ``<= (33 + 2 G P) e sum_g (271 |s| + |z - 8s|) sum_{k in g} |x_k|``.
+- C: each activation is ``q d`` within ``d / 2`` (``d = max_g |x| / 127``, per group ``g``):
+  ``<= sum_g d_g / 2 sum_{k in g} |W_k|``; the integer sums are exact, then per group a product
+  and two FMAs into the row's sum: ``<= (4 + 2 G P) e sum_g (15 |s| + |z - 8s|) sum_{k in g} |q_k d_g|``.
 
 Only the embedding *lookup* is exact: it dequantizes the gathered rows from the GGUF blocks.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from turnkv.models.cpu_int4 import VALUE_OFFSET
+from turnkv.models.cpu_int4 import QMAX
 from turnkv.models.quant import BF16_U, FP32_U, GROUP, Plane, QuantWeight, native_scales
 
 
@@ -36,14 +36,14 @@ def error_bound(
     rep = xa @ (w - ref.double()).abs().T  # weights' stored scales and zeros
     if native and not wide:
         g = k // GROUP
-        xg = (1 + BF16_U) * xa.view(-1, g, GROUP).sum(-1)  # [M, G]: sum |bf16(x)| per group
-        # |s| (offset + 15) from the products, |z - offset s| <= |z| + offset |s| from the zero term
-        mag = sum(
-            (2 * VALUE_OFFSET + 15) * s.double().abs() + z.double().abs()
-            for s, z in map(native_scales, planes)
-        )
-        sums = (33 + 2 * g * len(planes)) * FP32_U * (xg @ mag.T)
-        return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + sums) + 1e-30
+        xb = x.to(torch.bfloat16).double().abs().view(-1, g, GROUP)  # [M, G, 32]
+        step = xb.amax(-1) / QMAX * (1 + 4 * FP32_U)  # [M, G]: the C's activation step d
+        wg = w.abs().view(w.shape[0], g, GROUP).sum(-1)  # [R, G]
+        quant = (step / 2) @ wg.T  # each activation off its q d by at most d / 2
+        xq = xb.sum(-1) + GROUP / 2 * step  # [M, G]: >= sum |q d| per group
+        mag = sum(15 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))
+        sums = (4 + 2 * g * len(planes)) * FP32_U * (xq @ mag.T)  # the fp32 scaling and sums
+        return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + quant + sums) + 1e-30
     if native:  # wide: the exact values rounded to bf16 once, then as torch's one plane
         vals = [w]
     act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
