@@ -205,14 +205,3 @@ def test_weights_packed_for_c_keep_multiplying_after_it_is_switched_off():
     finally:
         cpu_int4.set_enabled(True)
     assert cpu_int4.status() == "ok"
-
-
-@pytest.mark.parametrize(("n", "k", "p"), [(40, 64, 1), (17, 96, 2), (33, 1536, 1)])
-def test_dequantized_weights_are_the_values_rounded_to_bf16_once(n, k, p):
-    """The wide windows' ``W.T`` (both forms): each exact value, rounded to bf16 once."""
-    pl = planes(n, k, p, seed=n, exact=False)
-    packed = cpu_int4.pack(pl, n, k)
-    assert torch.equal(cpu_int4.dequant_t(packed, n), cpu_int4.values(packed, n).to(torch.bfloat16).T)
-    q, d = q8_matrix(n, k, seed=k, exact=False)
-    packed = cpu_int4.pack_q8(q, d, n, k)
-    assert torch.equal(cpu_int4.dequant_t(packed, n), cpu_int4.values(packed, n).to(torch.bfloat16).T)

@@ -1,4 +1,4 @@
-/* turnkv: the CPU matmul over 4-bit weights, y = x @ W.T, for up to a few hundred rows.
+/* turnkv: the CPU matmul over 4-bit weights, y = x @ W.T, for any number of rows.
  *
  * Weights: P planes of values u in 0..15 with a scale s and a zero z per column and group of 32
  * inputs; W[n, k] = sum_p u_p[n, k] * s_p[n, g] + z_p[n, g] (g = k / 32). GGUF Q4_0, Q4_1 and
@@ -306,51 +306,5 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
         }
     }
     free(q);
-    return 0;
-}
-
-/* fp32 -> bf16, round to nearest even (torch's conversion; the values here are finite) */
-static inline uint16_t to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* W.T as bf16 [K, n_out] (row k at out + k * n_out): each value sum_p u s + z (or q s), in fp32
- * (each product exact: a 4- or 8-bit value times an fp16 scale), rounded to bf16 once. For the
- * wide windows' GEMM (prefill chunks). P = 0: the int8 form. Columns cut over threads. */
-int turnkv_q4_dequant(int64_t K, int64_t tiles, int64_t P, const uint8_t *w, uint16_t *out, int64_t n_out,
-                      int64_t threads) {
-    if (K % GROUP) return 1;
-    const int64_t G = K / GROUP, tile_bytes = P ? G * P * PLANE_BYTES : G * Q8_BYTES;
-    if (threads > tiles) threads = tiles;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * TILE, nc = n0 + TILE <= n_out ? TILE : n_out - n0;
-        for (int64_t g = 0; g < G; g++) {
-            float v[GROUP][TILE];
-            for (int64_t p = 0; p < (P ? P : 1); p++) {
-                const uint8_t *blk = w + t * tile_bytes + (P ? (g * P + p) * PLANE_BYTES : g * Q8_BYTES);
-                for (int c = 0; c < TILE; c++) {
-                    float s = (float)((const _Float16 *)blk)[c];
-                    float z = P ? (float)((const _Float16 *)(blk + 32))[c] : 0.0f;
-                    for (int k = 0; k < GROUP; k++) {
-                        const int i = k / 4, j = k % 4;
-                        float a;
-                        if (P) {
-                            const uint8_t byte = blk[64 + i * 32 + 2 * c + j / 2];
-                            a = (float)(j % 2 ? byte >> 4 : byte & 15) * s + z;
-                        } else {
-                            a = (float)((const int8_t *)(blk + 64 + i * 64))[4 * c + j] * s;
-                        }
-                        v[k][c] = p ? v[k][c] + a : a;
-                    }
-                }
-            }
-            for (int k = 0; k < GROUP; k++)
-                for (int64_t c = 0; c < nc; c++) out[(g * GROUP + k) * n_out + n0 + c] = to_bf16(v[k][c]);
-        }
-    }
     return 0;
 }

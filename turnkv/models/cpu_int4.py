@@ -1,9 +1,9 @@
 """The CPU matmul over 4-bit weights in C (``cpu_int4.c``): built at first use, called through ctypes.
 
 Packed GGUF weights (``quant.QuantWeight``) run here wherever the C builds: one call per matrix
-for the rows of a step's narrow windows (decode, verify, prefill chunks under ``quant.WIDE_ROWS``
-rows), its columns cut over torch's OpenMP threads; wide windows take ``dequant_t`` and oneDNN's
-bf16 GEMM. The C unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it
+for all rows of a step (decode, verify and prefill windows alike: it beats dequantizing for
+oneDNN's bf16 GEMM at every window size measured, ``quant.WIDE_ROWS``), its columns cut over
+torch's OpenMP threads. The C unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it
 again per 4), quantizes each row's activations to int8 per group of 32 (``quantize``: what
 llama.cpp does for these formats) and with AVX512-VNNI multiplies four values of 16 columns per
 instruction, in exact integer sums. Scales and zeros stay fp16 (the GGUF's own numbers) and the
@@ -55,8 +55,6 @@ def _setup(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.turnkv_q4_mm.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64]
     lib.turnkv_q4_mm.restype = ctypes.c_int
-    lib.turnkv_q4_dequant.argtypes = [i64, i64, i64, ptr, ptr, i64, i64]
-    lib.turnkv_q4_dequant.restype = ctypes.c_int
 
 
 KERNEL = cbuild.Kernel(SOURCE, _setup, "torch int4")
@@ -128,20 +126,6 @@ def values(packed: torch.Tensor, n: int) -> torch.Tensor:
     s, z = scales(packed, n)
     w = u.float() * s[..., None] + z[..., None]  # [P, N, G, 32]
     return w.sum(0).reshape(n, g * GROUP)
-
-
-def dequant_t(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``W.T`` as bf16 ``[K, n]``: ``values`` rounded to bf16 once, for the wide windows' GEMM
-    (one pass in C, columns over torch's threads: the torch-op unpacking cost 3-6 ms a matrix)."""
-    lib = KERNEL.lib or KERNEL.loaded
-    assert lib is not None, "cpu_int4.dequant_t needs the built kernel (check cpu_int4.library())"
-    tiles, g, p, _ = packed.shape
-    out = torch.empty(g * GROUP, n, dtype=torch.bfloat16)
-    rc = lib.turnkv_q4_dequant(g * GROUP, tiles, 0 if is_q8(packed) else p, packed.data_ptr(), out.data_ptr(), n,
-                               torch.get_num_threads())  # fmt: skip
-    if rc:
-        raise RuntimeError(f"turnkv_q4_dequant failed ({rc})")
-    return out
 
 
 def mm(a: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -58,11 +58,12 @@ WEIGHT_MODES = get_args(Weights)  # config.py owns the values
 BF16_U = 2.0**-9  # unit roundoff of bfloat16 (8 significant bits)
 FP32_U = 2.0**-24
 _ROW_ALIGN = 16  # the packer wants a multiple of 16 rows; pad with zero rows
-# Rows from which a window dequantizes to bf16 + oneDNN GEMM (QuantWeight.mm). CPU time, one
-# thread, the 3072x576 gate|up matrix: torch's int4 kernel 5.5 / 11.0 / 21.6 ms at 128 / 256 / 512
-# rows, dequantize (torch ops) + GEMM 5.6 / 9.4 / 13.5 ms. Two threads, the C kernel against its
-# dequantize (in C) + GEMM: 1.58 / 1.76, 2.94 / 3.08, 6.62 / 5.36, 13.1 / 10.0 ms at 128 / 256 /
-# 512 / 1024 rows (the other layer matrices cross earlier: 0.90x at 256).
+# Rows from which a window dequantizes to bf16 + oneDNN GEMM (QuantWeight.mm), under torch's int4
+# kernel only. CPU time, one thread, the 3072x576 gate|up matrix: torch's int4 kernel 5.5 / 11.0 /
+# 21.6 ms at 128 / 256 / 512 rows, dequantize (torch ops) + GEMM 5.6 / 9.4 / 13.5 ms. The C kernel
+# has no wide path: with int8 activations it beats dequantize (in C) + GEMM at every window size
+# measured (2 threads, gate|up / down / q|k|v: 0.24-0.26x the time at 64 rows, 0.46-0.56x at 256,
+# 0.68-0.78x at 1024, 0.74-0.83x at 2048), so a prompt's rows round as its decode rows do.
 WIDE_ROWS = 256
 
 
@@ -214,12 +215,12 @@ class QuantWeight(nn.Module):
         """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> ``[..., N]``: fp32 from the C kernel,
         else bf16 (fp32 when two planes).
 
-        Rows in the ``wide`` ranges ``[start, end)`` (the step's windows of ``WIDE_ROWS`` rows or
-        more: prefill chunks; ``wide_rows``) dequantize the planes to bf16 once and take oneDNN's
-        bf16 GEMM; the other rows take the C kernel (one unpack per block of up to 10 rows) or
-        torch's int4 kernel (one per 4 rows; see ``WIDE_ROWS``). Chosen per window, not per call:
-        a row's bits then depend on its own window only (the kernels are row-independent),
-        never on what else shares the step."""
+        The C kernel takes every row (one unpack per block of up to 10 rows). Under torch's int4
+        kernel (one unpack per 4 rows), rows in the ``wide`` ranges ``[start, end)`` (the step's
+        windows of ``WIDE_ROWS`` rows or more: prefill chunks; ``wide_rows``) dequantize the
+        planes to bf16 once and take oneDNN's bf16 GEMM instead (``wide_ok``, see ``WIDE_ROWS``).
+        Chosen per window, not per call: a row's bits then depend on its own window only (the
+        kernels are row-independent), never on what else shares the step."""
         # Only the calls that do something: a decode step makes ~120 of these (no-op .to/
         # .reshape/.contiguous calls each cost a dispatch; counted by the profiler, not timed).
         a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
@@ -273,10 +274,9 @@ class QuantWeight(nn.Module):
 
         Reads torch's AVX-512 int4 layout: per block of 64 rows, ``[K, 32]`` bytes whose low
         nibbles are rows 0-31 and high nibbles rows 32-63. ``wide_ok`` is set only after
-        ``check_layout`` saw this read back every value that was packed. The C layout is read in
-        C (``cpu_int4.dequant_t``: the exact values rounded to bf16 once)."""
-        if self.native:
-            return cpu_int4.dequant_t(self.packed, self.shape[0])
+        ``check_layout`` saw this read back every value that was packed. (Torch's layout only:
+        the C kernel has no wide path.)"""
+        assert not self.native, "the C kernel's weights have no wide path (WIDE_ROWS)"
         p, np_, kh = self.packed.shape
         k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // 64
         nib = self.packed.view(p, nb, k, 32)
@@ -288,15 +288,11 @@ class QuantWeight(nn.Module):
         return wt[:, : self.shape[0]]
 
     def check_layout(self, planes: list[Plane]) -> bool:
-        """Enable the wide path if ``dequant_t`` reads back exactly the values of ``planes``."""
+        """Enable the wide path if ``dequant_t`` reads back exactly the values of ``planes``
+        (torch's int4 kernel; the C kernel needs none: ``WIDE_ROWS``)."""
         self.wide_ok = False
         n, k = self.shape
-        if self.native and self.packed is not None:
-            want = sum(p.u.float() * s.repeat_interleave(GROUP, 1) + z.repeat_interleave(GROUP, 1)
-                       for p in planes for s, z in [native_scales(p)])  # fmt: skip
-            self.wide_ok = bool(torch.equal(self.dequant_t().T, want.to(torch.bfloat16)))
-            return self.wide_ok
-        if self.packed is None or self.packed.shape[1] % 64 or n % 64:
+        if self.native or self.packed is None or self.packed.shape[1] % 64 or n % 64:
             return False
         u = torch.stack([pl.u.view(n, k // GROUP, GROUP) for pl in planes])  # [P, N, G, 32]
         s = torch.stack([pl.scale for pl in planes]).to(torch.bfloat16)[..., None]  # [P, N, G, 1]

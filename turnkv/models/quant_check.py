@@ -27,8 +27,8 @@ def error_bound(
 ) -> torch.Tensor:
     """Upper bound ``[M, R]`` of ``|mm(x) - x @ ref.T|`` for fp32 x ``[M, K]`` and the GGUF's fp32
     dequantized rows ``ref`` ``[R, K]`` whose planes are ``planes`` (see the module doc for the
-    terms). ``wide``: the bf16 GEMM path, which also rounds each weight to bf16; ``native``: the
-    C kernel (its stored scales and its sums)."""
+    terms). ``wide``: torch's bf16 GEMM path, which also rounds each weight to bf16; ``native``:
+    the C kernel (its stored scales, its int8 activations and its sums; it has no wide path)."""
     xa = x.double().abs()  # [M, K]
     vals = [plane_values(p, native) for p in planes]  # each [R, K]
     w = sum(vals)
@@ -44,8 +44,6 @@ def error_bound(
         mag = sum(15 * s.double().abs() + z.double().abs() for s, z in map(native_scales, planes))
         sums = (4 + 2 * g * len(planes)) * FP32_U * (xq @ mag.T)  # the fp32 scaling and sums
         return 1.01 * (rep + BF16_U * (xa @ w.abs().T) + quant + sums) + 1e-30
-    if native:  # wide: the exact values rounded to bf16 once, then as torch's one plane
-        vals = [w]
     act = (2 if wide else 1) * BF16_U * (xa @ w.abs().T)  # activations (and weights) rounded to bf16
     out = sum((BF16_U + k * FP32_U) * (xa @ v.abs().T) for v in vals)  # per-plane rounding
     return 1.01 * (rep + act + out) + 1e-30
