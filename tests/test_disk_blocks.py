@@ -105,6 +105,22 @@ def test_model_fingerprint_includes_kv_dtype_and_geometry():
     assert cache_fingerprint("weights", bf16, torch.bfloat16) == cache_fingerprint("weights", bf16)
 
 
+def test_model_fingerprint_includes_the_packed_kernel_and_its_arithmetic(monkeypatch):
+    """Rows of packed weights differ by kernel, and by the C kernel's rounding: a disk tier
+    written before its activations became int8 must not serve the new kernel."""
+    from turnkv.models import cpu_int4
+
+    c = cache_fingerprint("weights", SHAPE, matmul="c")
+    assert (
+        len(
+            {cache_fingerprint("weights", SHAPE), c, cache_fingerprint("weights", SHAPE, matmul="torch-int4")}
+        )
+        == 3
+    )
+    monkeypatch.setattr(cpu_int4, "ARITHMETIC", "bf16-activations")
+    assert cache_fingerprint("weights", SHAPE, matmul="c") != c
+
+
 # -- files ------------------------------------------------------------------------------------
 
 

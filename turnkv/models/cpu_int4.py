@@ -34,6 +34,10 @@ QUADS = GROUP // 4  # the C's unit: 4 inputs x 16 columns, one multiply-add inst
 PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 256 bytes of values
 Q8_BYTES = 576  # the int8 form, per tile and group: 16 fp16 scales, 16 int16 column sums, 512 values
 QMAX = 127  # activations are quantized to -127..127 per row and group of 32
+# The C's rounding, named: part of the KV cache fingerprint (``load.cache_fingerprint``), so the
+# disk tier never hands this kernel rows that an earlier one (bf16 activations) computed. Change
+# it whenever the C's arithmetic changes.
+ARITHMETIC = "int8-activations"
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

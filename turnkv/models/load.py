@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.kv.cache import KVShape
+from turnkv.models import cpu_int4, quant
 from turnkv.models import gguf as gg
-from turnkv.models import quant
 from turnkv.models.gguf_pack import pack_gguf
 from turnkv.models.llama import LlamaModel
 from turnkv.tokenizer import Tokenizer, byte_level
@@ -186,12 +186,15 @@ def cache_fingerprint(
     rows computed in fp32 (a CPU's ``--kv-dtype auto``) differ from rows computed in bf16. (A file
     fingerprint samples 16 x 64 KiB of each file; two checkpoints that differ only outside those
     samples, with the same size, would share it.) Packed weights' kernel (``matmul``) is a fact
-    too: the C and torch int4 kernels round differently, so their rows differ in the last bits.
+    too: the C and torch int4 kernels round differently, so their rows differ in the last bits,
+    and so is the C kernel's arithmetic (``cpu_int4.ARITHMETIC``), which has changed before.
     """
     dtype = str(shape.dtype).removeprefix("torch.")
     if compute is not None and compute != shape.dtype:
         dtype += "@" + str(compute).removeprefix("torch.")
     facts = f"{weights}|{dtype}|L{shape.num_layers}|Hkv{shape.num_kv_heads}|D{shape.head_dim}"
+    if matmul == "c":
+        matmul += f":{cpu_int4.ARITHMETIC}"
     facts += f"|{matmul}" if matmul else ""  # dense loads keep the keys they had
     return hashlib.sha256(facts.encode()).hexdigest()[:24]
 
