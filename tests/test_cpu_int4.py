@@ -137,11 +137,15 @@ def test_rows_that_do_not_fit_the_weights_are_an_error_with_the_numbers():
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"), reason="x86 cc")
-def test_the_portable_build_equals_the_oracle_too(tmp_path, monkeypatch):
-    """Built without AVX-512 (the code an AVX2 laptop compiles: integer sums in plain C, no VNNI),
-    the same layout gives the same quantization, the same exact results and row-independent bits."""
-    so = tmp_path / "cpu_int4_avx2.so"
-    flags = [*cbuild.FLAGS, *cbuild.OPENMP, "-mno-avx512f"]
+@pytest.mark.parametrize("isa", ["-mno-avx512f", "-mno-avx2"], ids=["avx2", "plain-c"])
+def test_the_other_builds_equal_the_oracle_too(tmp_path, monkeypatch, isa):
+    """Built without AVX-512 (what an AVX2 laptop compiles: vpmaddubsw pairs, the int8 form
+    through the sign trick) and without AVX2 (integer sums in plain C), the same layout gives the
+    same quantization, the same exact results and row-independent bits."""
+    if isa == "-mno-avx512f" and "avx2" not in cbuild._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    so = tmp_path / f"cpu_int4{isa}.so"
+    flags = [*cbuild.FLAGS, *cbuild.OPENMP, isa]
     subprocess.run(["cc", *flags, str(cpu_int4.SOURCE), "-o", str(so)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(so))
     cpu_int4._setup(lib)

@@ -35,8 +35,17 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TKV_VNNI 1
+#define TKV_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 without VNNI: u8 x s8 pairs in 16 bits (vpmaddubsw, which cannot saturate here: 4-bit
+ * values times |q| <= 127, or |q_w| <= 128 times |q| <= 127 for the int8 form through the sign
+ * trick), then pairs of pairs into int32 (vpmaddwd by ones): the same exact integer sums. */
+#include <immintrin.h>
+#define TKV_VNNI 0
+#define TKV_AVX2 1
 #else
 #define TKV_VNNI 0
+#define TKV_AVX2 0
 #endif
 
 #define TILE 16
@@ -133,6 +142,37 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
                     _mm512_storeu_ps(a, av);
                 }
             }
+#elif TKV_AVX2
+            __m256i sum[MAX_ROWS * 8 * 2]; /* [r][t][half of 8 columns] */
+            for (int i = 0; i < R * T * 2; i++) sum[i] = _mm256_setzero_si256();
+            const __m256i lo4 = _mm256_set1_epi16(0x0F0F), ones = _mm256_set1_epi16(1);
+            for (int i = 0; i < QUADS; i++) {
+                __m256i wv[8 * 2];
+                for (int j = 0; j < 2 * T; j++) {
+                    const uint8_t *u = w + (j / 2) * tile_bytes + off + 64 + i * 32 + (j % 2) * 16;
+                    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u));
+                    wv[j] = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi16(b, 4)), lo4);
+                }
+                for (int r = 0; r < R; r++) {
+                    int32_t quad;
+                    memcpy(&quad, q + r * K + g * GROUP + 4 * i, 4);
+                    const __m256i xv = _mm256_set1_epi32(quad);
+                    for (int j = 0; j < 2 * T; j++)
+                        sum[r * 2 * T + j] = _mm256_add_epi32(sum[r * 2 * T + j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xv), ones));
+                }
+            }
+            for (int j = 0; j < 2 * T; j++) {
+                const uint8_t *sz = w + (j / 2) * tile_bytes + off + (j % 2) * 16;
+                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sz));
+                const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 32)));
+                for (int r = 0; r < R; r++) {
+                    float *a = acc + r * T * TILE + j * 8;
+                    __m256 av = _mm256_loadu_ps(a);
+                    av = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r * 2 * T + j]), _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g])), av);
+                    av = _mm256_fmadd_ps(z, _mm256_set1_ps(dq[r * G + g]), av);
+                    _mm256_storeu_ps(a, av);
+                }
+            }
 #else
             int32_t sum[MAX_ROWS * 8][TILE];
             memset(sum, 0, sizeof(int32_t) * R * T * TILE);
@@ -196,6 +236,31 @@ static inline __attribute__((always_inline)) void block8(const int R, const int 
                 float *a = acc + r * T * TILE + t * TILE;
                 const __m512 tv = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r * T + t], c128));
                 _mm512_storeu_ps(a, _mm512_fmadd_ps(tv, _mm512_mul_ps(s, _mm512_set1_ps(d[r * G + g])), _mm512_loadu_ps(a)));
+            }
+        }
+#elif TKV_AVX2
+        __m256i sum[MAX_ROWS * 8 * 2];
+        for (int i = 0; i < R * T * 2; i++) sum[i] = _mm256_setzero_si256();
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int i = 0; i < QUADS; i++) {
+            __m256i wv[8 * 2], wa[8 * 2];
+            for (int j = 0; j < 2 * T; j++) {
+                wv[j] = _mm256_loadu_si256((const __m256i *)(w + (j / 2) * tile_bytes + off + 64 + i * 64 + (j % 2) * 32));
+                wa[j] = _mm256_sign_epi8(wv[j], wv[j]); /* |q_w|, read unsigned (-128 -> 128) */
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t quad;
+                memcpy(&quad, q + r * K + g * GROUP + 4 * i, 4);
+                const __m256i xv = _mm256_set1_epi32(quad);
+                for (int j = 0; j < 2 * T; j++) /* |q_w| * (q carrying q_w's sign) = q_w q */
+                    sum[r * 2 * T + j] = _mm256_add_epi32(sum[r * 2 * T + j], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j])), ones));
+            }
+        }
+        for (int j = 0; j < 2 * T; j++) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + (j / 2) * tile_bytes + off + (j % 2) * 16)));
+            for (int r = 0; r < R; r++) {
+                float *a = acc + r * T * TILE + j * 8;
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r * 2 * T + j]), _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g])), _mm256_loadu_ps(a)));
             }
         }
 #else
@@ -271,8 +336,13 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
             BLOCK_CASE(BLOCK, 10, T10)                                                          \
         }                                                                                       \
     }
+#if TKV_VNNI
 RUN_ROWS(run_rows4, block, 4, 3, 4, 3, 3, 2, 2, 1, 1, 1)
 RUN_ROWS(run_rows8, block8, 1, 4, 4, 3, 2, 2, 2, 2, 2, 1)
+#else /* AVX2 (16 registers), measured the same way with -mno-avx512f; plain C takes the same */
+RUN_ROWS(run_rows4, block, 2, 2, 1, 1, 1, 1, 1, 4, 3, 3)
+RUN_ROWS(run_rows8, block8, 1, 2, 1, 1, 1, 1, 1, 1, 1, 4)
+#endif
 
 /* y[M, n_out] (fp32, row stride out_stride) = x[M, K] (bf16, row stride x_stride) @ W.T.
  * w: the packed planes of N = tiles * 16 columns (n_out <= N real); P = 0: the int8 form.
