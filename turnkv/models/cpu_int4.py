@@ -6,9 +6,10 @@ oneDNN's bf16 GEMM at every window size measured, ``quant.WIDE_ROWS``), its colu
 torch's OpenMP threads. The C unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it
 again per 4), quantizes each row's activations to int8 per group of 32 (``quantize``: what
 llama.cpp does for these formats) and with AVX512-VNNI multiplies four values of 16 columns per
-instruction, in exact integer sums. Scales and zeros stay fp16 (the GGUF's own numbers) and the
-output fp32; the error against the GGUF's values is the activations' rounding (~0.3 % of an
-output, ``quant_check.error_bound``), as in llama.cpp. Speed: ``bench/cpu_matmul.py``,
+instruction (AVX2: byte pairs, then pairs of pairs), in exact integer sums. Scales and zeros stay
+fp16 (the GGUF's own numbers) and the output fp32; the error against the GGUF's values is the
+activations' rounding (random rows and weights: 0.3-0.7 % of the largest output;
+``quant_check.error_bound`` bounds it), as in llama.cpp. Speed: ``bench/cpu_matmul.py``,
 ``docs/BENCHMARKS.md``.
 
 A row's bits do not depend on the other rows of the call (see the C file's header), so a
