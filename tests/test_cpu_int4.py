@@ -141,9 +141,16 @@ def test_rows_that_do_not_fit_the_weights_are_an_error_with_the_numbers():
 def test_the_other_builds_equal_the_oracle_too(tmp_path, monkeypatch, isa):
     """Built without AVX-512 (what an AVX2 laptop compiles: vpmaddubsw pairs, the int8 form
     through the sign trick) and without AVX2 (integer sums in plain C), the same layout gives the
-    same quantization, the same exact results and row-independent bits."""
+    same quantization, the same exact results and row-independent bits -- and, on any rows, the
+    same bits as this machine's own build: the integer sums are exact and the fp32 steps the same
+    operations in the same order, so a model answers alike on every x86 CPU."""
     if isa == "-mno-avx512f" and "avx2" not in cbuild._cpu_flags():
         pytest.skip("this CPU has no AVX2")
+    gen = torch.Generator().manual_seed(9)
+    rows = (torch.randn(13, 576, generator=gen) * 3).to(torch.bfloat16)
+    forms = [cpu_int4.pack(planes(100, 576, 1, seed=9, exact=False), 100, 576)]
+    forms.append(cpu_int4.pack_q8(*q8_matrix(100, 576, seed=9, exact=False), 100, 576))
+    native = [cpu_int4.mm(rows, f, 100) for f in forms]  # the machine's own build
     so = tmp_path / f"cpu_int4{isa}.so"
     flags = [*cbuild.FLAGS, *cbuild.OPENMP, isa]
     subprocess.run(["cc", *flags, str(cpu_int4.SOURCE), "-o", str(so)], check=True, capture_output=True)
@@ -157,6 +164,8 @@ def test_the_other_builds_equal_the_oracle_too(tmp_path, monkeypatch, isa):
     assert torch.equal(got.double(), oracle(x, pl))
     y = torch.randn(11, 96).to(torch.bfloat16)
     assert torch.equal(cpu_int4.mm(y[4:5], packed, 17)[0], cpu_int4.mm(y, packed, 17)[4])
+    for f, want in zip(forms, native, strict=True):
+        assert torch.equal(cpu_int4.mm(rows, f, 100), want)
     eye = cpu_int4.pack([(torch.eye(96, dtype=torch.uint8), torch.ones(96, 3), torch.zeros(96, 3))], 96, 96)
     assert torch.equal(cpu_int4.mm(y, eye, 96).double(), dequantized(y))
     q, d = q8_matrix(17, 96, seed=5, exact=True)
