@@ -63,6 +63,17 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+#if !TKV_VNNI && !TKV_AVX2
+/* Plain C, both kernels: sum[r * T + t][c] += one quad's values v (4 inputs x 16 columns,
+ * input-major, unpacked once for all rows) times row r's 4 activations at qr + r * K. */
+static inline __attribute__((always_inline)) void quad_rows(const int R, const int T, int t, const int32_t v[4][TILE],
+                                                            const int8_t *qr, int64_t K, int32_t sum[][TILE]) {
+    for (int r = 0; r < R; r++, qr += K)
+        for (int c = 0; c < TILE; c++)
+            sum[r * T + t][c] += v[0][c] * qr[0] + v[1][c] * qr[1] + v[2][c] * qr[2] + v[3][c] * qr[3];
+}
+#endif
+
 /* Row m's activations, group by group: q [M][K] int8, d [M][G] and dq = d * sum q [M][G]. */
 static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, int8_t *q, float *d,
                           float *dq) {
@@ -186,11 +197,7 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
                         v[2][c] = u[2 * c + 1] & 15;
                         v[3][c] = u[2 * c + 1] >> 4;
                     }
-                    for (int r = 0; r < R; r++) {
-                        const int8_t *qr = q + r * K + g * GROUP + 4 * i;
-                        for (int c = 0; c < TILE; c++)
-                            sum[r * T + t][c] += v[0][c] * qr[0] + v[1][c] * qr[1] + v[2][c] * qr[2] + v[3][c] * qr[3];
-                    }
+                    quad_rows(R, T, t, v, q + g * GROUP + 4 * i, K, sum);
                 }
             for (int t = 0; t < T; t++) {
                 const _Float16 *sz = (const _Float16 *)(w + t * tile_bytes + off);
@@ -272,11 +279,7 @@ static inline __attribute__((always_inline)) void block8(const int R, const int 
                 int32_t v[4][TILE];
                 for (int c = 0; c < TILE; c++)
                     for (int j = 0; j < 4; j++) v[j][c] = b[4 * c + j];
-                for (int r = 0; r < R; r++) {
-                    const int8_t *qr = q + r * K + g * GROUP + 4 * i;
-                    for (int c = 0; c < TILE; c++)
-                        sum[r * T + t][c] += v[0][c] * qr[0] + v[1][c] * qr[1] + v[2][c] * qr[2] + v[3][c] * qr[3];
-                }
+                quad_rows(R, T, t, v, q + g * GROUP + 4 * i, K, sum);
             }
         for (int t = 0; t < T; t++) {
             const _Float16 *s = (const _Float16 *)(w + t * tile_bytes + off);
