@@ -49,6 +49,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report
+from decode import copy_bandwidth  # the copy rate decode.py and gemv.py measure their roofs by
 
 from turnkv.attention.triton_segments import INTERPRET, downcast
 
@@ -312,24 +313,6 @@ def check_small(device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------
 # GPU measurement
 # ---------------------------------------------------------------------------------------------
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s (read + written) of a 2 GiB device-to-device copy, as bench/decode.py measures it."""
-    x = torch.empty(1 << 31, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    end.synchronize()
-    rate = 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return rate
 
 
 def weights(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
