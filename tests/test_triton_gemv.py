@@ -1,4 +1,5 @@
-"""The batch-1 GEMV (turnkv/models/triton_gemv.py) against the fp32 product, rounded once.
+"""The decode GEMV (turnkv/models/triton_gemv.py) against the fp32 product, rounded once; each
+of several rows bit for bit as alone.
 
 CI runs it through Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes; on a CUDA
 machine the same tests run compiled, and ``quant.linear`` is checked to route one row through it.
@@ -18,7 +19,7 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
 
 from turnkv.models import quant  # noqa: E402
-from turnkv.models.triton_gemv import WIDE_N, gemv, pick, takes  # noqa: E402
+from turnkv.models.triton_gemv import MAX_ROWS, WIDE_N, gemv, pick, takes  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
@@ -53,16 +54,32 @@ def test_pick_gives_narrow_outputs_long_slices_and_wide_outputs_many_programs():
     assert pick(128256, 4096)[:2] == (16, 256)
 
 
-def test_takes_one_contiguous_row_of_the_weights_dtype():
+def test_takes_up_to_max_rows_contiguous_rows_of_the_weights_dtype():
     w = torch.zeros(8, 16, device=DEVICE, dtype=torch.bfloat16)
     assert takes(torch.zeros(1, 16, device=DEVICE, dtype=torch.bfloat16), w)
-    assert not takes(torch.zeros(2, 16, device=DEVICE, dtype=torch.bfloat16), w)  # a GEMM
+    assert takes(torch.zeros(MAX_ROWS, 16, device=DEVICE, dtype=torch.bfloat16), w)
+    assert not takes(torch.zeros(MAX_ROWS + 1, 16, device=DEVICE, dtype=torch.bfloat16), w)
     assert not takes(torch.zeros(1, 16, device=DEVICE), w)  # another dtype
     assert not takes(torch.zeros(1, 16, device=DEVICE, dtype=torch.bfloat16), w.T.contiguous().T)
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 200), (WIDE_N + 5, 72)])
+def test_each_row_of_many_is_the_row_alone_bit_for_bit(n, k):
+    """A verify window's rows through the GEMV round as the same rows decoded one by one: each
+    row's bits never depend on how many rows the call has, or which (bias and residual too)."""
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(MAX_ROWS, k, generator=gen), torch.randn(n, k, generator=gen)
+    b, r = torch.randn(n, generator=gen), torch.randn(MAX_ROWS, n, generator=gen)
+    x, w, b, r = (t.to(DEVICE, torch.bfloat16) for t in (x, w, b, r))
+    alone = torch.cat([gemv(x[i : i + 1], w, b, r[i : i + 1]) for i in range(MAX_ROWS)])
+    for m in (2, 3, 8, MAX_ROWS):
+        assert torch.equal(gemv(x[:m], w, b, r[:m]), alone[:m]), m
+    flipped = gemv(x[:5].flip(0), w, b, r[:5].flip(0))
+    assert torch.equal(flipped, alone[:5].flip(0))
+
+
 @pytest.mark.skipif(not CUDA, reason="the route to the GEMV is CUDA's")
-def test_linear_layers_take_the_gemv_for_one_row_on_cuda():
+def test_linear_layers_take_the_gemv_for_one_row_and_for_solo_rows_on_cuda():
     w = torch.randn(300, 256, device=DEVICE, dtype=torch.bfloat16)
     x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
     res = torch.randn(1, 300, device=DEVICE, dtype=torch.bfloat16)
@@ -70,3 +87,4 @@ def test_linear_layers_take_the_gemv_for_one_row_on_cuda():
     assert torch.equal(quant.residual_linear(res, x, w, None), gemv(x, w, residual=res))
     two = torch.randn(2, 256, device=DEVICE, dtype=torch.bfloat16)
     assert torch.equal(quant.linear(two, w), torch.nn.functional.linear(two, w))  # cuBLAS
+    assert torch.equal(quant.linear(two, w, solo=True), gemv(two, w))  # one conversation's rows

@@ -270,11 +270,14 @@ class LlamaModel(nn.Module):
         logit_rows: torch.Tensor,
         attention: StepAttention,
         wide: Sequence[tuple[int, int]] = (),
+        solo: bool = False,
     ) -> torch.Tensor:
         """One step: token ``ids`` ``[N]`` at ``positions`` ``[N]`` (device tensors; the step's
         windows back to back, as ``attention`` was planned) -> fp32 logits ``[R, V]`` of the rows
         ``logit_rows`` ``[R]``. ``wide``: the row ranges of packed CPU weights' wide path
-        (``quant.wide_rows``). Positions must be covered by ``rope.ensure``. Never commits."""
+        (``quant.wide_rows``). ``solo``: the rows are one conversation's verify window, each of
+        which must round as it would alone (``quant.linear``; every other op is row-wise).
+        Positions must be covered by ``rope.ensure``. Never commits."""
         cfg = self.cfg
         n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -288,25 +291,26 @@ class LlamaModel(nn.Module):
             attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up, down = layer.weights()
             # packed weights take bf16 rows: the norms round to it (once, as the matmul would)
             h = rms_norm(x, attn_norm, eps, input_dtype(qkv_w))
-            qkv = linear(h, qkv_w, qkv_b, wide, x.dtype).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
+            qkv = linear(h, qkv_w, qkv_b, wide, x.dtype, solo).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
             # [N, Hq+Hkv, D], [N, Hkv, D] (one call for both views: 1.0 us against 2.3 us on a CPU)
             qk, v = qkv.split_with_sizes((hq + hkv, hkv), 1)
             if q_norm is not None:
                 qk = torch.cat([rms_norm(qk[:, :hq], q_norm, eps), rms_norm(qk[:, hq:], k_norm, eps)], 1)
             q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
             o = attention.attend(i, q, self.scale)  # [N, Hq, D]
-            x = self._row_linear(x, o.reshape(n, hq * d), o_w, o_b, wide)
+            x = self._row_linear(x, o.reshape(n, hq * d), o_w, o_b, wide, solo)
             h = rms_norm(x, mlp_norm, eps, input_dtype(gate_up))
-            x = self._row_linear(x, silu_mul(linear(h, gate_up, None, wide, x.dtype)), down, None, wide)
+            up = silu_mul(linear(h, gate_up, None, wide, x.dtype, solo))  # [N, I]
+            x = self._row_linear(x, up, down, None, wide, solo)
         head = self.embed if self.lm_head is None else self.lm_head
         dtype = x.dtype
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))  # [R, hidden]
         if tp is not None:
             return tp.gather_vocab(linear(x, head, None, (), dtype)).float()  # [R, V / n] per rank -> [R, V]
-        return linear(x, head, None, (), dtype).float()  # [R, V]
+        return linear(x, head, None, (), dtype, solo).float()  # [R, V]
 
     def _row_linear(
-        self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, wide=()
+        self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, wide=(), solo: bool = False
     ) -> torch.Tensor:
         """``x + h @ w.T (+ b)``, the residual add of o and down. Under tensor parallelism ``w``
         holds this rank's input columns (row-parallel): rank 0 adds the residual and the bias to
@@ -314,6 +318,6 @@ class LlamaModel(nn.Module):
         (no extra kernel for the residual)."""
         tp = self.tp
         if tp is None:
-            return residual_linear(x, h, w, b, wide)
+            return residual_linear(x, h, w, b, wide, solo)
         y = residual_linear(x, h, w, b, wide) if tp.rank == 0 else linear(h, w, None, wide)  # [N, hidden]
         return tp.all_reduce(y)

@@ -346,10 +346,12 @@ def _triton_gemv():
     return triton_gemv
 
 
-def _gemv_for(x: torch.Tensor, w: torch.Tensor):
-    """``triton_gemv`` where it serves ``x @ w.T`` (on CUDA, what ``triton_gemv.takes``: one row,
-    batch-1 decode), else None."""
-    if not w.is_cuda:
+def _gemv_for(x: torch.Tensor, w: torch.Tensor, solo: bool = False):
+    """``triton_gemv`` where it serves ``x @ w.T`` on CUDA (what ``triton_gemv.takes``): one row
+    (batch-1 decode), or with ``solo`` the rows of one conversation's verify window, which must
+    round as each row alone does; else None. Rows of several conversations stay cuBLAS's GEMMs:
+    the GEMV reads every weight tile once per row (from L2 after the first)."""
+    if not w.is_cuda or (x.shape[0] != 1 and not solo):
         return None
     mod = _triton_gemv()
     return mod if mod is not None and mod.takes(x, w) else None
@@ -367,12 +369,13 @@ def linear(
     bias: torch.Tensor | None = None,
     wide: Sequence[tuple[int, int]] = (),
     dtype: torch.dtype | None = None,
+    solo: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in ``dtype`` (default x's), for a plain tensor or a ``QuantWeight``
     (``wide``: the rows that take its wide path, ``wide_rows``). One row on CUDA takes the
-    Triton GEMV."""
+    Triton GEMV, and so do ``solo`` rows (``_gemv_for``)."""
     if isinstance(w, torch.Tensor):
-        gemv = _gemv_for(x, w)
+        gemv = _gemv_for(x, w, solo)
         y = gemv.gemv(x, w, bias) if gemv is not None else F.linear(x, w, bias)
     else:
         y = w.mm(x, wide)
@@ -382,12 +385,17 @@ def linear(
 
 
 def residual_linear(
-    x: torch.Tensor, h: torch.Tensor, w, bias: torch.Tensor | None, wide: Sequence[tuple[int, int]] = ()
+    x: torch.Tensor,
+    h: torch.Tensor,
+    w,
+    bias: torch.Tensor | None,
+    wide: Sequence[tuple[int, int]] = (),
+    solo: bool = False,
 ) -> torch.Tensor:
-    """``x + h @ w.T (+ b)``; the add rides in the matmul (plain; one row on CUDA: the Triton GEMV)
-    or in the cast back (packed)."""
+    """``x + h @ w.T (+ b)``; the add rides in the matmul (plain; one row or ``solo`` rows on
+    CUDA: the Triton GEMV) or in the cast back (packed)."""
     if isinstance(w, torch.Tensor):
-        gemv = _gemv_for(h, w) if x.dtype == h.dtype else None
+        gemv = _gemv_for(h, w, solo) if x.dtype == h.dtype else None
         if gemv is not None:
             return gemv.gemv(h, w, bias, residual=x)
         if bias is None:

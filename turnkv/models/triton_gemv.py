@@ -13,6 +13,14 @@ rounded once -- what ``torch.addmm`` computes, in one launch and without a split
 sum always runs in the same order: the step is deterministic, so a CUDA graph replay equals an
 eager step bit for bit). ``pick`` chooses the tile from the shape (``bench/gemv.py`` sweeps it).
 
+Several rows (up to ``MAX_ROWS``) are one program per row and column tile, each the one-row
+program: a row's bits never depend on how many rows the call has. That is what a verify window of
+context-copy drafts needs on CUDA (its rows must round as the same rows decoded one by one do;
+cuBLAS picks its kernel by the row count). The programs of one column tile run side by side (the
+row varies fastest), so the weight tile comes from memory once and from L2 for the other rows; a
+row still costs every weight tile's L2 read, so batched rows of several conversations stay
+cuBLAS's GEMMs (``quant._gemv_for``).
+
 Imported lazily, on CUDA only (``quant.linear``); tested on the CPU through the interpreter.
 """
 
@@ -26,17 +34,23 @@ import triton.language as tl
 
 from turnkv.attention.triton_segments import INTERPRET, downcast
 
-MAX_ROWS = 1  # rows of x this kernel takes; more rows are a GEMM (cuBLAS keeps its rate there)
+MAX_ROWS = 32  # rows of x this kernel takes: a verify window (limits.MAX_WINDOW_ROWS)
 WIDE_N = 12288  # outputs at least this wide take the wide tile (``pick``)
 
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, R, Y, N, K, swn,
+    X, W, B, R, Y, M, N, K, swn, sxm, srm, sym,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
+    # one row of x per program, rows fastest: a column tile's programs run side by side (L2)
+    pid = tl.program_id(0)
+    m = (pid % M).to(tl.int64)
+    X += m * sxm
+    R += m * srm
+    Y += m * sym
+    cols = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     cmask = cols < N
     wrow = W + cols[:, None].to(tl.int64) * swn
     # products summed elementwise over the K slices and reduced across lanes once at the end:
@@ -70,11 +84,11 @@ def pick(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``gemv`` serves ``x @ w.T``: one contiguous row, a weight of its dtype with unit
-    stride along K."""
+    """Whether ``gemv`` serves ``x @ w.T``: at most ``MAX_ROWS`` contiguous rows, a weight of
+    their dtype with unit stride along K."""
     return (
         x.dim() == 2
-        and x.shape[0] == MAX_ROWS
+        and 1 <= x.shape[0] <= MAX_ROWS
         and x.dtype == w.dtype
         and w.dim() == 2
         and w.stride(1) == 1
@@ -89,16 +103,18 @@ def gemv(
     residual: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """``residual + x @ w.T + bias`` for x ``[1, K]``, w ``[N, K]`` -> ``[1, N]`` in x's dtype.
+    """``residual + x @ w.T + bias`` for x ``[M, K]``, w ``[N, K]`` -> ``[M, N]`` in x's dtype;
+    each row as alone (the tile is ``pick``'s, from ``(N, K)`` only).
 
-    ``bias`` ``[N]`` and ``residual`` ``[1, N]`` are optional (fp32 adds, one rounding)."""
-    k = x.shape[1]
+    ``bias`` ``[N]`` and ``residual`` ``[M, N]`` are optional (fp32 adds, one rounding)."""
+    m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or pick(n, k)
     res = residual.contiguous() if residual is not None else y
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, bias if bias is not None else y, res, y, n, k, w.stride(0),
+    _gemv_kernel[(m * triton.cdiv(n, block_n),)](
+        x, w, bias if bias is not None else y, res, y, m, n, k, w.stride(0),
+        x.stride(0), res.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, INTERP=INTERPRET, num_warps=warps, num_stages=stages,
     )  # fmt: skip
