@@ -82,6 +82,19 @@ def test_the_index_finds_the_longest_recent_match_incrementally(tokens, split, l
     assert built.draft(limit) == oracle_draft(tokens, limit)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=60), st.lists(st.integers(0, 3), max_size=8), st.integers(0, 12))
+def test_a_draft_after_tokens_in_flight_is_the_drafted_conversations_and_leaves_the_index(
+    tokens, after, limit
+):
+    """A run-ahead window drafts as if its window in flight's drafts were accepted (pushed, then
+    popped): the draft of the longer conversation, and the index as it was."""
+    index = ContextIndex(tokens)
+    prev, head = list(index.prev), dict(index.head)
+    assert index.draft(limit, after) == oracle_draft(tokens + after, limit)
+    assert index.tokens == tokens and index.prev == prev and index.head == head
+
+
 def test_the_index_drafts_a_copy_of_the_conversation():
     code = list(range(100, 160))
     index = ContextIndex([1, 2, *code, 3, 4])
@@ -365,9 +378,10 @@ def test_an_unmeasured_verify_step_is_priced_by_its_extra_rows():
     assert c.cost(8 + 32, True) == pytest.approx(0.100 * (1 + 32 * StepCost.PRIOR_ROW))
 
 
-def test_auto_drafts_nothing_where_verify_windows_would_run_eagerly_beside_graphs():
-    """``--speculate auto`` is on where decode steps run eagerly (CPU), off with the reason where
-    they replay CUDA graphs (verify windows would not) and under tensor parallelism."""
+def test_auto_drafts_with_and_without_graphs_and_not_under_tensor_parallelism():
+    """``--speculate auto`` is on where decode steps run eagerly (CPU) and where they replay CUDA
+    graphs (verify windows replay decode graphs as one-row windows: ``Engine.stage``), off with
+    the reason under tensor parallelism."""
     from types import SimpleNamespace
 
     from turnkv.engine.engine import _speculation_off
@@ -375,10 +389,11 @@ def test_auto_drafts_nothing_where_verify_windows_would_run_eagerly_beside_graph
     cpu = SimpleNamespace(tp=None, graphs=SimpleNamespace(status="off: no CUDA (cpu)"))
     graphs = SimpleNamespace(tp=None, graphs=SimpleNamespace(status="on"))
     tp = SimpleNamespace(tp=object(), graphs=SimpleNamespace(status="on"))
-    assert _speculation_off(cpu) is None and Speculation("auto", None).enabled
-    for engine in (graphs, tp):
-        s = Speculation("auto", _speculation_off(engine))
-        assert not s.enabled and s.for_turn([1, 2, 3]) is None
-        assert s.stats.health()["status"].startswith("off: ") and s.stats.health()["mode"] == "auto"
+    for engine in (cpu, graphs):
+        assert _speculation_off(engine) is None and Speculation("auto", None).enabled
+    s = Speculation("auto", _speculation_off(tp))
+    assert not s.enabled and s.for_turn([1, 2, 3]) is None
+    assert s.stats.health()["status"].startswith("off: tensor parallelism")
+    assert s.stats.health()["mode"] == "auto"
     off = Speculation("off").stats.health()
     assert off["status"] == "off: --speculate off"

@@ -66,6 +66,14 @@ class FusedStep:
         return out
 
 
+def conversations(windows: Sequence[KVWindow]) -> int:
+    """How many conversations ``windows`` belong to (their tails' buffers). A decode launch sizes
+    its split count by this, not by its windows: a verify window that the engine runs as one-row
+    windows (``step.one_row_windows``) then splits each row's keys as that row decoded alone
+    would, so it comes out bit for bit the same."""
+    return len({w.views[-1][0].data_ptr() for w in windows})
+
+
 class FusedBackend:
     """The ``fused`` route (verdict ``ok`` only: the load-time self-check ran these kernels)."""
 
@@ -85,13 +93,13 @@ class FusedBackend:
         self.head_dim = head_dim
         self.device = torch.device(device)
 
-    def decode_splits(self, batch: int, max_keys: int) -> int:
-        """The split count of a decode launch of ``batch`` one-row windows over ``max_keys`` keys
-        (what a CUDA graph of that step bakes in)."""
+    def decode_splits(self, conversations: int, max_keys: int) -> int:
+        """The split count of a decode launch of one-row windows of ``conversations``
+        conversations over ``max_keys`` keys (what a CUDA graph of that step bakes in)."""
         from turnkv.attention import triton_segments as ts
         from turnkv.attention.segment_table import TableMeta
 
-        meta = TableMeta(batch, 1, max_keys, 1, self.kv_heads, self.head_dim, torch.bfloat16)
+        meta = TableMeta(conversations, 1, max_keys, 1, self.kv_heads, self.head_dim, torch.bfloat16)
         return ts.pick_config(meta, self.gqa, self.device, max_keys).splits
 
     def plan(
@@ -119,7 +127,8 @@ class FusedBackend:
                 pad_to=pad_to,
             )
             device = windows[group[0]].views[0][0].device
-            config = ts.pick_config(meta, self.gqa, device, max_keys)
+            convs = conversations([windows[i] for i in group])
+            config = ts.pick_config(meta, self.gqa, device, max_keys, conversations=convs)
             launches.append(Launch(len(words), meta, config))
             words += part
         device = windows[0].views[0][0].device

@@ -279,7 +279,9 @@ _TUNED = {
 }  # fmt: skip
 
 
-def pick_config(meta: TableMeta, gqa: int, device: torch.device, max_keys: int | None = None) -> LaunchConfig:
+def pick_config(
+    meta: TableMeta, gqa: int, device: torch.device, max_keys: int | None = None, conversations: int = 0
+) -> LaunchConfig:
     """Default tiles and splits for a launch: ``_TUNED`` for the tiles, enough programs for the
     tuned number of waves, and at least 4 key tiles per split.
 
@@ -290,14 +292,15 @@ def pick_config(meta: TableMeta, gqa: int, device: torch.device, max_keys: int |
     wave. Measured on the H200 (bench/attention.py decode_sweep, llama3-8b heads, 4 views): batch
     1/8/32 at 8K and 32K keys were fastest at 32/4/1 splits, which this picks (the waves rule
     alone picked 33/5/2: 3-27 % slower). ``max_keys`` overrides the table's (a graph passes its
-    bucket)."""
+    bucket). ``conversations`` (decode): the split count is sized for that many sequences rather
+    than the table's (``fused.conversations``: a verify window's one-row windows split as one)."""
     rows = gqa * max(meta.max_q, 1)
     d = meta.head_dim
     cap = 64 if d > 128 else 128
     block_m = min(cap, max(16, triton.next_power_of_2(rows)))
     block_n, num_warps, num_stages, waves = _TUNED[(block_m, d)]
     decode = meta.max_q == 1
-    batch = padded_batch(meta.batch) if decode else meta.batch
+    batch = padded_batch(conversations or meta.batch) if decode else meta.batch
     base = batch * meta.kv_heads * triton.cdiv(rows, block_m) * meta.groups
     sms = _num_sms(device)
     keys = meta.max_keys if max_keys is None else max_keys

@@ -17,16 +17,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from turnkv.attention.route import Verdict
+from turnkv.attention.segment_table import key_bucket
 from turnkv.bank.budget import auto_budget_bytes
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.context_copy import Speculation
 from turnkv.engine.cpu_threads import make_thread_policy
 from turnkv.engine.graphs import GraphStep, make_graphs
-from turnkv.engine.step import StepPlan, Window, plan_step, run_plan
+from turnkv.engine.step import StepPlan, Window, one_row_windows, plan_step, run_plan
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
 from turnkv.kv.segments import unique_bytes
+from turnkv.limits import MAX_WINDOW_ROWS
 from turnkv.models.load import LoadedModel, cache_fingerprint
 
 
@@ -46,7 +48,13 @@ class EngineInfo:
     weights: dict  # how the matrices are held: {"held", "note", "matmul"} (``/health.weights``)
 
 
-Staged = StepPlan | GraphStep  # a step built and uploaded, not launched (``Engine.stage``)
+@dataclass
+class Staged:
+    """A step built and uploaded, not launched (``Engine.stage``)."""
+
+    step: StepPlan | GraphStep  # what runs
+    windows: list[Window]  # the windows asked for
+    firsts: list[int] | None = None  # each one's first one-row window in ``step`` (None: the same)
 
 
 @dataclass
@@ -231,27 +239,60 @@ class Engine:
     def stage(self, windows: Sequence[Window]) -> Staged:
         """The host work of a step that needs nothing from the step in flight: KV windows opened,
         inputs and tables built and uploaded (stream order). ``run_staged`` then launches it; the
-        scheduler stages a step while the grammar masks of the step in flight are being filled."""
+        scheduler stages a step while the grammar masks of the step in flight are being filled.
+
+        On the fused route a verify window runs as one-row windows (``step.one_row_windows``),
+        which a decode graph replays. Alone in its step it is ``solo``: every row takes the one-row
+        GEMV and the attention splits of one conversation, so each comes out bit for bit as that
+        row decoded alone, and greedy text is the same with speculation on and off. Beside other
+        conversations its rows go through cuBLAS's GEMM with theirs, as every batched row on CUDA
+        does (cuBLAS picks its kernel by the row count)."""
+        asked = list(windows)
+        cut = one_row_windows(asked) if self.backend.name == "fused" else None
+        run, firsts = cut if cut is not None else (asked, None)
+        solo = cut is not None and len({id(w.cache) for w in asked}) == 1
         try:
-            staged = self.graphs.stage(windows)
-            return staged if staged is not None else plan_step(windows, self.backend, self.model.device)
+            step = self.graphs.stage(run, solo)
+            step = step if step is not None else plan_step(run, self.backend, self.model.device, solo)
         except Exception as exc:
             self._down(exc)
             raise
+        return Staged(step, asked, firsts)
 
     def run_staged(self, staged: Staged, prev: torch.Tensor | None = None) -> StepResult:
         """Launch the forward of ``staged`` (``prev``: as ``run_step``'s)."""
+        step = staged.step
         try:
-            if isinstance(staged, GraphStep):
-                return self.graphs.replay(staged, prev)
-            self.threads.begin([len(w.tokens) for w in staged.windows])
-            t0 = time.perf_counter()
-            result = StepResult(staged, run_plan(self.model, staged, prev))
-            self.threads.end(time.perf_counter() - t0)  # on a CPU the forward is done here
-            return result
+            if isinstance(step, GraphStep):
+                result = self.graphs.replay(step, prev)
+            else:
+                self.threads.begin([len(w.tokens) for w in step.windows])
+                t0 = time.perf_counter()
+                result = StepResult(step, run_plan(self.model, step, prev))
+                self.threads.end(time.perf_counter() - t0)  # on a CPU the forward is done here
         except Exception as exc:
             self._down(exc)
             raise
+        if staged.firsts is None:
+            return result
+        plan, firsts = result.plan, staged.firsts  # of the one-row windows: per window asked for
+        asked = replace(
+            plan,
+            windows=staged.windows,
+            kv=[plan.kv[i] for i in firsts],
+            logit_offsets=[plan.logit_offsets[i] for i in firsts],
+            window_labels=[plan.labels[i] for i in firsts],
+        )
+        return StepResult(asked, result.logits)
+
+    def verify_rows(self, start: int) -> int:
+        """The most rows a verify window whose first row is cache row ``start`` may have. On the
+        fused route its rows run as one-row windows whose attention must split as their decode
+        rows' would (``Engine.stage``): never past the key bucket of its first row, whose split
+        count a decode step is planned with (``segment_table.key_bucket``)."""
+        if self.backend.name != "fused":
+            return MAX_WINDOW_ROWS
+        return max(1, min(MAX_WINDOW_ROWS, key_bucket(start + 1) - start))
 
     def _down(self, exc: Exception) -> None:
         if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
@@ -262,10 +303,6 @@ def _speculation_off(engine: Engine) -> str | None:
     """Why context-copy speculation drafts nothing on ``engine`` (None: ``auto`` drafts)."""
     if engine.tp is not None:  # every rank runs its own scheduler and would time its own steps
         return "tensor parallelism (each rank would size drafts from the step times it measures)"
-    if engine.graphs.status == "on":
-        # verify windows run eagerly beside replayed decode steps; measured on the H200 with the
-        # default model (docs/BENCHMARKS.md): edits decoded at 0.29x, a batch of 8 at 0.51x
-        return "decode steps replay CUDA graphs and verify windows would run eagerly (slower)"
     return None
 
 

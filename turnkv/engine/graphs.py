@@ -2,8 +2,11 @@
 
 A decode step (every window one row) is a pure function of a few device buffers: the step's ids,
 positions and logit rows, and the segment table (``attention/fused.py``). ``DecodeGraphs``
-captures the whole forward once per (padded batch size, split count) into a shared memory pool,
-then each step only writes those buffers (two uploads: ``stage``) and replays (``replay``).
+captures the whole forward once per (padded batch size, split count, solo) into a shared memory
+pool, then each step only writes those buffers (two uploads: ``stage``) and replays (``replay``).
+A verify window of context-copy drafts reaches here cut into one-row windows
+(``step.one_row_windows``); alone in its step it is ``solo``: its matmuls take the one-row GEMV
+for every row, so each row rounds as it would decoded alone.
 Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. The split
 count of the attention launch is fixed by the key bucket (the next power of two of the longest
 context), and the eager fused path picks its splits the same way (``triton_segments.pick_config``),
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from turnkv.attention.backend import StepAttention
+from turnkv.attention.fused import conversations
 from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
 from turnkv.engine.step import StepPlan, Window, carry, host_inputs, open_kv
 from turnkv.kv.cache import KVWindow
@@ -45,7 +49,7 @@ class NoGraphs:
         self.replays = 0
         self.captures = 0
 
-    def stage(self, windows: Sequence[Window]) -> GraphStep | None:
+    def stage(self, windows: Sequence[Window], solo: bool = False) -> GraphStep | None:
         return None
 
 
@@ -63,7 +67,7 @@ class GraphStep:
 
     windows: list[Window]
     kv: list[KVWindow]
-    key: tuple[int, int]  # (padded batch size, split count): which graph
+    key: tuple[int, int, bool]  # (padded batch size, split count, ``solo``): which graph
     captured: _Captured  # its buffers (fresh ones when that graph is not captured yet)
     step: StepAttention  # the segment table's plan, written into ``captured.table``
     used: int  # words of ``captured.inputs`` written: ids, positions, rows of bs, then the feeds
@@ -76,14 +80,16 @@ class DecodeGraphs:
         self.engine = engine
         self.status = "on"
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.graphs: dict[tuple[int, int, bool], _Captured] = {}
         self.replays = 0
         self.captures = 0
 
-    def stage(self, windows: Sequence[Window]) -> GraphStep | None:
+    def stage(self, windows: Sequence[Window], solo: bool = False) -> GraphStep | None:
         """The host work of this decode step's replay (KV windows, inputs and segment table
         written into the graph's buffers, in stream order), or None: it runs eagerly. Needs
-        nothing from the step in flight, so it can run before that step's argmax is launched."""
+        nothing from the step in flight, so it can run before that step's argmax is launched.
+        ``solo``: the rows are one conversation's (a verify window cut into one-row windows), each
+        to round as alone (``LlamaModel.forward``): graphs of their own."""
         b = len(windows)
         if b > MAX_GRAPH_BATCH or any(len(w.tokens) != 1 or w.logits != 1 for w in windows):
             return None
@@ -99,7 +105,8 @@ class DecodeGraphs:
         # one graph per batch size and split count: the split count is all a graph bakes in of the
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
         # by the context bucket instead, a 64-client H200 run spent most of its time capturing
-        key = (bs, self.engine.backend.decode_splits(bs, bucket))
+        # (the split count is sized by conversations: a verify window's rows split as one row's)
+        key = (bs, self.engine.backend.decode_splits(conversations(kv), bucket), solo)
         captured = self.graphs.get(key) or self._new_buffers(bs)
         captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
         step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
@@ -110,16 +117,18 @@ class DecodeGraphs:
         step in flight, which fed rows read (``carry``: on the device, never on the host)."""
         from turnkv.engine.engine import StepResult
 
-        captured, (bs, _) = staged.captured, staged.key
+        captured, (bs, _, solo) = staged.captured, staged.key
         b, inputs = len(staged.windows), captured.inputs
         carry(inputs[:b], prev, inputs[3 * bs : staged.used])
         ids, pos, rows = inputs[:bs], inputs[bs : 2 * bs], inputs[2 * bs : 3 * bs]
         if self.graphs.get(staged.key) is not captured:
-            self._capture(captured, ids, pos, rows, staged.step)
+            self._capture(captured, ids, pos, rows, staged.step, solo)
             self.graphs[staged.key] = captured
         captured.graph.replay()
         self.replays += 1
-        plan = StepPlan(staged.windows, staged.kv, ids[:b], pos[:b], rows[:b], list(range(b)), staged.step)
+        plan = StepPlan(
+            staged.windows, staged.kv, ids[:b], pos[:b], rows[:b], list(range(b)), staged.step, solo=solo
+        )
         return StepResult(plan, captured.logits[:b])
 
     def _new_buffers(self, bs: int) -> _Captured:
@@ -130,12 +139,12 @@ class DecodeGraphs:
         table = torch.zeros(words, dtype=torch.int64, device=device)
         return _Captured(torch.cuda.CUDAGraph(), inputs, table, torch.empty(0))
 
-    def _capture(self, captured: _Captured, ids, pos, rows, step) -> None:
+    def _capture(self, captured: _Captured, ids, pos, rows, step, solo: bool) -> None:
         model = self.engine.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
-            model(ids, pos, rows, step)
+            model(ids, pos, rows, step, (), solo)
         torch.cuda.current_stream().wait_stream(stream)
         mode = "global"
         if self.engine.tp is not None:
@@ -145,7 +154,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             mode = "thread_local"
         with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode=mode):
-            captured.logits = model(ids, pos, rows, step)
+            captured.logits = model(ids, pos, rows, step, (), solo)
         self.captures += 1
         log.info("captured a decode graph for %d rows", ids.shape[0])
 

@@ -62,6 +62,8 @@ class StepPlan:
     attention: StepAttention
     wide: tuple[tuple[int, int], ...] = ()  # rows of windows that take packed weights' wide path
     feeds: torch.Tensor | None = None  # [2F] int64, device: ``carry``'s dst | src (None: no feed)
+    solo: bool = False  # one conversation's rows: each rounds as alone (``LlamaModel.forward``)
+    window_labels: list[str] | None = None  # per window, where ``attention`` ran other windows
 
     @property
     def rows(self) -> int:
@@ -70,7 +72,29 @@ class StepPlan:
     @property
     def labels(self) -> list[str]:
         """Per window, the route label of its attention calls (one per layer) this step."""
-        return self.attention.labels
+        return self.window_labels if self.window_labels is not None else self.attention.labels
+
+
+def one_row_windows(windows: Sequence[Window]) -> tuple[list[Window], list[int]] | None:
+    """``windows`` with each verify window (several rows, each asking for its logits) cut into
+    one-row windows in order (row ``i`` after ``i`` rows of its own: ``ahead``), and each window's
+    first index in that list; None when no window verifies. Each row then attends over exactly
+    the keys, and in the splits, that it would decoded alone (``fused.conversations``), and a
+    decode graph replays the step (``Engine.stage``)."""
+    if not any(len(w.tokens) > 1 and w.logits == len(w.tokens) for w in windows):
+        return None
+    rows: list[Window] = []
+    firsts: list[int] = []
+    for w in windows:
+        firsts.append(len(rows))
+        if len(w.tokens) > 1 and w.logits == len(w.tokens):
+            rows += [
+                Window(w.cache, [t], 1, ahead=w.ahead + i, feed=w.feed if i == 0 else None)
+                for i, t in enumerate(w.tokens)
+            ]
+        else:
+            rows.append(w)
+    return rows, firsts
 
 
 def open_kv(w: Window) -> KVWindow:
@@ -120,7 +144,9 @@ def carry(ids: torch.Tensor, prev: torch.Tensor | None, feeds: torch.Tensor) -> 
         ids.index_copy_(0, feeds[:f], prev.index_select(0, feeds[f:]))
 
 
-def plan_step(windows: Sequence[Window], backend: AttentionBackend, device: torch.device) -> StepPlan:
+def plan_step(
+    windows: Sequence[Window], backend: AttentionBackend, device: torch.device, solo: bool = False
+) -> StepPlan:
     """Open every window's KV rows and build the step's inputs and attention plan (see module doc):
     everything but the fed ids, which ``run_plan`` writes from the step in flight's argmax, so a
     plan can be built (and uploaded, in stream order) before that argmax is launched."""
@@ -133,7 +159,7 @@ def plan_step(windows: Sequence[Window], backend: AttentionBackend, device: torc
     attention = backend.plan(kv)
     wide = wide_rows([len(w.tokens) for w in windows])
     ids, pos, rows, feeds = dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], dev[2 * n + r :]
-    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, wide, feeds)
+    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, wide, feeds, solo)
 
 
 def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,7 +168,7 @@ def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.T
     if plan.feeds is not None:
         carry(plan.ids, prev, plan.feeds)
     model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
-    return model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide)
+    return model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide, plan.solo)
 
 
 def forward(model, windows: Sequence[Window], backend: AttentionBackend) -> tuple[StepPlan, torch.Tensor]:
