@@ -62,10 +62,15 @@ class StepCost:
 
     def __init__(self, prior_row: float = PRIOR_ROW) -> None:
         self.prior_row = prior_row
+        # the step loop runs ahead (``Scheduler``): a turn's next window is launched before its
+        # verify window's tokens come back, and is lost when that window's draft is cut short
+        self.run_ahead = False
         self.plain = _Fit()
         self.verify = _Fit()
         self.windows = 1  # windows and rows of the step being gathered (``company``)
         self.rows = 1
+        self._room_key: tuple | None = None  # ``room``'s memo
+        self._room = True
 
     def observe(self, windows: Sequence[Window], seconds: float) -> None:
         """One step's windows and wall time (host work plus waiting for the device)."""
@@ -82,6 +87,21 @@ class StepCost:
         each took themselves for alone drafted 54- and 84-row windows into the first steps of a
         batch of 8 on the 2-core VM, 4-6x a plain step)."""
         self.windows, self.rows = windows, rows
+
+    def room(self) -> bool:
+        """Whether a one-token draft fits the step being gathered: alone in it, or lengthening
+        the step the other windows share by at most ``OTHERS_LOSS`` (``Governor._gain``'s cap,
+        whatever the turn's acceptance). Computed once per company and observation: in a full
+        batch every turn asks it each step."""
+        others = self.windows - 1
+        if others <= 0:
+            return True
+        key = (self.windows, self.rows, self.plain.w, self.verify.w)
+        if key != self._room_key:
+            others_rows = max(self.rows - 1, others)
+            t0 = self.cost(others_rows + 1, others_rows > others)
+            self._room_key, self._room = key, self.cost(others_rows + 2, True) <= (1 + OTHERS_LOSS) * t0
+        return self._room
 
     def cost(self, n: int, verify: bool) -> float:
         """Seconds for a step of ``n`` rows (relative figures are what matter)."""
@@ -134,18 +154,40 @@ class Governor:
         self.hits = [a * PRIOR_WEIGHT for a in ALPHA_PRIOR]
         self.misses = [(1 - a) * PRIOR_WEIGHT for a in ALPHA_PRIOR]
         self.failures = 0  # windows in a row with no drafted token accepted
-        self.pause = 0
+        self._pause = 0
+        self._idle = 0  # decode steps passed since the estimates were last brought up to date
+
+    @property
+    def pause(self) -> int:
+        """Decode steps left before short matches are drafted again."""
+        self._settle()
+        return self._pause
+
+    @pause.setter
+    def pause(self, steps: int) -> None:
+        self._settle()
+        self._pause = steps
 
     def alpha(self, match: int) -> float:
+        self._settle()
         b = match_bucket(match)
         return self.hits[b] / (self.hits[b] + self.misses[b])
 
     def step(self) -> None:
-        """One decode step passed: the pause counts down, undrafted estimates drift to the prior."""
-        self.pause = max(self.pause - 1, 0)
+        """One decode step passed: the pause counts down, undrafted estimates drift to the prior
+        (applied when next read, ``_settle``: a step that cannot draft costs a counter)."""
+        self._idle += 1
+
+    def _settle(self) -> None:
+        """``_idle`` steps at once: ``x -> x r + p (1 - r)`` n times is ``x r^n + p (1 - r^n)``."""
+        n, self._idle = self._idle, 0
+        if not n:
+            return
+        self._pause = max(self._pause - n, 0)
+        r = RECOVER**n
         for b, a in enumerate(ALPHA_PRIOR):
-            self.hits[b] = self.hits[b] * RECOVER + a * PRIOR_WEIGHT * (1 - RECOVER)
-            self.misses[b] = self.misses[b] * RECOVER + (1 - a) * PRIOR_WEIGHT * (1 - RECOVER)
+            self.hits[b] = self.hits[b] * r + a * PRIOR_WEIGHT * (1 - r)
+            self.misses[b] = self.misses[b] * r + (1 - a) * PRIOR_WEIGHT * (1 - r)
 
     def _prices(self) -> tuple[int, int, float, float]:
         """This step's ``(others, n0, t0, weight)``: the other windows, the rows without a draft,
@@ -157,20 +199,31 @@ class Governor:
         t0 = c.cost(n0, others_rows > others)  # another window verifies: the step is eager anyway
         return others, n0, t0, 1 + FAIRNESS * others
 
-    def _gain(self, k: int, e: float, others: int, n0: int, t0: float, weight: float) -> float | None:
+    def _gain(
+        self, k: int, e: float, a: float, others: int, n0: int, t0: float, weight: float
+    ) -> float | None:
         """This turn's extra tokens per second from a ``k``-token draft expected to give ``e``
-        tokens, minus everyone's loss from the longer step; None past the others' loss cap."""
+        tokens (each drafted token kept with chance ``a`` after the one before), minus the others'
+        loss from the longer step; None past the others' loss cap. Where the loop runs ahead, the
+        turn's window launched after this one is lost unless all ``k`` are kept (``a ** k``)."""
         t = self.cost.cost(n0 + k, True)
         if others and t > (1 + OTHERS_LOSS) * t0:
             return None
-        return (e - 1) / t - weight * (t - t0) / (t * t0)
+        own = t * (2 - a**k) if self.cost.run_ahead else t
+        return e / own - 1 / t0 - (weight - 1) * (t - t0) / (t * t0)
 
     def may_draft(self) -> bool:
         """Whether any draft can pay this step: one token at the most hopeful bucket's ``alpha``.
         The gain's sign is that of ``(e(k) - 1) t0 - weight (t(k) - t0)``, concave in ``k`` (``e``
         is, ``t`` is convex) and 0 at ``k = 0``, so no longer draft pays if one token does not;
-        then the index is not even searched (in a full CPU batch: 8 turns a step, ~6 us each)."""
-        gain = self._gain(1, 1 + max(self.alpha(b) for b in (2, *MATCH_BUCKETS)), *self._prices())
+        then the index is not even searched (in a full CPU batch: 8 turns a step, ~6 us each).
+        Run ahead, a turn's own yield per step time is ``e(k) / (2 - a^k)``, which exceeds 1 for
+        any ``k`` exactly when ``a > 1/2`` (at ``a = 1/2`` it is 1 for every ``k``), so where steps
+        barely grow with ``k`` one token still decides."""
+        if not self.cost.room():
+            return False
+        a = max(self.alpha(b) for b in (2, *MATCH_BUCKETS))
+        gain = self._gain(1, 1 + a, a, *self._prices())
         return gain is not None and gain > 0
 
     def length(self, available: int, match: int) -> int:
@@ -184,7 +237,7 @@ class Governor:
         for k in range(1, available + 1):
             term *= a
             e += term
-            gain = self._gain(k, e, *prices)
+            gain = self._gain(k, e, a, *prices)
             if gain is None:
                 break  # the step grows with k: a longer draft costs the others more still
             if gain > best_gain:
@@ -198,6 +251,7 @@ class Governor:
         kept."""
         if not drafted:
             return
+        self._settle()
         b = match_bucket(match)
         self.hits[b] = self.hits[b] * MEMORY + accepted
         self.misses[b] = self.misses[b] * MEMORY + (1 if accepted < drafted else 0)
@@ -205,4 +259,4 @@ class Governor:
             self.failures = 0
         else:
             self.failures += 1
-            self.pause = min(2**self.failures - 1, MAX_PAUSE)
+            self._pause = min(2**self.failures - 1, MAX_PAUSE)

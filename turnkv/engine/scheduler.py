@@ -18,9 +18,11 @@ in flight gets the window after it when that is known before the tokens come bac
 the prompt's last chunk, whose token id is the step in flight's argmax, still on the device
 (greedy or drawn: either way chosen there), its KV rows after the uncommitted ones; a turn whose
 next window is not known (rebase rows, an answer about to end) sits that one step out, and turns
-with no window in flight (admitted, rebasing) join as they would without run-ahead. A turn that
-drafts (context-copy speculation; off where graphs are on) picks its next window from the tokens
-in flight, so a step with one completes before the next is planned, as without run-ahead. A turn whose answer ended in the
+with no window in flight (admitted, rebasing) join as they would without run-ahead. A decoding turn
+that drafts (context-copy speculation) runs ahead too: the window after its window in flight
+carries the drafts that follow the copy's guess of that window's last token, after its drafts in
+flight, and is dropped if one of those is rejected (``Turn.advance``); only a sampled turn's
+verify window, whose tokens are drawn on the host, completes before the next step is planned. A turn whose answer ended in the
 step it waited for had one more row computed, never committed (its KV row is dropped as a rejected
 draft's is) and its token ignored. A step with rows under a grammar is launched ahead without its
 masks and argmax: they need the tokens of the step in flight, so the next ``step()`` adds them
@@ -114,6 +116,7 @@ class Scheduler:
             mode = engine.cfg.run_ahead
             run_ahead = mode == "on" or (mode == "auto" and engine.graphs.status == "on")
         self.run_ahead = run_ahead
+        engine.speculation.cost.run_ahead = run_ahead  # what a rejected draft costs (governor.py)
         self.ahead_steps = 0  # steps launched before the previous one completed
         self._done_at = 0.0  # when the last step's tokens were taken
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
@@ -137,9 +140,9 @@ class Scheduler:
         if control is not None and not control.announce(self):  # the other ranks run this step too
             return  # the group is down: every turn was failed
         run, self.inflight = self.inflight, None
-        if run is not None and any(e.turn.drafts_next() and e.turn.owns(w) for e, w in run.work):
-            # a turn that drafts needs the tokens in flight to pick its next window: rather than
-            # sit a step out (every other step, while it drafts), it waits for them here
+        if run is not None and any(e.turn.owns(w) and e.turn.needs_tokens(w) for e, w in run.work):
+            # a sampled turn's verify window is drawn on the host: its next window needs those
+            # tokens. Rather than sit a step out (every other step, while it drafts), it waits here
             self._complete(run)
             self.running = [e for e in self.running if not e.turn.done]
             run = None
@@ -166,9 +169,9 @@ class Scheduler:
         if run is not None:
             self._complete(run)
         if launched is not None:
-            if self.run_ahead and not any(e.turn.drafts_next() for e, _ in work):
+            if self.run_ahead and not any(e.turn.needs_tokens(w) for e, w in work):
                 self.inflight = launched  # its tokens are taken by the next step()
-            else:  # (a turn that drafts would wait for them at the next step() anyway)
+            else:  # (a turn that needs them would wait for them at the next step() anyway)
                 self._complete(launched)
         self.running = [e for e in self.running if not e.turn.done]
         self.snapshot = self._info()
@@ -190,11 +193,11 @@ class Scheduler:
                 if e.turn.owns(w):
                     flying[id(e.turn)] = offsets[i] + w.logits - 1
 
-        def window(e: _Entry, budget: int) -> Window | None:
+        def window(e: _Entry, budget: int, draft: bool = True) -> Window | None:
             row = flying.get(id(e.turn))
             if row is not None:
-                return e.turn.window_ahead(budget, row)
-            w = e.turn.window(budget)
+                return e.turn.window_ahead(budget, row, draft)
+            w = e.turn.window(budget, draft)
             if w is None:  # nothing to compute: finishing (or cancelled before its decode row)
                 self._deliver(e, e.turn.advance(None))
             return w
@@ -209,11 +212,13 @@ class Scheduler:
                 budget -= len(w.tokens)
                 prefill.append((e, w))
         work: list[tuple[_Entry, Window]] = []
-        cost = self.engine.speculation.cost  # what the drafts are priced with: this step's company
+        spec = self.engine.speculation
+        cost = spec.cost  # what the drafts are priced with: this step's company
         rows = sum(len(w.tokens) for _, w in prefill) + len(decode)
         for e in decode:
             cost.company(len(prefill) + len(decode), rows)
-            if (w := window(e, 1 + max(budget, 0))) is not None:  # a decode row, or drafts after it
+            # a decode row, or drafts after it (where one can fit: ``room``, once for the company)
+            if (w := window(e, 1 + max(budget, 0), spec.enabled and cost.room())) is not None:
                 budget -= len(w.tokens) - 1
                 rows += len(w.tokens) - 1
                 work.append((e, w))

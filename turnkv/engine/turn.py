@@ -74,6 +74,7 @@ class Turn:
         self._next: int | None = None  # the sampled token to feed next (decode)
         self._open: Window | None = None
         self._ahead: Window | None = None  # the window launched while ``_open`` is in flight
+        self._matches = (0, 0)  # the match lengths the drafts of ``_open`` and ``_ahead`` follow
         self._t0 = time.perf_counter()
         self._t_first: float | None = None
         self._t_last = 0.0
@@ -136,9 +137,11 @@ class Turn:
         return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
 
     # -- steps ----------------------------------------------------------------------------------
-    def window(self, budget: int) -> Window | None:
+    def window(self, budget: int, draft: bool = True) -> Window | None:
         """This turn's rows for the next step (at most ``budget`` rows of prefill), or None when it
-        has nothing to compute (finished, or finishing without a rebase)."""
+        has nothing to compute (finished, or finishing without a rebase). ``draft``: whether a
+        draft can fit this step at all (``StepCost.room``; if not, the step is not even counted
+        by the turn's governor: a full batch's steps cost its turns nothing)."""
         self._ahead = None  # a run-ahead window is only ever completed through ``advance``
         if self.phase == _DECODE and self.request.cancel.is_set():
             self._open = None  # a window of a step that was interrupted (Ctrl-C) is not pending
@@ -146,8 +149,10 @@ class Turn:
         if self.phase in (_PREFILL, _REBASE):
             self._open = self._chunk(0, budget)
         elif self.phase == _DECODE:
-            draft = self._draft(budget)
-            self._open = Window(self.cache, [self._next, *draft], logits=1 + len(draft))
+            room = self.max_tokens - self.stats.completion_tokens - 1  # answer rows after _next's
+            drafts, match = self._draft(min(budget - 1, room), self.cache.num_tokens) if draft else ([], 0)
+            self._matches = (match, 0)
+            self._open = Window(self.cache, [self._next, *drafts], logits=1 + len(drafts))
         else:
             self._open = None
         return self._open
@@ -158,36 +163,53 @@ class Turn:
         o = self._open
         return self.phase == _DECODE or (self.phase == _PREFILL and o is not None and o.logits == 1)
 
-    def drafts_next(self) -> bool:
-        """Whether this turn's next window may carry drafts, which the host picks from the tokens
-        of the window in flight: such a turn cannot run ahead (``window_ahead``)."""
-        return self.drafts is not None and self.decodes_next()
+    def needs_tokens(self, w: Window) -> bool:
+        """Whether the window after ``w`` (this turn's, launched) can only be chosen once ``w``'s
+        tokens are on the host: ``w`` verifies drafts of a sampled turn, whose rows are drawn
+        there one by one (``_verify``), so no row on the device holds its last token. The
+        scheduler then completes ``w``'s step before it plans the next, rather than leave this
+        turn out of it (``window_ahead``)."""
+        return (
+            self.drafts is not None and len(w.tokens) > 1 and self.phase == _DECODE and not self._fast_greedy
+        )
 
-    def window_ahead(self, budget: int, feed: int) -> Window | None:
+    def window_ahead(self, budget: int, feed: int, draft: bool = True) -> Window | None:
         """The window after ``_open``, which is in flight (launched, not yet advanced), or None
         when it cannot be known before that step's tokens come back (the turn then sits one step
-        out). Known ahead: the next prompt chunk (at most ``budget`` rows), and the decode row
-        after a decode row or after the prompt's last chunk -- its token is the step in flight's
+        out). Known ahead: the next prompt chunk (at most ``budget`` rows), and the decode window
+        after a decode window or after the prompt's last chunk: its token is the step in flight's
         argmax at logit row ``feed`` (chosen on the device: greedy, or drawn by ``drawer``),
-        never on the host. Not known: drafts (the host picks them), the rebase rows (rendered
-        from the answer's text), a cancelled turn's decode row (a prompt goes on being
-        prefilled, as ``window`` does), and an answer with no room for two more rows (so the
-        tail, pre-sized for the answer, never regrows -- a copy that would miss the rows in
+        never on the host, and its drafts follow the copy's guess of that token, after the drafts
+        in flight (``TurnDrafts.draft``'s ``after`` and ``lag``). Not known: the rebase rows
+        (rendered from the answer's text), a cancelled turn's decode row (a prompt goes on being
+        prefilled, as ``window`` does), the window after a sampled turn's verify window
+        (``needs_tokens``), and an answer with no room for the rows in flight and one more (so
+        the tail, pre-sized for the answer, never regrows -- a copy that would miss the rows in
         flight). ``advance`` of the window in flight then makes this one the open window, or
-        drops it if the answer ended there (its KV row is never committed)."""
+        drops it if the answer ended there or a draft in flight was rejected: it was planned
+        after rows that are not kept (its KV rows are never committed)."""
         o = self._open
         if o is None or self._ahead is not None:
             return None
+        # answer rows after this window's first: the rows in flight bring len(o.tokens) tokens (a
+        # prompt's last chunk one), and the answer's last token needs no row
+        flying = len(o.tokens) if self.phase == _DECODE else 1
+        room = self.max_tokens - self.stats.completion_tokens - flying - 1
         if self.phase == _PREFILL and len(self._pending) > len(o.tokens):  # the next chunk
             self._ahead = self._chunk(len(o.tokens), budget)
         elif (
             self.decodes_next()
-            and (self.phase == _PREFILL or len(o.tokens) == 1)
-            and self.drafts is None
-            and self.stats.completion_tokens + 2 <= self.max_tokens
+            and not self.needs_tokens(o)
+            and room >= 0
             and not self.request.cancel.is_set()
         ):
-            self._ahead = Window(self.cache, [0], logits=1, ahead=len(o.tokens), feed=feed)
+            after = o.tokens[1:] if self.phase == _DECODE else ()
+            start = self.cache.num_tokens + len(o.tokens)
+            drafts, match = self._draft(min(budget - 1, room), start, after, lag=True) if draft else ([], 0)
+            self._matches = (self._matches[0], match)
+            self._ahead = Window(
+                self.cache, [0, *drafts], logits=1 + len(drafts), ahead=len(o.tokens), feed=feed
+            )
         return self._ahead
 
     def drawer(self, w: Window) -> Sampler | None:
@@ -221,15 +243,21 @@ class Turn:
     def advance(self, out: WindowOutput | None) -> list[TurnEvent]:
         """After the step that ran ``window``'s rows (``out``; None when ``window`` gave none):
         commit them, sample the next token(s) from their logits (stop checks, text); may finish."""
+        flying, rows = self._open, self.cache.num_tokens if self.cache is not None else 0
         events = self._advance(out)
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and self._open is None and self.phase in (_PREFILL, _DECODE):
-            # the window in flight is now the open one (a decode row: its id is the token just
-            # taken); the cache's window covers it again (the commit above closed the cache's)
+        if ahead is None or self._open is not None or self.phase not in (_PREFILL, _DECODE):
+            return events
+        # it starts where it was planned to only if the window in flight kept every row (no
+        # rejected draft); else it is dropped, and the next ``window`` starts from the kept rows
+        if flying is not None and self.cache.num_tokens - rows == len(flying.tokens):
+            # the window in flight is now the open one (a decode window: its first id is the token
+            # just taken); the cache's window covers it again (the commit above closed the cache's)
             if self.phase == _DECODE:
-                ahead.tokens = [self._next]
+                ahead.tokens = [self._next, *ahead.tokens[1:]]
             ahead.ahead, ahead.feed = 0, None
             self._open = ahead
+            self._matches = (self._matches[1], 0)
             self.cache.open_window(len(ahead.tokens))
         return events
 
@@ -282,13 +310,15 @@ class Turn:
         last = n == len(rest) and self.phase == _PREFILL
         return Window(self.cache, rest[:n], logits=int(last), ahead=skip)
 
-    def _draft(self, budget: int) -> list[int]:
-        """Tokens from the conversation to verify after ``_next``: within the step's row budget,
-        and at most the answer's remaining tokens but one (the window's own row brings one more),
-        so no row past what admission priced is ever opened."""
-        if self.drafts is None:
-            return []
-        return self.drafts.draft(min(budget - 1, self.max_tokens - self.stats.completion_tokens - 1))
+    def _draft(self, limit: int, start: int, after=(), lag: bool = False) -> tuple[list[int], int]:
+        """Tokens from the conversation to verify after a window's first, and the match they
+        follow (``TurnDrafts.draft``): at most ``limit`` (the step's row budget and the answer's
+        rows left, so no row past what admission priced is ever opened), and within the rows the
+        engine runs as one-row decode would from cache row ``start`` (``Engine.verify_rows``)."""
+        if self.drafts is None or not self.drafts.may_draft():
+            return [], 0
+        limit = min(limit, self.engine.verify_rows(start) - 1)
+        return self.drafts.draft(limit, after, lag)
 
     def _verify(self, w: Window, out: WindowOutput) -> list[TurnEvent]:
         """A decode window ``[_next, d1..dk]``: each row's token is drawn as a plain decode step
@@ -317,7 +347,7 @@ class Turn:
         s.accepted += accepted
         s.verify_windows += bool(draft)
         if self.drafts is not None:
-            self.drafts.verified(len(draft), accepted, n)
+            self.drafts.verified(len(draft), accepted, n, self._matches[0])
         else:
             self.engine.speculation.stats.window(0, 0, n)
         return events + self._end(finish, flushed) if finish else events
