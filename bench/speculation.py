@@ -6,10 +6,14 @@ one change: the model's own earlier answer, or pasted text), ``list`` (rewrite a
 with one item replaced) and ``free`` (stories, an explanation: little to copy). Each runs alone
 (batch 1; per kind, the tokens/s over all its conversations) and eight of them together in one
 scheduler (``--batch 8``: three edits, three lists, two free texts), with ``--speculate off`` and
-``auto`` side by side: two schedulers over the same model whose steps alternate, each timing only
-its own steps, so a shared machine's load slows both alike (``--repeat``: medians of pairs). Per turn: decode tokens/s (its tokens after the first
-over the time of the steps it decoded in), tokens per decode forward, drafted and accepted
-tokens; per run: decode tokens/s of the batch. Ratios are on/off.
+``auto`` side by side: two schedulers over the same model. On a CPU (``--interleave auto``) their
+steps alternate, each timing only its own steps, so a shared machine's load slows both alike. On
+CUDA the steps run ahead (a step is launched before the one in flight completes), which a
+synchronised per-step timer would undo, so the two sides run one after the other (in alternating
+order) and time by the wall clock: a turn's decode time runs from its first token to its last.
+``--repeat``: medians of pairs, after one pair that warms up (compiles and captures; not counted).
+Per turn: decode tokens/s (its tokens after the first over its decode time), tokens per decode
+forward, drafted and accepted tokens; per run: decode tokens/s of the batch. Ratios are on/off.
 
 ``--forced``: step timing at a model shape with random weights (``--shape llama3-8b``), labelled
 *forced acceptance*: each conversation continues a synthetic history of ``--context`` rows; a
@@ -95,13 +99,25 @@ class Side:
             self.turns.append(self.sched.submit(req, lambda ev, i=i: self._emit(i, ev)))
         self.decode_s = [0.0] * len(ids)  # time of the steps each turn decoded in
         self.step_s = 0.0  # all decode steps (the batch's time)
+        self.first = [0.0] * len(ids)  # wall clock at each turn's first token and its last
+        self.last = [0.0] * len(ids)
 
     def _emit(self, i: int, ev) -> None:
         if isinstance(ev, Failed):
             raise RuntimeError(f"turn {i} failed: {ev.message}")
         if isinstance(ev, GenEvent):
+            now = time.perf_counter()
+            self.first[i] = self.first[i] or now
+            self.last[i] = now if ev.token_id is not None else self.last[i]
             self.text[i] += ev.text
             self.stats[i] = ev.stats or self.stats[i]
+
+    def run(self) -> None:
+        """Every step to the end, timed by the wall clock (``first``/``last``), no synchronising."""
+        while self.sched.busy:
+            self.sched.step()
+        self.decode_s = [b - a for a, b in zip(self.first, self.last, strict=True)]
+        self.step_s = max(self.last) - min(self.first)
 
     def step(self) -> None:
         decoding = [t.phase == "decode" for t in self.turns]
@@ -126,10 +142,17 @@ class Side:
                 "health": self.engine.speculation.stats.health()}  # fmt: skip
 
 
-def run_pair(engine: Engine, ids: list[list[int]], max_tokens: int) -> tuple[dict, dict]:
-    """Speculation off and on over the same prompts, their steps interleaved one by one, so a
-    shared, loaded machine slows both alike; each side times only its own steps."""
+def run_pair(
+    engine: Engine, ids: list[list[int]], max_tokens: int, interleave: bool, on_first: bool = False
+) -> tuple[dict, dict]:
+    """Speculation off and on over the same prompts: with ``interleave`` their steps alternate one
+    by one, so a shared, loaded machine slows both alike, and each side times only its own steps;
+    else one side runs after the other (``on_first``: which), timed by the wall clock."""
     off, on = Side(engine, ids, "off", max_tokens), Side(engine, ids, "auto", max_tokens)
+    if not interleave:
+        for side in (on, off) if on_first else (off, on):
+            side.run()
+        return off.result(), on.result()
     while off.sched.busy or on.sched.busy:
         for side in (off, on):
             if side.sched.busy:
@@ -140,8 +163,14 @@ def run_pair(engine: Engine, ids: list[list[int]], max_tokens: int) -> tuple[dic
 def compare(engine: Engine, name: str, convs: list[Conversation], ids: list[list[int]], args) -> dict:
     """Off and on, interleaved (``--repeat`` times: medians); the ratios and text equality."""
     runs: dict[str, list[dict]] = {"off": [], "auto": []}
-    for _ in range(args.repeat):
-        off, on = run_pair(engine, ids, args.max_tokens)
+    interleave = args.interleave == "on" or (args.interleave == "auto" and engine.shape.device.type == "cpu")
+    if not interleave:
+        run_pair(engine, ids, args.max_tokens, False)  # warm-up: kernels compiled, graphs captured
+    pairs = []  # per pair: tok/s off and on, and graphs captured during it (a capture is ~tens of ms)
+    for r in range(args.repeat):
+        before = engine.graphs.captures
+        off, on = run_pair(engine, ids, args.max_tokens, interleave, on_first=bool(r % 2))
+        pairs.append((off["tok_s"], on["tok_s"], engine.graphs.captures - before))
         runs["off"].append(off)
         runs["auto"].append(on)
     off, on = runs["off"][0], runs["auto"][0]
@@ -162,10 +191,10 @@ def compare(engine: Engine, name: str, convs: list[Conversation], ids: list[list
            "ratio": round(agg_on / agg_off, 3), "min_turn_ratio": min(t["ratio"] for t in per_turn),
            "tokens_per_forward": on["health"]["tokens_per_forward"],
            "acceptance": on["health"]["acceptance"], "same_text": all(same), "turns": per_turn,
-           "texts_on": [t["text"] for t in on["turns"]]}  # fmt: skip
+           "texts_on": [t["text"] for t in on["turns"]], "pairs": pairs}  # fmt: skip
     print(f"{name:>16} batch {len(convs)}: off {agg_off:7.2f} tok/s  on {agg_on:7.2f} tok/s  "
           f"x{row['ratio']}  min turn x{row['min_turn_ratio']}  tok/fwd {row['tokens_per_forward']}  "
-          f"accept {row['acceptance']}  same text {row['same_text']}", flush=True)  # fmt: skip
+          f"accept {row['acceptance']}  same text {row['same_text']}  pairs {pairs}", flush=True)  # fmt: skip
     return row
 
 
@@ -269,6 +298,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=1, help="off/on runs per case (medians reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--interleave", choices=("auto", "on", "off"), default="auto",
+                    help="alternate the two sides' steps (auto: on a CPU; see the module doc)")  # fmt: skip
     ap.add_argument("--forced", action="store_true", help="step timing with forced acceptance patterns")
     ap.add_argument("--context", type=int, default=4096, help="history rows per conversation (--forced)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per point (--forced)")
