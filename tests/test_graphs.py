@@ -78,3 +78,31 @@ def test_replays_are_bit_identical_to_eager_steps(batch):
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert ta == tb
     assert graphs.layout.stats.merges > 0  # merges happened between the rounds
+
+
+def test_speculation_replays_verify_windows_and_keeps_the_greedy_text():
+    """With ``--speculate auto`` on CUDA a verify window runs as one-row windows in a replayed
+    decode graph, and drafting turns run ahead: each row rounds as it would decoded alone, so a
+    conversation alone answers token for token as without speculation, at any context (the
+    drafts stop at the key bucket: 4096 is crossed here)."""
+    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", attention="auto")
+    on = Engine.from_config(cfg)
+    off = Engine(on.loaded, replace(cfg, speculate="off"))
+    texts = {}
+    for name, engine in (("on", on), ("off", off)):
+        sched = Scheduler(engine, engine.new_bank("8G"), max_running=1)
+        got = texts[name] = []
+        for i, n in enumerate((40, 600, 4070)):  # a loop the drafts copy; the last crosses 4096 keys
+            loop = [256, *([40 + i, 41, 42, 43, 44, 45, 46] * (n // 7))]
+            answer: list[int] = []
+            req = TurnRequest(loop, SamplingParams(ignore_eos=True), max_tokens=64)
+            sched.submit(
+                req, lambda ev, a=answer: a.append(ev.token_id) if isinstance(ev, GenEvent) else None
+            )
+            while sched.busy:
+                sched.step()
+            got.append(answer)
+        assert sched.run_ahead and engine.graphs.replays > 0
+    assert texts["on"] == texts["off"]
+    stats = on.speculation.stats
+    assert stats.status == "on" and stats.drafted > 0 and stats.windows > 0

@@ -21,7 +21,8 @@ from turnkv.engine.scheduler import Scheduler
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    # no drafts: run-ahead is for decode rows without them (where it runs, CUDA graphs turn them off)
+    # no drafts: the two loops then run the same steps (drafting turns run ahead too: the test
+    # test_turns_that_draft_run_ahead_and_drop_windows_planned_after_a_rejected_draft)
     return Engine.from_config(
         EngineConfig(model="random:test", device="cpu", dtype="float32", speculate="off")
     )
@@ -82,7 +83,10 @@ def both(engine: Engine, script, max_batch_tokens: int = 0) -> tuple[Run, Run]:
 def cuda_engine() -> Engine:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    return Engine.from_config(EngineConfig(model="random:test", device="cuda", dtype="bfloat16"))
+    # no drafts either: with them a step's rows (and so cuBLAS's kernel) differ between the loops
+    return Engine.from_config(
+        EngineConfig(model="random:test", device="cuda", dtype="bfloat16", speculate="off")
+    )
 
 
 def test_on_cuda_run_ahead_is_on_by_default_and_changes_no_bit(cuda_engine):
