@@ -45,7 +45,8 @@ class _Fit:
 
 class StepCost:
     """What a step of ``n`` rows costs, measured: one fit for plain steps (every window one row;
-    CUDA graphs replay these) and one for steps with a verify window (always eager).
+    CUDA graphs replay these) and one for steps with a verify window (eager on a CPU; on CUDA
+    replayed as one-row windows, more of them).
 
     The scheduler reports every step (``observe``); only steps of decode and verify windows (every
     row asks for its logits) are counted, not prefill. Where a fit has not seen its rows vary,
@@ -196,7 +197,7 @@ class Governor:
         others = max(c.windows - 1, 0)
         others_rows = max(c.rows - 1, others)
         n0 = others_rows + 1
-        t0 = c.cost(n0, others_rows > others)  # another window verifies: the step is eager anyway
+        t0 = c.cost(n0, others_rows > others)  # another window verifies: priced as a verify step
         return others, n0, t0, 1 + FAIRNESS * others
 
     def _gain(
