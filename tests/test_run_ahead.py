@@ -381,3 +381,6 @@ def test_turns_that_draft_run_ahead_and_drop_windows_planned_after_a_rejected_dr
     forwards = sum(e.stats.forwards for run in (on,) for evs in run.events.values() for e in evs
                    if isinstance(e, GenEvent) and e.stats is not None)  # fmt: skip
     assert launched > forwards, "no run-ahead window was dropped: the test no longer covers that path"
+    # those dropped after a rejected draft are counted (the rest: a row after an answer's end)
+    assert 0 < on.sched.engine.speculation.stats.dropped <= launched - forwards
+    assert off.sched.engine.speculation.stats.dropped == 0  # the plain loop runs nothing ahead

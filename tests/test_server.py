@@ -296,7 +296,13 @@ def test_models_health_and_metrics(live):
     assert isinstance(h["disk"]["enabled"], bool)  # on by default; tests/test_disk_server.py
     assert set(h["disk"]) == {"enabled", *DISK_KEYS}
     sp = h["speculation"]
-    assert sp["mode"] == "auto" and {"drafted", "accepted", "windows", "tokens_per_forward"} <= set(sp)
+    assert sp["mode"] == "auto" and {
+        "drafted",
+        "accepted",
+        "windows",
+        "tokens_per_forward",
+        "dropped",
+    } <= set(sp)
     assert set(sp["by_window"]) == {"<=2", "<=4", "<=8", "<=16", "<=32"}
     chat(c, [{"role": "user", "content": "One word please."}], max_tokens=2)
     live.idle()
@@ -319,6 +325,7 @@ def test_models_health_and_metrics(live):
         "turnkv_speculation_accepted_tokens_total",
         "turnkv_speculation_windows_total",
         "turnkv_decode_forwards_total",
+        "turnkv_speculation_dropped_windows_total",
         'turnkv_speculation_window_accepted_tokens_total{rows="<=32"}',
     ):
         assert name in m, name

@@ -210,6 +210,7 @@ class SpeculationStats:
         self.windows = 0  # decode windows with a draft (verify windows)
         self.forwards = 0  # decode windows of any size
         self.tokens = 0  # tokens those windows emitted
+        self.dropped = 0  # run-ahead windows planned after a draft that was then rejected
         self.by_window = {b: [0, 0, 0] for b in WINDOW_BUCKETS}  # rows <= b: windows, drafted, accepted
 
     def window(self, drafted: int, accepted: int, emitted: int) -> None:
@@ -229,8 +230,9 @@ class SpeculationStats:
     def health(self) -> dict:
         """``mode``, ``status`` (``on`` or ``off: <why>``), ``drafted``, ``accepted``, ``windows``,
         ``acceptance`` (accepted / drafted),
-        ``tokens_per_forward`` (decode tokens per decode window), ``by_window`` (per window-size
-        bucket ``"<=b"``: ``windows``, ``drafted``, ``accepted``)."""
+        ``tokens_per_forward`` (decode tokens per decode window), ``dropped`` (windows launched
+        ahead after a draft that was then rejected: computed, never committed), ``by_window``
+        (per window-size bucket ``"<=b"``: ``windows``, ``drafted``, ``accepted``)."""
         return {
             "mode": self.mode,
             "status": self.status,
@@ -239,6 +241,7 @@ class SpeculationStats:
             "windows": self.windows,
             "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "tokens_per_forward": round(self.tokens / self.forwards, 4) if self.forwards else 0.0,
+            "dropped": self.dropped,
             "by_window": {
                 f"<={b}": {"windows": w, "drafted": d, "accepted": a}
                 for b, (w, d, a) in self.by_window.items()

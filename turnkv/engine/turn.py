@@ -259,6 +259,8 @@ class Turn:
             self._open = ahead
             self._matches = (self._matches[1], 0)
             self.cache.open_window(len(ahead.tokens))
+        elif self.drafts is not None:
+            self.drafts.stats.dropped += 1
         return events
 
     def _advance(self, out: WindowOutput | None) -> list[TurnEvent]:

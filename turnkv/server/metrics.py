@@ -109,6 +109,7 @@ class _SpeculationCollector(Collector):
             ("turnkv_speculation_windows", s.windows, "Decode windows that carried a draft"),
             ("turnkv_decode_forwards", s.forwards, "Decode windows (one row or a verify window)"),
             ("turnkv_decode_tokens", s.tokens, "Tokens those decode windows emitted"),
+            ("turnkv_speculation_dropped_windows", s.dropped, "Windows run ahead after a rejected draft"),
         )
         drafted = CounterMetricFamily(
             "turnkv_speculation_window_drafted_tokens",
