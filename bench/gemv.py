@@ -38,19 +38,26 @@ def cut(name: str, n: int, k: int, tp: int) -> tuple[int, int]:
     return n // tp, k  # column-parallel (and the vocabulary-split LM head)
 
 
-def time_calls(fn, weights, reps: int = 10) -> float:
-    """Microseconds per call of ``fn(w)`` over ``weights``, replayed from a CUDA graph."""
+def captured(fn, warm, seq) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn(w)`` for each ``w`` of ``seq``, after warm-up calls over ``warm`` on a
+    side stream (kernels compiled before the capture), replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for w in weights:
+        for w in warm:
             fn(w)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for w in weights:
+        for w in seq:
             fn(w)
     g.replay()
+    return g
+
+
+def time_calls(fn, weights, reps: int = 10) -> float:
+    """Microseconds per call of ``fn(w)`` over ``weights``, replayed from a CUDA graph."""
+    g = captured(fn, weights, weights)
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report
 from decode import copy_bandwidth  # the copy rate decode.py and gemv.py measure their roofs by
+from gemv import captured
 
 from turnkv.attention.triton_segments import INTERPRET, downcast
 
@@ -325,17 +326,7 @@ def time_us(fn, ws: list[torch.Tensor], calls: int = 20, reps: int = 7) -> float
     """Microseconds per ``fn(w)``: a CUDA graph of max(calls, len(ws)) back-to-back calls cycling
     over ``ws``; median over ``reps`` replays, each timed by CUDA events."""
     seq = [ws[i % len(ws)] for i in range(max(calls, len(ws)))]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for w in ws[:2]:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for w in seq:
-            fn(w)
-    g.replay()
+    g = captured(fn, ws[:2], seq)
     g.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
