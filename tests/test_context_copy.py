@@ -178,6 +178,25 @@ def test_step_costs_are_fitted_from_observed_steps():
     assert (c.windows, c.rows) == (3, 5)
 
 
+def test_room_for_a_draft_follows_every_new_observation_of_a_long_running_engine():
+    """``StepCost.room`` is computed once per company and observation; the fits' weights settle
+    after some hundred steps, so it must be keyed by the observations themselves: a batch's
+    verify steps that turn expensive close the room even thousands of steps in."""
+
+    def windows(*rows: int):
+        return [SimpleNamespace(tokens=[0] * m, logits=m) for m in rows]
+
+    c = StepCost()
+    for _ in range(3000):  # cheap extra rows for a long while: a draft fits beside 7 others
+        c.observe(windows(*[1] * 8), 0.010)
+        c.observe(windows(*[1] * 7, 2), 0.0101)
+    c.company(8, 8)
+    assert c.room()
+    for _ in range(200):  # then a verify row costs 10 % of the step
+        c.observe(windows(*[1] * 7, 2), 0.011)
+    assert not c.room()
+
+
 # -- exact acceptance on a Markov source ----------------------------------------------------------
 V0 = 3  # the chain's tokens: 0, 1, 2 (below the byte tokenizer's specials)
 

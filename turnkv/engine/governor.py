@@ -70,7 +70,9 @@ class StepCost:
         self.verify = _Fit()
         self.windows = 1  # windows and rows of the step being gathered (``company``)
         self.rows = 1
-        self._room_key: tuple | None = None  # ``room``'s memo
+        self.observed = 0  # decode steps the fits have taken in
+        self._key: tuple | None = None  # what ``priced`` and ``room`` were last computed for
+        self._priced = (0, 1, 1.0)
         self._room = True
 
     def observe(self, windows: Sequence[Window], seconds: float) -> None:
@@ -80,6 +82,7 @@ class StepCost:
         rows = [len(w.tokens) for w in windows]
         n = sum(rows)
         (self.verify if max(rows) > 1 else self.plain).add(n, seconds)
+        self.observed += 1
 
     def company(self, windows: int, rows: int) -> None:
         """The step being gathered, as a decode turn is about to draft: ``windows`` windows and
@@ -89,19 +92,27 @@ class StepCost:
         batch of 8 on the 2-core VM, 4-6x a plain step)."""
         self.windows, self.rows = windows, rows
 
+    def priced(self) -> tuple[int, int, float]:
+        """The step being gathered without this turn's draft: ``(others, n0, t0)``, the other
+        windows, the rows (this turn's decode row included) and the step's price (another window
+        verifies: priced as a verify step). Computed once per company and observation: in a full
+        batch every turn asks each step (``Governor._prices``, ``room``)."""
+        # (not the fits' weights: they settle at 1 / (1 - DECAY) once enough steps are seen)
+        key = (self.windows, self.rows, self.observed)
+        if key != self._key:
+            others = max(self.windows - 1, 0)
+            others_rows = max(self.rows - 1, others)
+            n0 = others_rows + 1
+            t0 = self.cost(n0, others_rows > others)
+            self._key, self._priced = key, (others, n0, t0)
+            self._room = not others or self.cost(n0 + 1, True) <= (1 + OTHERS_LOSS) * t0
+        return self._priced
+
     def room(self) -> bool:
         """Whether a one-token draft fits the step being gathered: alone in it, or lengthening
         the step the other windows share by at most ``OTHERS_LOSS`` (``Governor._gain``'s cap,
-        whatever the turn's acceptance). Computed once per company and observation: in a full
-        batch every turn asks it each step."""
-        others = self.windows - 1
-        if others <= 0:
-            return True
-        key = (self.windows, self.rows, self.plain.w, self.verify.w)
-        if key != self._room_key:
-            others_rows = max(self.rows - 1, others)
-            t0 = self.cost(others_rows + 1, others_rows > others)
-            self._room_key, self._room = key, self.cost(others_rows + 2, True) <= (1 + OTHERS_LOSS) * t0
+        whatever the turn's acceptance)."""
+        self.priced()
         return self._room
 
     def cost(self, n: int, verify: bool) -> float:
@@ -193,11 +204,7 @@ class Governor:
     def _prices(self) -> tuple[int, int, float, float]:
         """This step's ``(others, n0, t0, weight)``: the other windows, the rows without a draft,
         the step's price then, and how much the others' loss counts (``StepCost.company``)."""
-        c = self.cost
-        others = max(c.windows - 1, 0)
-        others_rows = max(c.rows - 1, others)
-        n0 = others_rows + 1
-        t0 = c.cost(n0, others_rows > others)  # another window verifies: priced as a verify step
+        others, n0, t0 = self.cost.priced()
         return others, n0, t0, 1 + FAIRNESS * others
 
     def _gain(
