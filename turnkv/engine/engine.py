@@ -250,7 +250,7 @@ class Engine:
         asked = list(windows)
         cut = one_row_windows(asked) if self.backend.name == "fused" else None
         run, firsts = cut if cut is not None else (asked, None)
-        solo = cut is not None and len({id(w.cache) for w in asked}) == 1
+        solo = cut is not None and len(asked) == 1  # (a step holds one window per conversation)
         try:
             step = self.graphs.stage(run, solo)
             step = step if step is not None else plan_step(run, self.backend, self.model.device, solo)

@@ -24,11 +24,12 @@ carries the drafts that follow the copy's guess of that window's last token, aft
 flight, and is dropped if one of those is rejected (``Turn.advance``); only a sampled turn's
 verify window, whose tokens are drawn on the host, completes before the next step is planned. A
 turn whose answer ended in the step it waited for had one more row computed, never committed (its
-KV row is dropped as a rejected draft's is) and its token ignored. A step with rows under a grammar is launched ahead without its
-masks and argmax: they need the tokens of the step in flight, so the next ``step()`` adds them
-(the masks filled on a thread while the forward runs) before launching the one after, which it
-builds and uploads (``Engine.stage``) while that thread fills them: only the masks' upload, the
-argmax and the launch lie between the fill's end and the next forward.
+KV row is dropped as a rejected draft's is) and its token ignored. A step with rows under a
+grammar is launched ahead without its masks and argmax: they need the tokens of the step in
+flight, so the next ``step()`` adds them (the masks filled on a thread while the forward runs)
+before launching the one after, which it builds and uploads (``Engine.stage``) while that thread
+fills them: only the masks' upload, the argmax and the launch lie between the fill's end and the
+next forward.
 
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.

@@ -48,6 +48,11 @@ class Window:
         if not self.tokens or not 0 <= self.logits <= len(self.tokens):
             raise ValueError(f"a window of {len(self.tokens)} rows asking for {self.logits} logits")
 
+    @property
+    def verifies(self) -> bool:
+        """A verify window: several rows, each asking for its logits."""
+        return len(self.tokens) > 1 and self.logits == len(self.tokens)
+
 
 @dataclass
 class StepPlan:
@@ -81,13 +86,13 @@ def one_row_windows(windows: Sequence[Window]) -> tuple[list[Window], list[int]]
     first index in that list; None when no window verifies. Each row then attends over exactly
     the keys, and in the splits, that it would decoded alone (``fused.conversations``), and a
     decode graph replays the step (``Engine.stage``)."""
-    if not any(len(w.tokens) > 1 and w.logits == len(w.tokens) for w in windows):
+    if not any(w.verifies for w in windows):
         return None
     rows: list[Window] = []
     firsts: list[int] = []
     for w in windows:
         firsts.append(len(rows))
-        if len(w.tokens) > 1 and w.logits == len(w.tokens):
+        if w.verifies:
             rows += [
                 Window(w.cache, [t], 1, ahead=w.ahead + i, feed=w.feed if i == 0 else None)
                 for i, t in enumerate(w.tokens)
