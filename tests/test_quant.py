@@ -6,6 +6,7 @@ errors are one line with exit code 2."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ def test_packed_matmul_within_the_stated_bound(type_name, rows, m, kernel):
     planes = quant.planes_from_blocks(raw, type_name)
     qw = quant.QuantWeight((rows, cols), planes)
     assert qw.native == (kernel == "c")
-    assert qw.check_layout(planes) == (not qw.native and rows % 64 == 0)
+    layout = quant.int4_layout()
+    assert qw.check_layout(planes) == (not qw.native and layout is not None and rows % layout[0] == 0)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
     got = qw.mm(x, quant.wide_rows([m])).double()  # one window of m rows
     assert got.shape == (m, rows)
@@ -102,7 +104,7 @@ def test_a_rows_path_and_bits_depend_on_its_own_window_only(type_name, kernel):
     rows, cols = 192, 96
     planes = quant.planes_from_blocks(gguf_blocks(type_name, rows, cols, seed=5), type_name)
     qw = quant.QuantWeight((rows, cols), planes)
-    assert qw.check_layout(planes) == (not qw.native)
+    assert qw.check_layout(planes) == (not qw.native and quant.int4_layout() is not None)
     sizes = [3, 300, 5, 260, 270]
     assert quant.wide_rows(sizes) == ((3, 303), (308, 838))
     x = torch.randn(sum(sizes), cols, generator=torch.Generator().manual_seed(2))
@@ -312,3 +314,32 @@ def test_cli_weights_errors_are_one_line_exit_2(tmp_path):
     assert proc.returncode == 2 and "needs a GGUF" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli("generate", "--weights", "int3", "--prompt", "hi")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+LAYOUT_CHILD = """
+import sys, torch
+from turnkv.models import cpu_int4, quant
+from tests.test_quant import gguf_blocks
+cpu_int4.KERNEL.lib, cpu_int4.KERNEL.why = None, "off (test)"
+print(torch.backends.cpu.get_cpu_capability())
+for type_name in ("Q4_1", "Q8_0"):
+    planes = quant.planes_from_blocks(gguf_blocks(type_name, 128, 64, seed=9), type_name)
+    qw = quant.QuantWeight((128, 64), planes)
+    assert qw.check_layout(planes), type_name
+"""
+
+
+@pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
+def test_the_wide_path_reads_torchs_layout_on_every_cpu_capability(capability):
+    """torch packs int4 rows by the CPU's vector width (``quant.int4_layout``): under each
+    capability this CPU can run (``ATEN_CPU_CAPABILITY``), the dequantized planes read back every
+    packed value, so the wide path is on for AVX-512 and AVX2 machines alike."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "TURNKV_CPU_KERNEL": "off"}
+    out = subprocess.run(
+        [sys.executable, "-c", LAYOUT_CHILD],
+        env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    ran = out.stdout.split()[0]
+    if ran != capability:
+        pytest.skip(f"this CPU runs {ran}, not {capability}")

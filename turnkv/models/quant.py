@@ -85,6 +85,17 @@ def packed_kernel() -> str:
 
 
 @functools.cache
+def int4_layout() -> tuple[int, bool] | None:
+    """How torch's CPU int4 packer lays out rows for the capability it runs (``ATEN_CPU_CAPABILITY``
+    picks it): ``(rows per block, paired)``; each block is ``[K, rows / 2]`` bytes whose byte ``j``
+    holds rows ``j`` and ``j + rows / 2`` (low, high nibble), or rows ``2j`` and ``2j + 1`` where
+    ``paired``. Read off torch 2.5-2.13's packer; ``QuantWeight.check_layout`` verifies it on every
+    load, so a torch that packs otherwise only loses the wide path. None: a layout not known."""
+    return {"AVX512": (64, False), "AVX2": (32, False), "DEFAULT": (32, True)}.get(
+        torch.backends.cpu.get_cpu_capability()
+    )
+
+
 def _int4_mm():
     """torch's int4 matmul op, looked up once (``torch.ops.aten.<name>`` is two lookups a call)."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -272,19 +283,27 @@ class QuantWeight(nn.Module):
     def dequant_t(self) -> torch.Tensor:
         """``W.T`` as bf16 ``[K, N]`` from the packed planes (each value rounded to bf16 once).
 
-        Reads torch's AVX-512 int4 layout: per block of 64 rows, ``[K, 32]`` bytes whose low
-        nibbles are rows 0-31 and high nibbles rows 32-63. ``wide_ok`` is set only after
-        ``check_layout`` saw this read back every value that was packed. (Torch's layout only:
-        the C kernel has no wide path.)"""
+        Reads torch's int4 layout for the CPU capability torch runs (``int4_layout``): per block of
+        ``rows`` rows, ``[K, rows / 2]`` bytes. ``wide_ok`` is set only after ``check_layout`` saw
+        this read back every value that was packed. (Torch's layout only: the C kernel has no wide
+        path.)"""
         assert not self.native, "the C kernel's weights have no wide path (WIDE_ROWS)"
+        layout = int4_layout()
+        assert layout is not None, f"torch's int4 layout for {torch.backends.cpu.get_cpu_capability()} is unknown"
+        rows, paired = layout
         p, np_, kh = self.packed.shape
-        k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // 64
-        nib = self.packed.view(p, nb, k, 32)
-        u = torch.cat([nib & 15, nib >> 4], dim=-1).view(p, nb, g, GROUP, 64)  # [P, NB, G, 32, 64]
+        k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // rows
+        nib = self.packed.view(p, nb, k, rows // 2)
+        lo, hi = nib & 15, nib >> 4
+        # paired: byte j holds rows 2j (low) and 2j+1; else rows j (low) and j + rows/2
+        u = torch.stack([lo, hi], dim=-1) if paired else torch.stack([lo, hi], dim=-2)
+        u = u.reshape(p, nb, g, GROUP, rows)  # [P, NB, G, 32, rows]
         # scales and zeros apart first (1/32 of the values): strided broadcasts are slow kernels
-        sc, ze = (self.scale_zeros[..., i].contiguous().view(p, g, nb, 1, 64).transpose(1, 2) for i in (0, 1))
-        w = _values(u, sc, ze)  # [NB, G, 32, 64]
-        wt = w.reshape(nb, k, 64).transpose(0, 1).reshape(k, np_)  # [K, Np]
+        sc, ze = (
+            self.scale_zeros[..., i].contiguous().view(p, g, nb, 1, rows).transpose(1, 2) for i in (0, 1)
+        )
+        w = _values(u, sc, ze)  # [NB, G, 32, rows]
+        wt = w.reshape(nb, k, rows).transpose(0, 1).reshape(k, np_)  # [K, Np]
         return wt[:, : self.shape[0]]
 
     def check_layout(self, planes: list[Plane]) -> bool:
@@ -292,7 +311,8 @@ class QuantWeight(nn.Module):
         (torch's int4 kernel; the C kernel needs none: ``WIDE_ROWS``)."""
         self.wide_ok = False
         n, k = self.shape
-        if self.native or self.packed is None or self.packed.shape[1] % 64 or n % 64:
+        layout = int4_layout()
+        if self.native or self.packed is None or layout is None or n % layout[0]:
             return False
         u = torch.stack([pl.u.view(n, k // GROUP, GROUP) for pl in planes])  # [P, N, G, 32]
         s = torch.stack([pl.scale for pl in planes]).to(torch.bfloat16)[..., None]  # [P, N, G, 1]
