@@ -237,8 +237,9 @@ def test_ctrl_c_stops_the_answer_keeps_the_turn_and_ctrl_c_at_the_prompt_exits()
         assert first["seals"] == 1 and first["bank_entries"] == 1
         chat.send("/undo")  # the turn is part of the conversation
         chat.wait_for(lambda out: "(undone)" in out)
-        chat.proc.send_signal(signal.SIGINT)  # at the prompt: the program ends
-        assert chat.proc.wait(timeout=60) in (0, 130)
+        # at the prompt (or on the way to it: a Ctrl-C outside an answer quits wherever it lands)
+        chat.proc.send_signal(signal.SIGINT)
+        assert chat.proc.wait(timeout=240) == 0  # the event is the exit; the bound only stops a hang
     finally:
         if chat.proc.poll() is None:
             chat.proc.kill()

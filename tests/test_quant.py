@@ -337,7 +337,11 @@ def test_the_wide_path_reads_torchs_layout_on_every_cpu_capability(capability):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "TURNKV_CPU_KERNEL": "off"}
     out = subprocess.run(
         [sys.executable, "-c", LAYOUT_CHILD],
-        env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     ran = out.stdout.split()[0]

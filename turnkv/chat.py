@@ -114,7 +114,15 @@ class ChatSession:
         }
         out.update(self.engine.counters())
         if self.last is not None:
-            out["last_turn"] = asdict(self.last)
+            last = asdict(self.last)
+            gaps = sorted(last.pop("token_gaps_s"))  # one float per token: summarized, not listed
+            if gaps:
+                last["token_gap_ms"] = {
+                    "p50": round(1000 * gaps[len(gaps) // 2], 2),
+                    "p99": round(1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 2),
+                    "max": round(1000 * gaps[-1], 2),
+                }
+            out["last_turn"] = last
         return out
 
 
@@ -145,18 +153,23 @@ def run_chat(engine: Engine, args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"turnkv chat with {engine.info.model_name}. {HELP}", file=sys.stderr)
+    try:
+        _loop(session, interactive)
+    except (EOFError, KeyboardInterrupt):  # Ctrl-C anywhere but inside an answer quits
+        pass
+    return 0
+
+
+def _loop(session: ChatSession, interactive: bool) -> None:
     while True:
-        try:
-            line = input("> ") if interactive else sys.stdin.readline()
-        except (EOFError, KeyboardInterrupt):
-            break
+        line = input("> ") if interactive else sys.stdin.readline()
         if not interactive and not line:
-            break
+            return
         line = line.strip()
         if not line:
             continue
         if line in ("/quit", "/exit"):
-            break
+            return
         if line == "/undo":
             print("(undone)" if session.undo() else "(nothing to undo)", flush=True)
         elif line == "/reset":
@@ -171,4 +184,3 @@ def run_chat(engine: Engine, args: argparse.Namespace) -> int:
                 for piece in session.ask(line, cancel=stop):
                     print(piece, end="", flush=True)
             print(" (stopped)" if session.finish == "cancelled" else "", flush=True)
-    return 0

@@ -289,7 +289,9 @@ class QuantWeight(nn.Module):
         path.)"""
         assert not self.native, "the C kernel's weights have no wide path (WIDE_ROWS)"
         layout = int4_layout()
-        assert layout is not None, f"torch's int4 layout for {torch.backends.cpu.get_cpu_capability()} is unknown"
+        assert layout is not None, (
+            f"torch's int4 layout for {torch.backends.cpu.get_cpu_capability()} is unknown"
+        )
         rows, paired = layout
         p, np_, kh = self.packed.shape
         k, g, nb = 2 * kh, 2 * kh // GROUP, np_ // rows
