@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
-from turnkv.engine.grammar import GrammarError, Grammars, ToolCallShape
+from turnkv.engine.grammar import Constraint, GrammarError, Grammars, ToolCallShape
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.toolcalls import HERMES, parse
@@ -208,14 +208,57 @@ def test_a_forced_tool_call_parses(engine, grammars):
         ToolCallShape(HERMES.header.format(name=n), params, HERMES.close) for n in ("get_weather", "get_time")
     ]
     for seed in range(3):
-        text, finish = answer(
-            engine, grammars.tool_calls(shapes, HERMES.separator), SamplingParams(temperature=1.0, seed=seed)
-        )
+        grammar = grammars.tool_calls(shapes, HERMES.separator, max_calls=3)
+        text, finish = answer(engine, grammar, SamplingParams(temperature=1.0, seed=seed))
         content, calls = parse(HERMES, text)
-        assert finish == "stop" and content == "" and calls
+        assert finish == "stop" and content == "" and 1 <= len(calls) <= 3
         for call in calls:
             assert call.name in ("get_weather", "get_time")
             jsonschema.validate(json.loads(call.arguments), params)
+
+
+def allowed(con: Constraint, vocab: int) -> set[int]:
+    """The tokens ``con``'s grammar allows next."""
+    words = (vocab + 31) // 32
+    mask = torch.zeros(words, dtype=torch.int32)
+    con.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+    bits = (mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return set(bits.flatten()[:vocab].nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("most", [1, 3])
+def test_a_forced_call_grammar_ends_the_turn_after_its_calls(engine, grammars, most):
+    """The end of the turn is allowed right after every complete call; after ``max_calls`` calls it
+    is the only token allowed, and another call is refused."""
+    tok, vocab = engine.tokenizer, engine.loaded.config.vocab_size
+    eos = tok.eos_token_ids
+    params = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    shape = ToolCallShape(HERMES.header.format(name="f"), params, HERMES.close)
+    grammar = grammars.tool_calls([shape], HERMES.separator, max_calls=most)
+    call = tok.encode(HERMES.header.format(name="f") + '{"a": 1}' + HERMES.close)
+    sep, opener = tok.encode(HERMES.separator), tok.encode(HERMES.open)
+    for calls in range(1, most + 1):  # a turn of 1..most calls, then its end
+        con = grammar.start()
+        for n in range(1, calls + 1):
+            for t in (sep if n > 1 else []) + call:
+                con.accept(t)
+            after = allowed(con, vocab)
+            assert eos <= after and (after == eos) == (n == most), (n, after)
+        con.accept(min(eos))
+        assert con.done
+    con = grammar.start()
+    for t in call + (sep + call) * (most - 1):
+        con.accept(t)
+    with pytest.raises(RuntimeError, match="refused"):
+        for t in sep + opener:  # one more call
+            con.accept(t)
+
+
+def test_several_calls_need_a_separator(grammars):
+    shape = ToolCallShape(HERMES.header.format(name="f"), None, HERMES.close)
+    assert grammars.tool_calls([shape], None, max_calls=1)
+    with pytest.raises(ValueError, match="separator"):
+        grammars.tool_calls([shape], None, max_calls=2)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ import pytest
 from test_server import MODEL, Live
 from tool_models import tool_model
 
+from turnkv.server.structured import FORCED_CALLS_MAX
+
 pytestmark = pytest.mark.slow
 
 CITY = {
@@ -133,6 +135,44 @@ def test_forced_calls_parse_and_validate(tool_live):
     ]
     r = ask(tool_live, msgs, tools=TOOLS, max_tokens=16)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def no_end_of_turn(live) -> dict[str, int]:
+    """A ``logit_bias`` that makes the model rather go on than end its turn (a model that repeats)."""
+    return {str(t): -100 for t in live.engine.tokenizer.eos_token_ids}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_named_choice_is_one_call_that_ends_the_turn(tool_live, parallel):
+    """Even a model that would repeat the call: the grammar allows nothing but the end of the turn
+    after it, with or without ``parallel_tool_calls``."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    msgs = [{"role": "user", "content": "What time is it?"}]
+    kw = {"tool_choice": named, "parallel_tool_calls": parallel, "logit_bias": no_end_of_turn(tool_live)}
+    r = ask(tool_live, msgs, tools=TOOLS, max_tokens=400, **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert [c.function.name for c in ch.message.tool_calls] == ["get_time"]
+    assert r.usage.completion_tokens < 100  # one call and the end-of-turn token
+    chunks = ask(tool_live, msgs, tools=TOOLS, stream=True, **kw)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_required_calls_are_bounded_and_end_the_turn(tool_live):
+    """``required`` with parallel calls, from a model that would call forever: at most
+    ``FORCED_CALLS_MAX`` calls, then the end of the turn (a family with one call per message: one)."""
+    msgs = [{"role": "user", "content": "What time is it?"}]
+    r = ask(
+        tool_live,
+        msgs,
+        tools=TOOLS[1:],
+        tool_choice="required",
+        max_tokens=2000,
+        logit_bias=no_end_of_turn(tool_live),
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", (ch.finish_reason, r.usage)
+    assert len(ch.message.tool_calls) == (FORCED_CALLS_MAX if tool_live.family != "llama31" else 1)
 
 
 def test_streamed_call_deltas_rebuild_the_non_streamed_calls(tool_live):

@@ -173,12 +173,19 @@ class Grammars:
             raise GrammarError(_first_line(str(e))) from None
         return self._compile(key, source)
 
-    def tool_calls(self, calls: Sequence[ToolCallShape], separator: str | None) -> Grammar:
-        """At least one call of ``calls`` (each ``begin + arguments + end``), several separated by
-        ``separator`` when it is not None, and nothing else. Raises GrammarError."""
+    def tool_calls(
+        self, calls: Sequence[ToolCallShape], separator: str | None = None, max_calls: int = 1
+    ) -> Grammar:
+        """One to ``max_calls`` calls of ``calls`` (each ``begin + arguments + end``), separated by
+        ``separator``, and nothing else: the end of the turn is allowed after every call, and after
+        the ``max_calls``-th it is the only token allowed (a model that would repeat a call cannot
+        loop to ``max_tokens``). Raises GrammarError."""
         import llguidance
 
-        lines = ["start: call" + (f" ({json.dumps(separator)} call)*" if separator is not None else "")]
+        if max_calls < 1 or (max_calls > 1 and separator is None):
+            raise ValueError(f"max_calls {max_calls} needs to be 1, or above 1 with a separator")
+        more = f" ({json.dumps(separator)} call){{0,{max_calls - 1}}}" if max_calls > 1 else ""
+        lines = ["start: call" + more]
         lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(calls))))
         for i, call in enumerate(calls):
             params = call.parameters if call.parameters is not None else {"type": "object"}

@@ -5,10 +5,12 @@ the default model's vocabulary, ~65 ms at 128K; a repeated one is a cache hit).
 - ``response_format`` ``json_object`` / ``json_schema``: a JSON grammar (``engine.grammar``).
 - ``tools``: rendered by the model's chat template; its format (``toolcalls.template_format``)
   says how calls look. ``tool_choice`` ``auto`` (the default): the answer is parsed, plain content
-  when the model calls nothing; ``required`` or a named function: a grammar forces one call (or
-  several, ``parallel_tool_calls``) of those functions with arguments valid for their schema, so
-  the calls always parse; ``none``: tools are rendered (the prompt stays the same as on turns that
-  allow calls, so it stays cached) and nothing is parsed.
+  when the model calls nothing; ``required``: a grammar forces one call of the tools (up to
+  ``FORCED_CALLS_MAX`` with ``parallel_tool_calls``), a named function: exactly one call of it
+  (``parallel_tool_calls`` aside: the client named the call it wants), arguments valid for
+  their schema, so the calls always parse, and the turn ends after them; ``none``: tools are
+  rendered (the prompt stays the same as on turns that allow calls, so it stays cached) and
+  nothing is parsed.
 
 Every problem is an ``ApiError`` 400 naming its field.
 """
@@ -20,6 +22,10 @@ from dataclasses import dataclass
 from turnkv.engine.grammar import Grammar, GrammarError, Grammars, ToolCallShape
 from turnkv.server.schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat, bad_request
 from turnkv.toolcalls import ToolFormat, ToolsUnsupported, template_format
+
+# the most calls a forced ``required`` turn may write with ``parallel_tool_calls``: a model that
+# repeats its call ends the turn there instead of at max_tokens
+FORCED_CALLS_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,10 @@ def chat_structure(req: ChatCompletionRequest, grammars: Grammars, template: str
     if choice == "none":
         return Structure(grammar, tools)
     parallel = req.parallel_tool_calls and fmt.separator is not None
-    plan = ToolPlan(fmt, None if parallel else 1)
     if choice == "auto":
-        return Structure(grammar, tools, plan)
+        return Structure(grammar, tools, ToolPlan(fmt, None if parallel else 1))
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    most = FORCED_CALLS_MAX if parallel and named is None else 1  # a named function: one call
     if grammar is not None:
         raise bad_request(
             "response_format and a forced tool call (tool_choice required or a function) cannot both "
@@ -103,17 +110,13 @@ def chat_structure(req: ChatCompletionRequest, grammars: Grammars, template: str
             param="tool_choice",
         )
     assert req.tools is not None
-    wanted = [
-        t
-        for t in req.tools
-        if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name
-    ]
+    wanted = [t for t in req.tools if named is None or t.function.name == named]
     shapes = [
         ToolCallShape(fmt.header.format(name=t.function.name), t.function.parameters or None, fmt.close)
         for t in wanted
     ]
     try:
-        grammar = grammars.tool_calls(shapes, fmt.separator if parallel else None)
+        grammar = grammars.tool_calls(shapes, fmt.separator, most)
     except GrammarError as e:
         raise bad_request(f"tools: a function's parameters cannot be enforced: {e}", param="tools") from None
-    return Structure(grammar, tools, plan)
+    return Structure(grammar, tools, ToolPlan(fmt, most))
