@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from turnkv.tokenizer import Tokenizer, gguf_backend
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # bump when what is cached changes meaning
+CACHE_FORMAT = 3  # bump when what is cached changes meaning
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 # ggml type names this loader dequantizes (F32/F16/BF16/Q8_0/Q4_0/Q4_1 in torch, the rest through
 # gguf.quants); tests check each against transformers' dequantizer or the block layout itself.
@@ -60,6 +60,7 @@ class GGUFHeader:
     config: ModelConfig
     tensors: list[TensorEntry]
     permuted_qk: bool  # llama.cpp permuted the Q/K rows (llama arch): undo on load
+    sampling: dict = field(default_factory=dict)  # general.sampling.* values (models/generation.py)
 
 
 def cache_root() -> Path:
@@ -163,7 +164,8 @@ def read_header(path: Path) -> tuple[GGUFHeader, Tokenizer]:
         add_bos=bool(_scalar(reader, "tokenizer.ggml.add_bos_token", False)),
         eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
     )
-    return GGUFHeader(config, entries, permuted_qk=arch == "llama"), tokenizer
+    sampling = {k: _scalar(reader, k) for k in reader.fields if k.startswith("general.sampling.")}
+    return GGUFHeader(config, entries, permuted_qk=arch == "llama", sampling=sampling), tokenizer
 
 
 # ---- cache ----------------------------------------------------------------------------------
@@ -174,6 +176,7 @@ def _to_json(header: GGUFHeader) -> dict:
         "config": cfg,
         "tensors": [asdict(e) for e in header.tensors],
         "permuted_qk": header.permuted_qk,
+        "sampling": header.sampling,
     }
 
 
@@ -184,7 +187,7 @@ def _from_json(data: dict) -> GGUFHeader:
     cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
     cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
     tensors = [TensorEntry(**{**e, "shape": tuple(e["shape"])}) for e in data["tensors"]]
-    return GGUFHeader(ModelConfig(**cfg), tensors, bool(data["permuted_qk"]))
+    return GGUFHeader(ModelConfig(**cfg), tensors, bool(data["permuted_qk"]), dict(data["sampling"]))
 
 
 def cached_header(path: Path, fingerprint: str) -> tuple[GGUFHeader, Tokenizer, bool]:

@@ -13,7 +13,7 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.kv.cache import KVShape
-from turnkv.models import cpu_int4, quant
+from turnkv.models import cpu_int4, generation, quant
 from turnkv.models import gguf as gg
 from turnkv.models.gguf_pack import pack_gguf
 from turnkv.models.llama import LlamaModel
@@ -127,6 +127,9 @@ class LoadedModel:
     weights: str = "dequant"  # packed | mixed | dequant: how the matrices are held (models/quant.py)
     weights_note: str = ""  # why, e.g. "self-check ok" or "packed weights run on CPU, ..."
     matmul: str = ""  # packed weights' kernel: "c" or "torch-int4" (models/quant.py); "" dense
+    # what the model recommends for requests that set no temperature etc. (models/generation.py)
+    sampling: generation.SamplingDefaults = field(default_factory=generation.SamplingDefaults)
+    pack_cache: str = ""  # packed weights from the cache: "hit", "miss", "off" (models/pack_cache.py)
 
 
 # ---- device / dtype -------------------------------------------------------------------------
@@ -249,7 +252,8 @@ def load_model(
     if spec.startswith("random:"):
         return build_random_model(spec.split(":", 1)[1], dev, dt, group=group)
     if spec in ("", "default"):
-        return _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights, group)
+        loaded = _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights, group)
+        return replace(loaded, sampling=loaded.sampling.over(generation.DEFAULT_MODEL_CARD))
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -366,7 +370,8 @@ def _load_gguf(
         raise ModelLoadError(f"{path.name}: {exc}") from exc
     with torch.no_grad():
         try:
-            report = pack_gguf(model, [(n, e, heads(e)) for n, e in named], data, weights, dev, path)
+            table = [(n, e, heads(e)) for n, e in named]
+            report = pack_gguf(model, table, data, weights, dev, path, fp, dt)
         except ValueError as exc:
             raise ModelLoadError(f"{path.name}: {exc}") from exc
         items = [
@@ -375,7 +380,9 @@ def _load_gguf(
             if n not in report.packed_names
         ]
         _fill(model, items, f"loading {name}", progress, report.packed_names)
-    return LoadedModel(model, tok, cfg, name, fp, dev, dt, report.used, report.reason, report.matmul)
+    sampling = generation.from_gguf(header.sampling, path.name)
+    held = (report.used, report.reason, report.matmul)
+    return LoadedModel(model, tok, cfg, name, fp, dev, dt, *held, sampling, pack_cache=report.cache)
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
@@ -481,4 +488,4 @@ def _load_hf(
     ]
     with torch.no_grad():
         _fill(model, items, f"loading {folder.name}", progress)
-    return LoadedModel(model, tok, cfg, folder.name, fp, dev, dt)
+    return LoadedModel(model, tok, cfg, folder.name, fp, dev, dt, sampling=generation.from_hf_folder(folder))
