@@ -20,6 +20,7 @@ from test_server import Live, chat, history_tokens
 
 from turnkv.models.load import load_model
 from turnkv.server.dashboard import ASSETS
+from turnkv.server.dashboard.features import features
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +53,7 @@ STATE_KEYS = {
     "conversations_total",
     "requests",
     "history",
+    "features",
 }
 MEMORY_KEYS = {"bytes_per_row", "logical_bytes", "live_bytes", "segments", "shared_segments", "shared_bytes"}
 CONV_KEYS = {"id", "ns_hash", "rows", "own_bytes", "in_use", "protected", "segments"}
@@ -136,6 +138,7 @@ def test_state_is_the_health_document_plus_the_banks_contents(chatted):
     health = srv.health()
     assert set(s) == STATE_KEYS and s["schema"] == 1
     assert s["health"] == health  # one builder: every count on the page is /health's
+    assert s["features"] == [f.doc() for f in features(health)]  # its status fields, classified
     bank = health["bank"]
     convs = s["conversations"]
     assert len(convs) == s["conversations_total"] == bank["entries"] == len(histories)
@@ -215,8 +218,9 @@ def _strings(obj) -> list[str]:
 def test_state_holds_no_text_no_token_ids(chatted):
     srv, histories, responses = chatted
     s = state(srv)
-    # outside the /health document (checked equal to /health above) the only strings are hashes
-    rest = {k: v for k, v in s.items() if k != "health"}
+    # outside the /health document and its classification (both checked against /health above)
+    # the only strings are hashes
+    rest = {k: v for k, v in s.items() if k not in ("health", "features")}
     assert all(re.fullmatch(r"[0-9a-f]{8}", x) for x in _strings(rest)), _strings(rest)
     text = json.dumps(s)
     for w in ("Kestrel", "Meridian", "quartermaster", "lamp oil", "anchorage"):

@@ -1,5 +1,7 @@
 """The dashboard's state without a model: the bank's contents as segments, the history ring's
-arithmetic, and ``/health.scheduler`` taking over the queue figures when a server reports it.
+arithmetic, ``/health.scheduler`` taking over the queue figures when a server reports it, and the
+status fields classified in one place (``features``): what is normal on this device is never
+shown as a warning.
 
 The bank is real (segments, snapshots, leases); only the engine and the worker are stand-ins for
 what ``/health`` reads from them.
@@ -7,6 +9,7 @@ what ``/health`` reads from them.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from types import SimpleNamespace
 
@@ -20,7 +23,9 @@ from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
 from turnkv.server.dashboard import bankview, state
 from turnkv.server.dashboard.bankview import LiveClock, bank_view, ns_hash
+from turnkv.server.dashboard.features import features
 from turnkv.server.dashboard.history import History, Sample
+from turnkv.server.health import server_health
 from turnkv.server.metrics import Metrics
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
@@ -172,3 +177,205 @@ def test_state_takes_running_and_waiting_from_the_scheduler():
     assert s["health"]["scheduler"]["step_ms"] == 12.5  # shown as /health has it
     srv.metrics.generated_tokens.inc(7)
     assert dash.state()["requests"]["generated_tokens"] == 7
+
+
+def test_state_classifies_the_health_fields_it_shows():
+    s = state.Dashboard(_Srv()).state()
+    assert s["features"] == [f.doc() for f in features(s["health"])]
+    by_key = {f["key"]: f for f in s["features"]}
+    assert set(by_key) == {
+        "server",
+        "attention",
+        "selfcheck",
+        "cpu_kernel",
+        "graphs",
+        "run_ahead",
+        "speculation",
+        "weights",
+        "disk",
+        "tensor_parallel",
+    }
+    assert all(f["tone"] in ("ok", "off", "warn", "bad") and f["text"] and f["why"] for f in s["features"])
+    assert (
+        by_key["attention"]["tone"] == "off" and "no GPU" in by_key["attention"]["text"]
+    )  # Verdict(): no_cuda
+
+
+def _cpu_doc() -> dict:
+    """A CPU server's /health as the real builder makes it, with the scheduler's CPU figures."""
+    srv = _Srv()
+    srv.worker.scheduler.snapshot.update(
+        graphs={"status": "off: no CUDA (cpu)", "captures": 0, "replays": 0},
+        run_ahead={"enabled": False, "steps": 0},
+    )
+    return server_health(srv)
+
+
+def _doc(**patches) -> dict:
+    """``_cpu_doc()`` with ``a__b=value`` setting ``doc[a][b]``."""
+    doc = copy.deepcopy(_cpu_doc())
+    for path, v in patches.items():
+        *outer, last = path.split("__")
+        d = doc
+        for k in outer:
+            d = d[k]
+        d[last] = v
+    return doc
+
+
+def _tones(doc: dict) -> dict[str, tuple[str, str]]:
+    return {f.key: (f.tone, f.text) for f in features(doc)}
+
+
+def test_a_cpu_server_in_its_normal_state_shows_no_warning():
+    doc = _doc(attention__cpu_kernel="ok")
+    t = _tones(doc)
+    assert doc["attention"]["verdict"] == "no_cuda" and doc["device"] == "cpu"
+    assert {k for k, (tone, _) in t.items() if tone in ("warn", "bad")} == set()
+    for key in ("attention", "graphs"):  # off because this machine has no GPU: neutral, in words
+        assert t[key] == ("off", "off — no GPU"), key
+    assert t["selfcheck"][0] == t["run_ahead"][0] == t["disk"][0] == t["tensor_parallel"][0] == "off"
+    assert t["server"] == ("ok", "serving") and t["cpu_kernel"] == ("ok", "on")
+
+
+GPU = {
+    "device": "cuda:0",
+    "attention__cpu_kernel": None,
+    "weights": {"held": "dequant", "note": "", "matmul": None},
+}
+NOT_FUSED = "off: the attention route is not fused ({})"
+
+
+@pytest.mark.parametrize(
+    ("patches", "key", "tone", "text"),
+    [
+        # the fused route on a GPU, and what keeps it off there
+        ({**GPU, "attention__verdict": "ok", "attention__route": "fused"}, "attention", "ok", "on"),
+        ({**GPU, "attention__verdict": "triton_missing"}, "attention", "warn", "off — triton missing"),
+        (
+            {**GPU, "attention__verdict": "head_dim_96_unsupported"},
+            "attention",
+            "warn",
+            "off — head dim 96 unsupported",
+        ),
+        ({**GPU, "attention__verdict": "forced_lse"}, "attention", "off", "off — --attention lse"),
+        ({**GPU, "attention__verdict": "selfcheck_failed"}, "attention", "bad", "off — self-check failed"),
+        ({**GPU, "attention__selfcheck": {"passed": True}}, "selfcheck", "ok", "passed"),
+        ({**GPU, "attention__selfcheck": {"passed": False}}, "selfcheck", "bad", "failed"),
+        ({**GPU}, "cpu_kernel", "off", "not used — GPU"),
+        # CUDA graphs and run-ahead follow their cause
+        ({**GPU, "scheduler__graphs": {"status": "on"}}, "graphs", "ok", "on"),
+        (
+            {**GPU, "scheduler__graphs": {"status": "off: --cuda-graphs off"}},
+            "graphs",
+            "off",
+            "off — --cuda-graphs off",
+        ),
+        (
+            {
+                **GPU,
+                "attention__verdict": "triton_missing",
+                "scheduler__graphs": {"status": NOT_FUSED.format("x")},
+            },
+            "graphs",
+            "warn",
+            "off — attention not fused",
+        ),
+        (
+            {
+                **GPU,
+                "attention__verdict": "forced_lse",
+                "scheduler__graphs": {"status": NOT_FUSED.format("x")},
+            },
+            "graphs",
+            "off",
+            "off — attention not fused",
+        ),
+        ({"scheduler__run_ahead": {"enabled": True, "steps": 3}}, "run_ahead", "ok", "on"),
+        (
+            {**GPU, "scheduler__graphs": {"status": "on"}, "scheduler__run_ahead": {"enabled": False}},
+            "run_ahead",
+            "off",
+            "off — --run-ahead off",
+        ),
+        # the CPU's own kernels
+        (
+            {"attention__cpu_kernel": "torch ops (no C compiler ('cc' not found; set CC))"},
+            "cpu_kernel",
+            "warn",
+            "off — not built",
+        ),
+        (
+            {"attention__cpu_kernel": "off (TURNKV_CPU_KERNEL)"},
+            "cpu_kernel",
+            "off",
+            "off — TURNKV_CPU_KERNEL",
+        ),
+        ({"weights": {"held": "packed", "note": "self-check ok", "matmul": "c"}}, "weights", "ok", "on"),
+        (
+            {"weights": {"held": "dequant", "note": "--weights dequant", "matmul": None}},
+            "weights",
+            "off",
+            "off — --weights dequant",
+        ),
+        ({"weights": {"held": "dequant", "note": "", "matmul": None}}, "weights", "off", "off"),
+        (
+            {
+                "weights": {
+                    "held": "dequant",
+                    "note": "torch 2.5 has no aten.x (needs torch>=2.6)",
+                    "matmul": None,
+                }
+            },
+            "weights",
+            "warn",
+            "off — see why",
+        ),
+        (
+            {"weights": {"held": "mixed", "note": "self-check failed for a.weight", "matmul": "c"}},
+            "weights",
+            "warn",
+            "partly",
+        ),
+        (
+            {
+                **GPU,
+                "weights": {"held": "dequant", "note": "packed weights run on CPU, the device is cuda:0"},
+            },
+            "weights",
+            "off",
+            "not used — GPU",
+        ),
+        # speculation off is a choice (a flag, tensor parallelism), never a fault
+        ({"speculation__status": "off: --speculate off"}, "speculation", "off", "off — --speculate off"),
+        ({"speculation__status": "off: tensor parallelism (each rank ...)"}, "speculation", "off", "off"),
+        # the disk tier, tensor parallelism, the server
+        ({"disk__enabled": True}, "disk", "ok", "on"),
+        ({"disk__enabled": True, "disk__corrupt": 2}, "disk", "warn", "on — with errors"),
+        (
+            {"tensor_parallel": {"size": 2, "status": "ok", "dead_ranks": [], "error": None}},
+            "tensor_parallel",
+            "ok",
+            "on — 2 GPUs",
+        ),
+        (
+            {
+                "status": "unavailable",
+                "tensor_parallel": {"size": 2, "status": "down", "dead_ranks": [1], "error": "gone"},
+            },
+            "tensor_parallel",
+            "bad",
+            "down",
+        ),
+        ({"status": "unavailable"}, "server", "bad", "unavailable"),
+    ],
+)
+def test_each_status_field_gets_one_tone(patches, key, tone, text):
+    assert _tones(_doc(**patches))[key] == (tone, text)
+
+
+def test_features_of_a_partial_document_do_not_raise():
+    """An older or stand-in /health (fields missing) still classifies: nothing is guessed as fine."""
+    t = _tones({})
+    assert t["server"][0] == "bad"
+    assert t["attention"] == t["graphs"] == t["speculation"] == ("off", "—")

@@ -15,7 +15,9 @@ Keys (all always present):
 - ``requests``: ``running`` and ``waiting`` (``/health.scheduler``'s), ``live`` turns (``ns_hash``, ``rows``, ``restored_rows``, ``priced_bytes``,
   ``age_s``, ``rows_per_s``) and ``live_rows_per_s`` (their sum), ``generated_tokens`` / ``prefilled_tokens`` / ``answers`` (finished turns, as ``/metrics``
   counts them), ``tokens_per_s``, ``prefill_tokens_per_s``, ``ttft_s`` (last minute), ``ttft_mean_s``;
-- ``history``: the last five minutes, one column per series (see ``History.series``).
+- ``history``: the last five minutes, one column per series (see ``History.series``);
+- ``features``: every on/off field of ``health`` classified (``key``, ``label``, ``tone``, ``text``,
+  ``why``; see ``features``), so the page colours them from one decision.
 
 No token ids, no text, no session ids, no raw namespaces (see ``bankview``).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import time
 
 from turnkv.server.dashboard.bankview import LiveClock, bank_view
+from turnkv.server.dashboard.features import features
 from turnkv.server.dashboard.history import History, Sample, take_sample
 from turnkv.server.health import server_health
 
@@ -72,4 +75,5 @@ class Dashboard:
                 **self.history.rates(sample),
             },
             "history": self.history.series(),
+            "features": [f.doc() for f in features(doc)],
         }
