@@ -5,6 +5,8 @@ page is open, and waits until the panels show them (the page polls; nothing relo
 turn that the page shows running and then banked. It checks the page
 loads nothing from elsewhere, logs no error, fits a 375 px wide screen, reads in the dark colour
 scheme, asks for the key when ``--api-key`` is set, and saves ``docs/dashboard.png`` for the README.
+With its data held back, the whole layout is there at once; then it explains its terms (a glossary,
+tooltips) and shows this CPU's normal ``no_cuda`` state as neutral, not as a warning.
 
 Needs the ``chromium`` binary (``apt-get install chromium``; ``.ci/run`` installs it). Playwright
 never downloads a browser here: it drives the system one.
@@ -166,6 +168,102 @@ def test_page_follows_two_conversations_live(loaded, browser):
         assert _luminance(light_bg) > 0.8
         watch_phone.check()
         narrow.close()
+        ctx.close()
+    finally:
+        srv.close()
+
+
+PANELS = [  # every panel's heading, in page order
+    "Status",
+    "KV memory",
+    "Tokens per second",
+    "Bank events per second",
+    "Conversations",
+    "Requests and queue",
+    "Attention",
+    "Segments, disk tier, speculation",
+]
+TERMS = ["row", "segment", "shared", "ns", "bank", "fused", "lse", "single", "route_q", "no_cuda", "graphs"]
+
+
+def _headings(page) -> list[str]:
+    return page.eval_on_selector_all("main h2", "hs => hs.map(h => h.firstChild.textContent.trim())")
+
+
+def _chroma(css: str) -> int:
+    """How far a computed ``rgb(...)`` colour is from grey (0: a grey; amber is over 100)."""
+    rgb = [int(x) for x in css[css.index("(") + 1 : css.index(")")].split(",")[:3]]
+    return max(rgb) - min(rgb)
+
+
+def test_layout_is_there_before_any_data_and_explains_itself(loaded, browser):
+    srv = Live(loaded)
+    try:
+        chat(srv.client(), [{"role": "user", "content": "Hello."}], max_tokens=2)  # a conversation, routes
+        srv.idle()
+        ctx = browser.new_context(viewport={"width": 1360, "height": 900})
+        page = ctx.new_page()
+        watch = Watch(page, srv.url)
+        held: list = []
+        page.route("**/dashboard/state", lambda route: held.append(route))  # held until we let it go
+        page.goto(srv.url + "/dashboard")
+        page.wait_for_function("document.readyState === 'complete'")
+        page.wait_for_timeout(300)
+        assert held, "the page did not ask for its data"
+        # before any data: every panel, every summary card, the charts' frames, "—" for each figure
+        assert page.is_visible("#main") and page.inner_text("#status") == "connecting…"
+        assert _headings(page) == PANELS
+        kpis = page.locator("#kpis [data-kpi]")
+        assert kpis.count() == 9
+        assert page.eval_on_selector_all("#kpis .value", "vs => vs.map(v => v.textContent)") == ["—"] * 9
+        for chart in ("#memchart", "#tokchart", "#evchart"):
+            assert "waiting for data" in page.inner_text(chart)
+        assert page.locator("#queue dd, #attention dd, #segments dd").count() >= 10
+        assert set(
+            page.eval_on_selector_all("#queue dd, #attention dd", "ds => ds.map(d => d.textContent)")
+        ) == {"—"}
+        # the glossary is there too, folded; it opens on a click and says what the terms mean
+        for term in TERMS:
+            assert page.locator(f'#help dt[data-term~="{term}"]').count() == 1, term
+        assert page.is_hidden("#help .glossary")
+        page.click("#help summary")
+        assert page.is_visible("#help .glossary") and "no GPU" in page.inner_text("#help")
+
+        for r in held:  # now the data
+            r.continue_()
+        page.unroute("**/dashboard/state")
+        page.wait_for_selector("#features [data-feature=attention]", timeout=WAIT_MS)
+        page.wait_for_selector("#routes [data-route]", timeout=WAIT_MS)
+        page.wait_for_selector(CONVS, timeout=WAIT_MS)
+        assert _headings(page) == PANELS  # filled in, not rebuilt around
+        assert "—" not in page.inner_text("[data-kpi=convs] .value")
+
+        # no_cuda on this CPU: neutral grey, with the reason in words; nothing here is amber
+        assert srv.health()["attention"]["verdict"] == "no_cuda"
+        attention = page.locator("#features [data-feature=attention]")
+        assert attention.get_attribute("data-tone") == "off" and "no GPU" in attention.inner_text()
+        shown = page.locator("#main > :not(#help)")  # the glossary shows every colour as a sample
+        assert shown.locator(".badge.warn, .badge.bad, .tone-warn, .tone-bad").count() == 0
+        off = page.eval_on_selector_all(
+            "#main > :not(#help) .badge.off",
+            "bs => bs.map(b => [b.textContent, getComputedStyle(b).backgroundColor])",
+        )
+        assert any("no GPU" in text for text, _ in off)
+        assert all(_chroma(bg) < 24 for _, bg in off), off
+        verdict = page.locator("#attention .tone-off", has_text="no_cuda")
+        assert verdict.count() == 1 and _chroma(verdict.evaluate("e => getComputedStyle(e).color")) < 24
+        # tooltips in plain words: the namespace chip, rows, route names, the verdict's row
+        assert "namespace" in page.get_attribute("#convs .chip.mono", "title")
+        assert "token" in page.locator("#convs .meta span", has_text="rows in").first.get_attribute("title")
+        routes = page.eval_on_selector_all(
+            "#routes [data-route]", "rs => rs.map(r => [r.textContent, r.title])"
+        )
+        assert routes and all(
+            ("query row" in t or "prompt chunk" in t) and t.startswith(r.split("_")[0]) for r, t in routes
+        )
+        dt = page.locator("#attention dt", has_text="verdict")
+        assert "no_cuda" in dt.get_attribute("title")
+        watch.check()
         ctx.close()
     finally:
         srv.close()

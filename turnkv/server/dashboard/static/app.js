@@ -1,4 +1,6 @@
-// turnkv dashboard: polls dashboard/state about once a second and redraws the panels in place.
+// turnkv dashboard: polls dashboard/state about once a second and fills in the panels in place.
+// The layout is index.html's, there before any data; the glossary there (#help) is also the source
+// of every tooltip. Status colours come from the state's `features` (decided on the server, once).
 // No libraries, nothing loaded from anywhere but this server; draw.js has the drawing primitives.
 "use strict";
 (() => {
@@ -6,7 +8,7 @@
   const STALE_MS = 4000;
   const KEY_STORE = "turnkv.dashboard.key";
   const $ = (id) => document.getElementById(id);
-  const { el, bytes, num, secs, duration, pct, plural, value, facts, badge, legend, chart } = window.TurnkvDraw;
+  const { el, bytes, num, secs, duration, pct, plural, value, facts, badge, chart } = window.TurnkvDraw;
 
   let apiKey = sessionStorage.getItem(KEY_STORE) || "";
   let timer = null;
@@ -21,38 +23,58 @@
     history.replaceState(null, "", location.pathname + location.search);
   }
 
+  // -- the glossary: plain words for every term, shown as tooltips ----------------------------------
+  const HELP = new Map();
+  for (const dt of document.querySelectorAll("#help dt[data-term]")) {
+    const text = dt.nextElementSibling.textContent.replace(/\s+/g, " ").trim();
+    for (const term of dt.dataset.term.split(" ")) HELP.set(term, text);
+  }
+  const help = (term) => HELP.get(term) || HELP.get(String(term).replace(/ /g, "_"));
+  function routeHelp(label) {
+    const m = /^([a-z]+)_(?:q(\d+)|prefill)$/.exec(label);
+    if (!m) return help(label);
+    const rows = m[2] ? plural(+m[2], "query row") + (m[2] === "1" ? " (decoding one token)" : "") : "a long prompt chunk";
+    return m[1] + ": " + (help(m[1]) || "an attention route") + " Calls over " + rows + ", one per layer.";
+  }
+  for (const e of document.querySelectorAll("[data-help]")) e.title = help(e.dataset.help) || "";
+  // facts rows: [label, value, tooltip]; the tooltip defaults to the glossary's entry for the label
+  const explained = (rows) => rows.map(([k, v, title]) => [k, v, title || help(k)]);
+
   // -- panels --------------------------------------------------------------------------------------
-  function kpi(label, val, sub, extra) {
-    const k = el("div", { class: "kpi" + (extra && extra.bad ? " bad" : ""), title: extra && extra.title },
-      el("div", { class: "label", text: label }), el("div", { class: "value", text: val }), el("div", { class: "sub", text: sub }));
-    if (extra && extra.gauge) k.append(extra.gauge);
-    return k;
+  const TONE_WORDS = { ok: "on and working", off: "off, as expected here", warn: "degraded", bad: "a fault" };
+  const fbadge = (f) => badge(f.text, f.tone, f.label + ": " + f.why + " (" + TONE_WORDS[f.tone] + ")");
+
+  function renderFeatures(s) {
+    $("features").replaceChildren(...s.features.map((f) =>
+      el("span", { class: "feature", "data-feature": f.key, "data-tone": f.tone }, el("span", { class: "flabel", text: f.label }), fbadge(f))));
+  }
+
+  function setKpi(name, val, sub, opts) {
+    const k = document.querySelector(`[data-kpi="${name}"]`);
+    k.querySelector(".value").textContent = val;
+    k.querySelector(".sub").textContent = sub;
+    k.classList.toggle("bad", !!(opts && opts.bad));
+    if (opts && opts.title) k.title = opts.title;
   }
 
   function renderKpis(s) {
     const b = s.health.bank, m = s.memory, r = s.requests;
-    const gauge = el("div", { class: "gauge", title: "banked and live bytes against the budget" },
-      el("span", { class: "g-banked" }), el("span", { class: "g-live" }));
-    gauge.children[0].style.width = Math.min(100, (100 * b.unique_bytes) / b.budget_bytes) + "%";
-    gauge.children[1].style.width = Math.min(100, (100 * m.live_bytes) / b.budget_bytes) + "%";
+    const gauge = document.querySelector("[data-kpi=bank] .gauge").children;
+    gauge[0].style.width = Math.min(100, (100 * b.unique_bytes) / b.budget_bytes) + "%";
+    gauge[1].style.width = Math.min(100, (100 * m.live_bytes) / b.budget_bytes) + "%";
     const saved = m.logical_bytes - b.unique_bytes;
-    $("kpis").replaceChildren(
-      kpi("Bank memory", bytes(b.unique_bytes), pct(b.unique_bytes + m.live_bytes, b.budget_bytes) + " of " + bytes(b.budget_bytes),
-        { gauge, title: "unique KV bytes held by the bank; live turns add " + bytes(m.live_bytes) }),
-      kpi("As private copies", bytes(m.logical_bytes),
-        b.unique_bytes > 0 ? num(m.logical_bytes / b.unique_bytes, 2) + "× · saves " + bytes(Math.max(saved, 0)) : "nothing banked",
-        { title: "what the banked rows would cost if every conversation held its own copy" }),
-      kpi("Conversations", num(b.entries), plural(m.segments, "segment") + " · " + num(m.shared_segments) + " shared"),
-      kpi("Hit rate", pct(b.hits, b.hits + b.misses), plural(b.hits, "hit") + " · " + num(b.misses) + (b.misses === 1 ? " miss" : " misses")),
-      kpi("Evictions", num(b.evictions), "dropped for room", { title: "idle entries evicted to make room" }),
-      kpi("507 refusals", num(b.refusals), "turns that did not fit", { bad: b.refusals > 0 }),
-      kpi("Tokens/s", num(r.tokens_per_s, 1),
-        r.live.length ? "live turns: " + num(r.live_rows_per_s, 1) + " rows/s" : "+ " + num(r.prefill_tokens_per_s, 0) + " prefill · 5 s",
-        { title: "tokens generated per second over the last 5 s, counted as turns finish; rows/s of the turns running now" }),
-      kpi("First token", secs(r.ttft_s !== null ? r.ttft_s : r.ttft_mean_s), "mean " + secs(r.ttft_mean_s) + " · " + num(r.answers) + " answers",
-        { title: "time to first token: mean over the last minute (big) and since the start" }),
-      kpi("Queue", num(r.running) + " · " + num(r.waiting), "running · waiting"),
-    );
+    setKpi("bank", bytes(b.unique_bytes), pct(b.unique_bytes + m.live_bytes, b.budget_bytes) + " of " + bytes(b.budget_bytes),
+      { title: help("bank") + " Live turns add " + bytes(m.live_bytes) + "." });
+    setKpi("copies", bytes(m.logical_bytes),
+      b.unique_bytes > 0 ? num(m.logical_bytes / b.unique_bytes, 2) + "× · saves " + bytes(Math.max(saved, 0)) : "nothing banked");
+    setKpi("convs", num(b.entries), plural(m.segments, "segment") + " · " + num(m.shared_segments) + " shared");
+    setKpi("hits", pct(b.hits, b.hits + b.misses), plural(b.hits, "hit") + " · " + num(b.misses) + (b.misses === 1 ? " miss" : " misses"));
+    setKpi("evictions", num(b.evictions), "dropped for room");
+    setKpi("refusals", num(b.refusals), "turns that did not fit", { bad: b.refusals > 0 });
+    setKpi("tokens", num(r.tokens_per_s, 1),
+      r.live.length ? "live turns: " + num(r.live_rows_per_s, 1) + " rows/s" : "+ " + num(r.prefill_tokens_per_s, 0) + " prefill · 5 s");
+    setKpi("ttft", secs(r.ttft_s !== null ? r.ttft_s : r.ttft_mean_s), "mean " + secs(r.ttft_mean_s) + " · " + num(r.answers) + " answers");
+    setKpi("queue", num(r.running) + " · " + num(r.waiting), "running · waiting");
   }
 
   function renderCharts(s) {
@@ -66,16 +88,11 @@
       { cls: "s-logical", kind: "line", values: h.logical_bytes },
       { cls: "s-budget", kind: "line", values: h.t.map(() => b.budget_bytes), hidden: !budgetShown },
     ], { fmt: bytes, binary: true });
-    legend($("memlegend"), [
-      ["c-banked", "banked (unique)"], ["c-live", "live turns"], ["c-logical", "as private copies"],
-      ["c-budget", budgetShown ? "budget" : "budget " + bytes(b.budget_bytes) + " (off scale)"],
-    ]);
+    $("budgetlabel").textContent = budgetShown ? "budget" : "budget " + bytes(b.budget_bytes) + " (off scale)";
     chart($("tokchart"), h.t, [
       { cls: "s-gen", kind: "bars", values: h.generated_tok_s },
       { cls: "s-prefill", kind: "bars", values: h.prefilled_tok_s, base: h.generated_tok_s },
     ], { fmt: (v) => num(v, 0) });
-    legend($("toklegend"), [["c-gen", "generated"], ["c-prefill", "prefilled"],
-      ["", "(counted when a turn finishes)"]]);
     const ev = ["hits", "misses", "evictions", "refusals"];
     let base = h.t.map(() => 0);
     const evSeries = ev.map((k) => {
@@ -84,7 +101,6 @@
       return s2;
     });
     chart($("evchart"), h.t, evSeries, { fmt: (v) => num(v, 1) });
-    legend($("evlegend"), [["c-hits", "hits"], ["c-misses", "misses"], ["c-evictions", "evictions"], ["c-refusals", "507 refusals"]]);
   }
 
   function renderConversations(s) {
@@ -94,8 +110,6 @@
     $("convcount").textContent = s.conversations_total === convs.length
       ? s.conversations_total + " banked · most recent first"
       : s.conversations_total + " banked · the " + convs.length + " most recent";
-    legend($("seglegend"), [["c-own", "segment of this conversation only (rows)"],
-      ["c-shared", "segment shared with another conversation or a live turn"], ["c-partial", "only a prefix of the segment is used"]]);
     if (!convs.length) {
       box.replaceChildren(el("div", { class: "none", text: "Nothing banked yet: each finished turn appears here." }));
       return;
@@ -105,12 +119,12 @@
     box.replaceChildren(...convs.map((c) => {
       const meta = el("div", { class: "meta" },
         el("span", { class: "name", text: "#" + c.id }),
-        el("span", { class: "chip mono", title: "cache namespace (a short hash)", text: "ns " + c.ns_hash }),
-        el("span", { text: plural(c.rows, "row") + " in " + plural(c.segments.length, "segment") }),
-        el("span", { text: bytes(c.rows * bpr) + " as a copy" }),
+        el("span", { class: "chip mono", title: help("ns"), text: "ns " + c.ns_hash }),
+        el("span", { title: help("row"), text: plural(c.rows, "row") + " in " + plural(c.segments.length, "segment") }),
+        el("span", { title: help("copies"), text: bytes(c.rows * bpr) + " as a copy" }),
         el("span", { title: "bytes of the segments no one else holds", text: "frees " + bytes(c.own_bytes) + " if evicted" }),
-        c.in_use ? el("span", { class: "chip pin", text: "in use", title: "a live turn continues this conversation" }) : null,
-        c.protected && !c.in_use ? el("span", { class: "chip", text: "protected", title: "a session's newest entry: never evicted" }) : null);
+        c.in_use ? el("span", { class: "chip pin", text: "in use", title: help("in_use") }) : null,
+        c.protected && !c.in_use ? el("span", { class: "chip", text: "protected", title: help("protected") }) : null);
       const bar = el("div", { class: "bar" });
       bar.style.width = Math.max(2, (100 * c.rows) / maxRows) + "%";
       let alt = false;
@@ -130,46 +144,58 @@
   }
 
   function renderQueue(s) {
-    const r = s.requests, sched = s.health.scheduler, q = s.health.queue;
-    const rows = [["running", num(r.running)], ["waiting", num(r.waiting)]];
+    const r = s.requests, sched = s.health.scheduler, q = s.health.queue, F = s.features;
+    const rows = [["running", num(r.running), help("live")], ["waiting", num(r.waiting)]];
     if (sched && typeof sched === "object") {
-      const order = ["step_ms", "rows_per_step", "graphs"];
+      const order = ["step_ms", "rows_per_step", "graphs", "run_ahead"];
       const keys = order.filter((k) => k in sched).concat(Object.keys(sched).filter((k) => !order.includes(k) && k !== "running" && k !== "waiting"));
-      for (const k of keys) rows.push([k.replace(/_/g, " "), value(k, sched[k])]);
+      for (const k of keys) {
+        const v = sched[k];
+        // on/off fields show their classified state; their counters follow in words
+        if (k in F && v && typeof v === "object") {
+          const counts = Object.entries(v).filter(([c]) => c !== "status" && c !== "enabled").map(([c, x]) => c + " " + value(c, x)).join(", ");
+          rows.push([F[k].label, el("span", {}, fbadge(F[k]), counts ? " " + counts : ""), help(k)]);
+        } else {
+          rows.push([k.replace(/_/g, " "), value(k, v), help(k)]);
+        }
+      }
     } else {
       rows.push(["scheduler", el("span", { class: "muted", text: q ? "one engine worker: turns run one at a time" : "not reported" })]);
     }
-    rows.push(["tokens/s (5 s)", num(r.tokens_per_s, 1) + " generated · " + num(r.prefill_tokens_per_s, 0) + " prefilled"]);
+    rows.push(["tokens/s (5 s)", num(r.tokens_per_s, 1) + " generated · " + num(r.prefill_tokens_per_s, 0) + " prefilled", help("generated")]);
     rows.push(["live rows/s", num(r.live_rows_per_s, 1), "rows the running turns added per second since this page's server first saw them"]);
-    rows.push(["TTFT", "last minute " + secs(r.ttft_s) + " · mean " + secs(r.ttft_mean_s)]);
+    rows.push(["TTFT", "last minute " + secs(r.ttft_s) + " · mean " + secs(r.ttft_mean_s), help("ttft")]);
     rows.push(["finished", num(r.answers) + " answers · " + num(r.generated_tokens) + " generated · " + num(r.prefilled_tokens) + " prefilled tokens"]);
-    facts($("queue"), rows);
+    facts($("queue"), explained(rows));
     const box = $("live");
     if (!r.live.length) {
       box.replaceChildren(el("div", { class: "none", text: "No turn running." }));
       return;
     }
-    const head = el("tr", {}, ...["ns", "rows", "restored", "rows/s", "priced", "age"].map((h) => el("th", { text: h })));
+    const cols = [["ns", help("ns")], ["rows", help("row")], ["restored", "rows taken from the bank instead of computed"],
+      ["rows/s", "rows added per second"], ["priced", "bytes reserved for the turn when it was admitted"], ["age", ""]];
+    const head = el("tr", {}, ...cols.map(([h, title]) => el("th", { text: h, title: title || null })));
     box.replaceChildren(el("table", { class: "live" }, el("thead", {}, head), el("tbody", {}, ...r.live.map((t) =>
       el("tr", {}, el("td", { class: "mono", text: t.ns_hash }), el("td", { text: num(t.rows) }), el("td", { text: num(t.restored_rows) }),
         el("td", { text: num(t.rows_per_s, 1) }), el("td", { text: bytes(t.priced_bytes) }), el("td", { text: num(t.age_s, 1) + " s" }))))));
   }
 
   function renderAttention(s) {
-    const a = s.health.attention;
+    const a = s.health.attention, F = s.features;
+    const tone = a.route === "fused" ? "ok" : F.attention.tone; // the route follows from the verdict
     const rows = [
-      ["route", badge(a.route, a.route === "fused" ? "ok" : "warn")],
-      ["verdict", badge(a.verdict, a.verdict === "ok" ? "ok" : a.verdict === "selfcheck_failed" ? "bad" : "warn")],
+      [F.attention.label, fbadge(F.attention), help("fused")],
+      ["route", badge(a.route, tone, help(a.route))],
+      ["verdict", el("span", { class: "mono tone-" + F.attention.tone, text: a.verdict }), help("verdict")],
       ["reason", a.reason],
+      ["self-check", fbadge(F.selfcheck), help("selfcheck")],
     ];
     const sc = a.selfcheck;
     if (sc && typeof sc === "object") {
-      rows.push(["self-check", badge(sc.passed ? "passed" : "failed", sc.passed ? "ok" : "bad")]);
       rows.push(["worst error", num(sc.worst_tol_ratio, 3) + "× tolerance (" + (sc.dtype || "?") + ")"]);
       rows.push(["probes", num((sc.shapes || []).length) + " shapes in " + secs(sc.seconds)]);
-    } else {
-      rows.push(["self-check", el("span", { class: "muted", text: "not run" })]);
     }
+    if (F.cpu_kernel) rows.push([F.cpu_kernel.label, fbadge(F.cpu_kernel), help("cpu_kernel")]);
     facts($("attention"), rows);
     const counts = Object.entries(s.health.segments.route_counts || {}).sort((x, y) => y[1] - x[1]);
     const box = $("routes");
@@ -178,34 +204,35 @@
       return;
     }
     const top = counts[0][1];
-    const grid = el("div", { class: "hbars" });
+    const grid = el("div", { class: "hbars", title: help("route_q") });
     for (const [label, n] of counts.slice(0, 14)) {
       const fill = el("div", { class: "fill" });
       fill.style.width = (100 * n) / top + "%";
-      grid.append(el("span", { class: "mono", text: label }), el("div", { class: "track" }, fill), el("span", { class: "n", text: num(n) }));
+      grid.append(el("span", { class: "mono", "data-route": label, title: routeHelp(label), text: label }),
+        el("div", { class: "track" }, fill), el("span", { class: "n", text: num(n) }));
     }
-    box.replaceChildren(grid);
+    box.replaceChildren(grid, el("div", { class: "muted small route-note", text: "route_qN: calls over N query rows (q1 = decoding); hover a route for what it is" }));
   }
 
   function renderTiers(s) {
-    const g = s.health.segments;
-    facts($("segments"), [["seals", num(g.seals)], ["merges", num(g.merges)], ["most segments", num(g.max_segments), "most segments one conversation held"],
-      ["shared", plural(s.memory.shared_segments, "segment") + ", " + bytes(s.memory.shared_bytes)]]);
+    const g = s.health.segments, F = s.features;
+    facts($("segments"), explained([["seals", num(g.seals)], ["merges", num(g.merges)],
+      ["most segments", num(g.max_segments), "most segments one conversation held (at most 12)"],
+      ["shared", plural(s.memory.shared_segments, "segment") + ", " + bytes(s.memory.shared_bytes), help("shared")]]));
     const d = s.health.disk;
-    if (!d) facts($("disk"), [["disk tier", el("span", { class: "muted", text: "not reported" })]]);
-    else if (!d.enabled) facts($("disk"), [["disk tier", el("span", { class: "muted", text: "off" })]]);
-    else facts($("disk"), Object.entries(d).filter(([k]) => k !== "enabled").map(([k, v]) => [k, value(k, v)]));
+    const diskRows = [[F.disk.label, fbadge(F.disk), help("disk")]];
+    if (d && d.enabled) diskRows.push(...Object.entries(d).filter(([k]) => k !== "enabled").map(([k, v]) => [k.replace(/_/g, " "), value(k, v)]));
+    facts($("disk"), diskRows);
     const sp = s.health.speculation;
-    if (!sp) {
-      facts($("spec"), [["speculation", el("span", { class: "muted", text: "not reported" })]]);
-    } else {
-      const rows = Object.entries(sp).filter(([k]) => k !== "by_window" && k !== "acceptance").map(([k, v]) => [k, value(k, v)]);
-      if ("drafted" in sp && "accepted" in sp) rows.push(["acceptance", pct(sp.accepted, sp.drafted)]);
+    const rows = [[F.speculation.label, fbadge(F.speculation), help("speculation")]];
+    if (sp) {
+      rows.push(...Object.entries(sp).filter(([k]) => !["by_window", "acceptance", "status"].includes(k)).map(([k, v]) => [k.replace(/_/g, " "), value(k, v), help(k)]));
+      if ("drafted" in sp && "accepted" in sp) rows.push(["acceptance", pct(sp.accepted, sp.drafted), "accepted of drafted tokens"]);
       // per verify-window size: accepted of drafted, only sizes that ran
       const used = Object.entries(sp.by_window || {}).filter(([, w]) => w.windows > 0);
-      if (used.length) rows.push(["by window rows", used.map(([b, w]) => `${b}: ${num(w.accepted)}/${num(w.drafted)}`).join(", ")]);
-      facts($("spec"), rows);
+      if (used.length) rows.push(["by window rows", used.map(([b, w]) => `${b}: ${num(w.accepted)}/${num(w.drafted)}`).join(", "), help("by_window")]);
     }
+    facts($("spec"), rows);
   }
 
   // A panel is rebuilt only when what it shows changed, so hover tooltips survive the polling.
@@ -217,15 +244,23 @@
     draw(s);
   }
 
-  function render(s) {
+  function render(state) {
+    // features by key, for the panels that show one (the strip shows them all, in order)
+    const s = { ...state, features: Object.fromEntries(state.features.map((f) => [f.key, f])) };
     const hl = s.health;
     $("model").textContent = hl.model + " · " + hl.device + " · " + hl.kv_layout + " KV · up " + duration(s.uptime_s);
+    panel("features", [state.features], renderFeatures, state);
     panel("kpis", [hl.bank, s.memory, s.requests], renderKpis, s);
     renderCharts(s); // the time axis moves every second
     panel("convs", [s.conversations, s.conversations_total, s.memory.bytes_per_row], renderConversations, s);
-    panel("queue", [s.requests, hl.scheduler, hl.queue], renderQueue, s);
-    panel("attention", [hl.attention, hl.segments], renderAttention, s);
-    panel("tiers", [hl.segments, hl.disk, hl.speculation, s.memory], renderTiers, s);
+    panel("queue", [s.requests, hl.scheduler, hl.queue, state.features], renderQueue, s);
+    panel("attention", [hl.attention, hl.segments, state.features], renderAttention, s);
+    panel("tiers", [hl.segments, hl.disk, hl.speculation, s.memory, state.features], renderTiers, s);
+  }
+
+  // Before the first state: the charts' empty frames (the rest of the layout is in index.html).
+  function placeholders() {
+    for (const id of ["memchart", "tokchart", "evchart"]) chart($(id), [], [], { fmt: () => "" });
   }
 
   // -- polling and the key -------------------------------------------------------------------------
@@ -283,6 +318,7 @@
     $("key").value = "";
     sessionStorage.setItem(KEY_STORE, apiKey);
     $("keyform").hidden = true;
+    $("main").hidden = false;
     setStatus("", "connecting…");
     poll();
   });
@@ -295,7 +331,8 @@
   let resizeTimer = null;
   window.addEventListener("resize", () => {
     clearTimeout(resizeTimer);
-    resizeTimer = setTimeout(() => lastState && render(lastState), 150);
+    resizeTimer = setTimeout(() => (lastState ? render(lastState) : placeholders()), 150);
   });
+  placeholders();
   poll();
 })();

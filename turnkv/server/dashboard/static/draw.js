@@ -30,7 +30,8 @@ window.TurnkvDraw = (() => {
     let i = 0;
     let v = Math.abs(n);
     while (v >= 1024 && i < UNITS.length - 1) { v /= 1024; i++; }
-    const s = i === 0 ? String(Math.round(v)) : v.toFixed(v < 10 ? 2 : v < 100 ? 1 : 0);
+    // digits by the rounded value, so 9.999 reads "10.0", not "10.00"
+    const s = i === 0 ? String(Math.round(v)) : v.toFixed(v < 9.995 ? 2 : v < 99.95 ? 1 : 0);
     return (n < 0 ? "-" : "") + s + " " + UNITS[i];
   }
   function num(n, digits) {
@@ -102,7 +103,8 @@ window.TurnkvDraw = (() => {
     for (const f of [0, 0.5, 1]) {
       const yy = y(ymax * f);
       root.append(svg("line", { class: "gridline", x1: padL, x2: w - padR, y1: yy, y2: yy }));
-      root.append(svg("text", { class: "axis", x: padL - 6, y: yy + 4, "text-anchor": "end", text: opts.fmt(ymax * f) }));
+      // all zeros (or no data yet): only the zero is labelled, a scale of nothing would mislead
+      if (top > 0 || f === 0) root.append(svg("text", { class: "axis", x: padL - 6, y: yy + 4, "text-anchor": "end", text: opts.fmt(ymax * f) }));
     }
     const ago = (dt) => "−" + (dt >= 120 ? num(dt / 60, 1) + " min" : Math.round(dt) + " s");
     for (const [label, dt, anchor] of [[ago(span), span, "start"], [ago(span / 2), span / 2, "middle"], ["now", 0, "end"]]) {
@@ -129,7 +131,7 @@ window.TurnkvDraw = (() => {
         root.append(svg("polyline", { class: s.cls + " line", points: pts.join(" ") }));
       }
     }
-    if (!t.length) root.append(svg("text", { class: "empty", x: w / 2, y: h / 2, "text-anchor": "middle", text: "collecting…" }));
+    if (!t.length) root.append(svg("text", { class: "empty", x: w / 2, y: h / 2, "text-anchor": "middle", text: "waiting for data…" }));
     box.replaceChildren(root);
   }
 
