@@ -68,9 +68,6 @@ window.TurnkvDraw = (() => {
     for (const [k, v, title] of rows) box.append(el("dt", { text: k, title }), el("dd", {}, v));
   }
   function badge(text, kind, title) { return el("span", { class: "badge " + kind, text, title }); }
-  function legend(box, items) {
-    box.replaceChildren(...items.map(([cls, label]) => el("span", {}, cls ? el("span", { class: "sw " + cls }) : null, label)));
-  }
   // A round axis maximum: 1, 2, 2.5 or 5 times a power of ten (of 1024 for bytes).
   function niceMax(v, binary) {
     if (!(v > 0)) return 1;
@@ -135,5 +132,5 @@ window.TurnkvDraw = (() => {
     box.replaceChildren(root);
   }
 
-  return { el, svg, bytes, num, secs, duration, pct, plural, value, facts, badge, legend, chart };
+  return { el, svg, bytes, num, secs, duration, pct, plural, value, facts, badge, chart };
 })();
