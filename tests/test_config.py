@@ -67,6 +67,11 @@ def test_new_server_flags_have_typed_env_twins(monkeypatch):
         ("kv_layout", "paged"),
         ("max_body_bytes", "0"),
         ("session_ttl", float("nan")),
+        ("temperature", -0.5),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("max_tokens", 0),
     ],
 )
 def test_engine_config_validates_every_field_in_one_place(field, value):
@@ -89,3 +94,22 @@ def test_disk_flags_and_their_env_twins(monkeypatch):
     assert (cfg.disk_dir, cfg.disk_bytes) == ("/x", "1G")
     with pytest.raises(ValueError):
         engine_config(build_parser().parse_args(["serve", "--disk-bytes", "lots"]))
+
+
+def test_sampling_flags_and_env_twins_on_every_command(monkeypatch):
+    """Unset (None: the model's, else built-in) unless given; a flag wins over its env twin; an
+    empty variable means unset."""
+    from turnkv.models.generation import SamplingDefaults
+
+    assert engine_config(build_parser().parse_args(["serve"])).sampling_flags() == SamplingDefaults()
+    monkeypatch.setenv("TURNKV_TEMPERATURE", "0.3")
+    monkeypatch.setenv("TURNKV_MAX_TOKENS", "200")
+    monkeypatch.setenv("TURNKV_TOP_K", "")
+    for command in (["serve"], ["chat"], ["generate", "--prompt", "x"]):
+        cfg = engine_config(build_parser().parse_args([*command, "--top-p", "0.5", "--top-k", "7"]))
+        assert cfg.sampling_flags() == SamplingDefaults(0.3, 0.5, 7, 200)
+    cfg = engine_config(build_parser().parse_args(["serve", "--temperature", "0", "--max-tokens", "9"]))
+    assert (cfg.temperature, cfg.max_tokens, cfg.top_k) == (0.0, 9, None)
+    monkeypatch.setenv("TURNKV_TOP_P", "most")
+    with pytest.raises(ValueError, match="TURNKV_TOP_P must be a number"):
+        engine_config(build_parser().parse_args(["serve"]))

@@ -22,12 +22,22 @@ from turnkv.attention import cpu_native
 from turnkv.bank.disk import DISK_KEYS
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.models.generation import DEFAULT_MAX_TOKENS
+from turnkv.models.load import build_random_model
 from turnkv.server.app import create_app
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+# what a request that sets no sampling field gets from the default model (its card) and turnkv
+CARD_DEFAULTS = {
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "top_k": 0,
+    "max_tokens": DEFAULT_MAX_TOKENS,
+    "source": {"temperature": "model", "top_p": "model", "top_k": "built-in", "max_tokens": "built-in"},
+}
 
 
 class Live:
@@ -263,7 +273,10 @@ def test_models_health_and_metrics(live):
     c = live.client()
     models = c.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["sampling_defaults"] == CARD_DEFAULTS
+    assert c.models.retrieve(MODEL).model_extra["sampling_defaults"] == CARD_DEFAULTS
     h = live.health()
+    assert h["sampling_defaults"] == CARD_DEFAULTS
     assert {
         "status",
         "model",
@@ -329,6 +342,77 @@ def test_models_health_and_metrics(live):
         'turnkv_speculation_window_accepted_tokens_total{rows="<=32"}',
     ):
         assert name in m, name
+
+
+# -- sampling defaults ---------------------------------------------------------------------------
+
+
+def sampled(srv: Live, route: str = "/v1/chat/completions", **fields) -> dict:
+    """One seeded answer of 16 tokens; ``fields`` add to (or, as None, null out) the body."""
+    body = {"model": MODEL, "max_tokens": 16, "seed": 7, **fields}
+    if route == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "Write one line about the sea."}]
+    else:
+        body["prompt"] = "A line about the sea:"
+    r = srv.post(route, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"text": choice.get("text") or choice["message"]["content"], "usage": r.json()["usage"]}
+
+
+def test_an_unset_temperature_takes_the_models_default_and_a_set_one_wins(live):
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        unset = sampled(live, route)["text"]
+        assert unset == sampled(live, route, temperature=0.2, top_p=0.9)["text"]  # the card's values
+        assert unset == sampled(live, route, temperature=None, top_p=None)["text"]  # null is unset
+        # OpenAI's defaults, what an unset field meant before: the same seed draws other tokens
+        assert sampled(live, route, temperature=1.0, top_p=1.0)["text"] != unset
+        assert (
+            sampled(live, route, temperature=0)["text"] == sampled(live, route, temperature=0, seed=8)["text"]
+        )
+
+
+def test_serve_flags_override_the_models_defaults(loaded, live):
+    srv = Live(loaded, temperature=0.0, max_tokens=3)
+    try:
+        card = srv.client().models.retrieve(MODEL).model_extra["sampling_defaults"]
+        assert card["temperature"] == 0.0 and card["max_tokens"] == 3 and card["top_p"] == 0.9
+        assert card["source"] == {
+            "temperature": "flag",
+            "top_p": "model",
+            "top_k": "built-in",
+            "max_tokens": "flag",
+        }
+        assert srv.health()["sampling_defaults"] == card
+        greedy = sampled(live, temperature=0, max_tokens=3, ignore_eos=True)["text"]
+        # unset: --temperature 0 and --max-tokens 3, whatever the seed; a request's own values win
+        flagged = sampled(srv, max_tokens=None, seed=None, ignore_eos=True)
+        assert flagged["text"] == greedy and flagged["usage"]["completion_tokens"] == 3
+        assert sampled(srv, max_tokens=5, ignore_eos=True)["usage"]["completion_tokens"] == 5
+        assert (
+            sampled(srv, temperature=0.2, top_p=0.9, max_tokens=3)["text"]
+            == sampled(live, max_tokens=3)["text"]
+        )
+    finally:
+        srv.close()
+
+
+def test_an_unset_max_tokens_is_the_documented_default_capped_by_the_context():
+    lm = build_random_model("test", "cpu", "float32")  # small enough to decode 1024 tokens quickly
+    srv = Live(lm)
+    small = Live(lm, max_context=64)
+    try:
+        body = {"model": "random:test", "prompt": [5, 6, 7], "ignore_eos": True, "temperature": 0}
+        r = srv.post("/v1/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS  # not 4096
+        assert srv.health()["sampling_defaults"]["source"]["max_tokens"] == "built-in"
+        assert srv.health()["sampling_defaults"]["temperature"] == 1.0  # no recommendation: OpenAI's
+        r = small.post("/v1/completions", body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64 - 3, r.text
+    finally:
+        srv.close()
+        small.close()
 
 
 def test_turnkv_serve_process():

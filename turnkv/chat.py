@@ -39,7 +39,7 @@ class ChatSession:
         self,
         engine: Engine,
         params: SamplingParams,
-        max_tokens: int = 256,
+        max_tokens: int | None = 256,  # None: the engine's default (models/generation.py)
         system: str | None = None,
         bank: SessionBank | None = None,
         namespace: str = "chat",
@@ -147,9 +147,8 @@ def interruptible() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(engine: Engine, args: argparse.Namespace) -> int:
-    params = SamplingParams(temperature=args.temperature, seed=args.seed)
-    session = ChatSession(engine, params, args.max_tokens, args.system)
+def run_chat(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
+    session = ChatSession(engine, params, None, args.system)  # --max-tokens is the engine's default
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"turnkv chat with {engine.info.model_name}. {HELP}", file=sys.stderr)

@@ -18,6 +18,7 @@ from dataclasses import asdict, fields
 from typing import Literal, NoReturn, get_args, get_origin, get_type_hints
 
 from turnkv.config import ConfigError, EngineConfig, env_name
+from turnkv.models.generation import BUILTIN
 
 EXIT_USAGE = 2
 DEFAULTS = EngineConfig()
@@ -75,15 +76,26 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, top: bool) -> None:
-    p.add_argument(
-        "--max-tokens", dest="max_tokens", type=int, default=max_tokens, help="(default: %(default)s)"
-    )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    if top:
-        p.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="(default: %(default)s)")
-        p.add_argument("--top-k", dest="top_k", type=int, default=0, help="0 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, help="seed of the sampler (default: random)")
+def _sampling_flags(p: argparse.ArgumentParser, serve: bool) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k``, ``--max-tokens``: EngineConfig fields, the first
+    level of ``models.generation.resolve`` (serve: for requests that set none)."""
+    texts = {
+        "temperature": "sampling temperature; 0 is greedy",
+        "top_p": "keep the most likely tokens up to this probability mass",
+        "top_k": "keep the k most likely tokens; 0 = off",
+        "max_tokens": "answer tokens at most, capped by the context the prompt leaves",
+    }
+    for name, text in texts.items():
+        text = f"{text}, for requests that set none" if serve else text
+        default = f"the model's recommended value, else {getattr(BUILTIN, name)}"
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=int if name in ("top_k", "max_tokens") else float,
+            help=f"{text} (default: {default}; env {env_name(name)})",
+        )
+    if not serve:
+        p.add_argument("--seed", type=int, help="seed of the sampler (default: random)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_flags(s)
+    _sampling_flags(s, serve=True)
 
     add = functools.partial(_config_flag, s)
 
@@ -132,15 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--system")
-    _sampling_flags(g, max_tokens=128, top=True)
+    g.add_argument("--prompt", required=True, help="the user message (rendered by the model's chat template)")
+    g.add_argument("--system", help="a system message before it (default: none)")
+    _sampling_flags(g, serve=False)
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
     c = sub.add_parser("chat", help="terminal chat keeping one conversation (/undo, /reset, /stats)")
     _engine_flags(c)
-    c.add_argument("--system")
-    _sampling_flags(c, max_tokens=256, top=False)
+    c.add_argument("--system", help="the system message of the conversation (default: none)")
+    _sampling_flags(c, serve=False)
 
     k = sub.add_parser("selfcheck", help="run the fused-attention probe and print the verdict")
     k.add_argument("--device", default="auto", help="auto | cpu | cuda | any torch device (default: auto)")
@@ -195,15 +208,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(source, e.problem) from None
 
 
-def sampling_params(args: argparse.Namespace, **extra):
-    """The sampler's parameters from ``generate``/``chat`` flags; a bad one names its flag."""
+def sampling_params(args: argparse.Namespace, defaults):
+    """The sampler's parameters of ``generate``/``chat``: ``defaults`` (the engine's: the flags,
+    else the model's, else built-in; validated with the config) and ``--seed``, which names
+    itself when bad (``defaults=None``: only check the seed, before the model loads)."""
     from turnkv.engine.sampling import SamplingError, SamplingParams
 
-    if getattr(args, "max_tokens", 1) < 1:
-        raise ConfigError("--max-tokens", f"must be >= 1 (got {args.max_tokens})")
-    values = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "seed") if hasattr(args, k)}
+    values = {}
+    if defaults is not None:
+        values = {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k}
     try:
-        return SamplingParams(**values, **extra)
+        return SamplingParams(**values, seed=args.seed)
     except SamplingError as e:
         raise ConfigError("--" + e.field.replace("_", "-"), e.problem) from None
 
@@ -254,15 +269,16 @@ def _run(args: argparse.Namespace, cfg: EngineConfig) -> int:
 
         serve(cfg)
         return 0
-    params = sampling_params(args)  # validated before the model loads
+    sampling_params(args, None)  # the seed, before the model loads (the rest is in cfg)
     from turnkv.engine.engine import Engine
 
     engine = Engine.from_config(cfg, progress=not getattr(args, "json", False))
+    params = sampling_params(args, engine.sampling_defaults.values)
     if args.command == "generate":
         return _generate(engine, args, params)
     from turnkv.chat import run_chat
 
-    return run_chat(engine, args)
+    return run_chat(engine, args, params)
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -283,7 +299,7 @@ def _generate(engine, args: argparse.Namespace, params) -> int:
         {"role": "user", "content": args.prompt}
     ]
     ids = engine.tokenizer.apply_chat_template(messages)
-    request = TurnRequest(ids, params, max_tokens=args.max_tokens)
+    request = TurnRequest(ids, params)  # max_tokens: the engine's default (--max-tokens, ...)
     pieces, stats = [], None
     for ev in run_turn(engine, engine.new_bank(), request):
         if isinstance(ev, Failed):

@@ -14,9 +14,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Literal
+
+from turnkv.models.generation import SamplingDefaults
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -131,6 +134,12 @@ class EngineConfig:
     max_body_bytes: str = "auto"  # N | auto: max(1 MiB, 128 bytes x the context length)
     access_log: bool = True
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running turns
+    # sampling of turns that set none (a request's own value wins); None: the model's, else the
+    # built-in value (models/generation.py). generate and chat: their values.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0: off
+    max_tokens: int | None = None  # answer tokens of a turn without max_tokens, capped by the context
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -171,6 +180,14 @@ class EngineConfig:
         _check_range("queue_timeout", self.queue_timeout, 0, None, "seconds; 0 waits without a limit")
         if not self.host:
             raise ConfigError("host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        bad = self.sampling_flags().problems()
+        if bad:
+            name = next(iter(bad))
+            raise ConfigError(name, bad[name])
+
+    def sampling_flags(self) -> SamplingDefaults:
+        """The sampling flags (None: not given), the first level of ``generation.resolve``."""
+        return SamplingDefaults(self.temperature, self.top_p, self.top_k, self.max_tokens)
 
     @classmethod
     def env_defaults(cls) -> dict[str, object]:
@@ -191,8 +208,19 @@ def env_name(field_name: str) -> str:
     return "TURNKV_" + field_name.upper()
 
 
+def _optional(hint: object) -> object | None:
+    """``X`` of an ``X | None`` hint, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
 def _parse_env(var: str, raw: str, hint: object) -> object:
     text = raw.strip()
+    inner = _optional(hint)
+    if inner is not None:  # an optional field: empty means unset
+        return None if not text else _parse_env(var, raw, inner)
     if hint is bool:
         if text.lower() in TRUE_WORDS + FALSE_WORDS:
             return text.lower() in TRUE_WORDS
@@ -213,6 +241,11 @@ def _parse_env(var: str, raw: str, hint: object) -> object:
 
 
 def _check_type(name: str, value: object, hint: object) -> None:
+    inner = _optional(hint)
+    if inner is not None:
+        if value is not None:
+            _check_type(name, value, inner)
+        return
     choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else None
     if choices is not None:
         if value not in choices:

@@ -29,6 +29,7 @@ from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
 from turnkv.kv.segments import unique_bytes
 from turnkv.limits import MAX_WINDOW_ROWS
+from turnkv.models.generation import resolve
 from turnkv.models.load import LoadedModel, cache_fingerprint
 
 
@@ -100,6 +101,9 @@ class Engine:
         self.speculation = Speculation(cfg.speculate, _speculation_off(self), self.shape.device.type)
         # torch's CPU threads per step: chosen by timing decode steps with --threads 0 (cpu_threads.py)
         self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
+        # what a turn gets where it sets no temperature, top_p, top_k or max_tokens (the same on
+        # every rank: the same flags and model)
+        self.sampling_defaults = resolve(cfg.sampling_flags(), loaded.sampling)
         self.info = EngineInfo(
             loaded.name,
             # weights, their matmul kernel, dtypes, geometry

@@ -19,8 +19,9 @@ from turnkv.engine.sampling import SamplingParams
 class TurnRequest:
     """What a request asks once its body is parsed.
 
-    ``max_tokens`` None means as many as the context and the bank budget allow, at most
-    ``DEFAULT_MAX_TOKENS``; an explicit value that does not fit the context is refused
+    ``max_tokens`` None means as many as the context and the bank budget allow, at most the
+    engine's default (``Engine.sampling_defaults``: ``--max-tokens``, the model's, else
+    ``generation.DEFAULT_MAX_TOKENS``); an explicit value that does not fit the context is refused
     (``context_length_exceeded``), as with vLLM.
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus

@@ -45,9 +45,6 @@ from turnkv.tokenizer import StreamDecoder
 if TYPE_CHECKING:
     from turnkv.engine.engine import Engine
 
-# the most output rows reserved when a request sets no max_tokens (fewer when the context or the
-# bank budget cannot hold them: the answer then ends with finish_reason "length")
-DEFAULT_MAX_TOKENS = 4096
 # rows reserved past the answer for the rebase (the last answer token and the end-of-turn tokens
 # the template adds), so the tail need not regrow -- a copy -- to take them
 REBASE_SLACK_ROWS = 8
@@ -97,7 +94,9 @@ class Turn:
         if failed is not None:
             self.phase = _DONE
             return [failed]
-        max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+        # without max_tokens: the engine's default (models/generation.py), fewer where the context or
+        # the bank budget cannot hold them (the answer then ends with finish_reason "length")
+        max_tokens = req.max_tokens or engine.sampling_defaults.values.max_tokens
         if limit:
             max_tokens = min(max_tokens, limit - len(ids))
         self.params = req.params

@@ -153,6 +153,8 @@ class Server:
             "created": self.created,
             "owned_by": "turnkv",
             "max_model_len": self.engine.max_context,
+            # what a request that sets no temperature, top_p, top_k or max_tokens gets
+            "sampling_defaults": self.engine.sampling_defaults.doc(),
         }
 
     async def start(self, turn: TurnRequest, request: Request) -> tuple[_Stream, Admitted]:
@@ -260,7 +262,7 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
         req = parse_body(schema, await read_body(request, srv.max_body_bytes))
         srv.check_model(req.model)
         ns = srv.namespace(request, req.cache_salt)
-        params = req.sampling(srv.vocab_size)
+        params = req.sampling(srv.vocab_size, srv.engine.sampling_defaults.values)
         # render, tokenize and compile grammars off the event loop and off the engine thread
         ids, history, st = await asyncio.to_thread(srv.prepare, req, chat)
         turn = TurnRequest(

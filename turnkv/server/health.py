@@ -8,7 +8,9 @@ Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``a
 ``accepted``, ``windows``, ``acceptance``, ``tokens_per_forward``, ``by_window``: see
 ``SpeculationStats.health``), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``, ``threads``),
 ``tensor_parallel`` (``size``, ``status`` ``ok``/``down``, ``dead_ranks``, ``error``; while it is
-down, ``status`` is ``unavailable``). Under tensor parallelism the ``bank`` bytes are rank 0's:
+down, ``status`` is ``unavailable``), ``sampling_defaults`` (``temperature``, ``top_p``, ``top_k``,
+``max_tokens`` of a request that sets none, and ``source``: ``flag``, ``model`` or ``built-in``
+per field; ``models.generation``). Under tensor parallelism the ``bank`` bytes are rank 0's:
 every rank holds the same rows' ``1/size`` share of the KV heads.
 """
 
@@ -68,6 +70,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
         "speculation": engine.speculation.stats.health(),
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
         "tensor_parallel": _tensor_parallel(engine),
+        "sampling_defaults": engine.sampling_defaults.doc(),
     }
     if doc["tensor_parallel"]["status"] != "ok":
         doc["status"] = "unavailable"  # new turns are refused (503)

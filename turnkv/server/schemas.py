@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from turnkv.engine.sampling import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
+from turnkv.models.generation import SamplingDefaults
 from turnkv.toolcalls import NAME, template_message
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -230,9 +231,9 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, vocab_size: int) -> SamplingParams:
-        """The sampler's parameters; a ``logit_bias`` id outside the model's ``vocab_size`` logits is
-        a 400."""
+    def sampling(self, vocab_size: int, defaults: SamplingDefaults) -> SamplingParams:
+        """The sampler's parameters: the request's, else ``defaults`` (the engine's, every field
+        set); a ``logit_bias`` id outside the model's ``vocab_size`` logits is a 400."""
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
         for tid, _ in bias:
             if tid >= vocab_size:
@@ -240,10 +241,11 @@ class _Sampling(_Body):
                     f"logit_bias: token id {tid} is outside the vocabulary [0, {vocab_size})",
                     param="logit_bias",
                 )
+        d = SamplingDefaults(self.temperature, self.top_p, self.top_k).over(defaults)
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
+            temperature=d.temperature,
+            top_p=d.top_p,
+            top_k=max(d.top_k, 0),  # -1 and 0: off
             seed=self.seed,
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
