@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from turnkv.cli import build_parser, engine_config
+
 
 def turnkv(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -128,6 +130,10 @@ def run_main(capsys, *argv: str) -> tuple[int, str]:
         (["generate", "--prompt", "hi", "--top-p", "0"], {}, "--top-p"),
         (["generate", "--prompt", "hi", "--top-k", "-2"], {}, "--top-k"),
         (["generate", "--prompt", "hi", "--max-tokens", "0"], {}, "--max-tokens"),
+        (["serve", "--temperature", "-1"], {}, "--temperature"),
+        (["serve", "--top-p", "1.5"], {}, "--top-p"),
+        (["serve"], {"TURNKV_MAX_TOKENS": "0"}, "TURNKV_MAX_TOKENS"),
+        (["chat", "--top-k", "-2"], {}, "--top-k"),
         (["chat", "--seed", str(2**64)], {}, "--seed"),
         (["selfcheck", "--device", "bogus"], {}, "--device"),
     ],
@@ -169,8 +175,51 @@ def test_version_and_help_with_defaults(capsys):
         "default: 8000; env TURNKV_PORT",
         "default: auto; env TURNKV_BANK_BYTES",
         "--no-access-log",
+        "for requests that set none (default: the model's recommended value, else 1.0; env TURNKV_TEMPERATURE)",
+        "else 1024; env TURNKV_MAX_TOKENS",
     ):
         assert needle in text, needle
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "turnkv: an OpenAI-compatible LLM server" in top  # plain text, not RST
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--prompt PROMPT the user message" in text and "--system SYSTEM a system message" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "where"),
+    [
+        (["serve", "--bogus"], "turnkv serve"),  # argparse reports these from the top parser
+        (["generate"], "turnkv generate"),
+        (["cache", "stats", "--no-disk"], "turnkv cache"),
+        (["--bogus"], "turnkv"),
+    ],
+)
+def test_usage_errors_point_at_the_subcommands_help(no_load, capsys, argv, where):
+    code, err = run_main(capsys, *argv)
+    assert code == 2 and err.strip().endswith(f"(see {where} --help)"), err
+
+
+def test_the_cli_samples_with_the_models_defaults_unless_a_flag_says_otherwise(default_model):
+    """``generate``/``chat`` without sampling flags use the model's recommendation (the default
+    model's card: 0.2, 0.9), as the server does for a request that sets none."""
+    from turnkv.cli import sampling_params
+    from turnkv.engine.engine import Engine
+    from turnkv.engine.sampling import SamplingParams
+    from turnkv.models.generation import DEFAULT_MAX_TOKENS
+
+    for argv, want in [
+        (["generate", "--prompt", "x"], SamplingParams(temperature=0.2, top_p=0.9)),
+        (["chat", "--temperature", "0.7", "--seed", "3"], SamplingParams(temperature=0.7, top_p=0.9, seed=3)),
+        (["chat", "--top-p", "1", "--top-k", "5"], SamplingParams(temperature=0.2, top_k=5)),
+    ]:
+        args = build_parser().parse_args(argv)
+        engine = Engine(default_model, engine_config(args))
+        assert sampling_params(args, engine.sampling_defaults.values) == want, argv
+        assert engine.sampling_defaults.values.max_tokens == DEFAULT_MAX_TOKENS  # not 128/256
 
 
 def test_selfcheck_on_cuda_without_cuda_says_no_cuda():
@@ -181,6 +230,22 @@ def test_selfcheck_on_cuda_without_cuda_says_no_cuda():
     proc = turnkv("selfcheck", "--device", "cuda", "--json")
     assert "Traceback" not in proc.stderr
     assert json.loads(proc.stdout)["verdict"] == "no_cuda"
+    assert proc.returncode == 1  # asked for CUDA, which is not there (on a CPU no_cuda exits 0)
+
+
+def test_cache_verify_of_a_directory_in_use_says_what_works(tmp_path):
+    from turnkv.bank.disk_store import LocalDirStore
+    from turnkv.cache_cli import cache_main
+
+    held = LocalDirStore(tmp_path)  # as a running server holds it
+    try:
+        with pytest.raises(ValueError) as e:
+            cache_main("verify", str(tmp_path), as_json=False)
+    finally:
+        held.close()
+    msg = str(e.value)
+    assert "in use" in msg and "stop it before `turnkv cache verify`" in msg and "--no-disk" not in msg
+    assert cache_main("verify", str(tmp_path), as_json=True) == 0  # once it is free
 
 
 class Chat:

@@ -126,7 +126,21 @@ def test_cli_json(capsys):
     assert all(s["ok"] and s["segments"] >= 4 for s in shapes)
 
 
-def test_cli_without_a_kernel_device_says_why(monkeypatch, capsys):
+def test_cli_without_a_kernel_device_says_why_and_exits_0_on_a_cpu(monkeypatch, capsys):
+    """On a CPU "not available here" is the expected answer (exit 0); where CUDA was asked for and
+    is missing, or the kernel fails the probe, the exit code is 1."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert selfcheck.cli_main("cpu", as_json=False) == 1
+    assert selfcheck.cli_main("cpu", as_json=False) == 0
     assert "verdict no_cuda" in capsys.readouterr().out
+    if not CUDA:
+        assert selfcheck.cli_main("auto", as_json=True) == 0  # auto on a machine without CUDA: its CPU
+        assert json.loads(capsys.readouterr().out)["verdict"] == "no_cuda"
+        assert selfcheck.cli_main("cuda", as_json=True) == 1
+        assert json.loads(capsys.readouterr().out)["verdict"] == "no_cuda"
+
+
+def test_cli_exits_1_when_the_kernel_fails_the_probe(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "_load_kernel", lambda: (_off_by_one, None))
+    assert selfcheck.cli_main(str(KERNEL_DEVICE), as_json=True) == 1
+    assert json.loads(capsys.readouterr().out)["verdict"] == "selfcheck_failed"

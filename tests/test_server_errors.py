@@ -85,6 +85,63 @@ def test_bad_completion_input_is_a_400(live, name):
     _error(live.post("/v1/completions", BAD_COMPLETION[name]), 400)
 
 
+# Fields turnkv refuses rather than ignore (they would change the output): each refusal's `param`
+# names the field, as docs/SERVER.md says (they came back with `param: null`).
+REFUSED_CHAT = {
+    "n": 2,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1.0,
+    "min_p": 0.1,
+    "repetition_penalty": 1.1,
+    "logit_bias": {"abc": 1},
+    "stop": ["a", "b", "c", "d", "e"],
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
+}
+REFUSED_COMPLETION = {
+    "n": 3,
+    "echo": True,
+    "logprobs": 1,
+    "suffix": "!",
+    "best_of": 2,
+    "presence_penalty": 1.0,
+    "min_p": 0.2,
+    "prompt": ["a", "b"],
+}
+
+
+@pytest.mark.parametrize(
+    ("route", "field"), [("chat", f) for f in REFUSED_CHAT] + [("text", f) for f in REFUSED_COMPLETION]
+)
+def test_every_refused_field_is_named_by_param(live, route, field):
+    if route == "chat":
+        r = live.post("/v1/chat/completions", _chat_body(**{field: REFUSED_CHAT[field]}))
+    else:
+        r = live.post(
+            "/v1/completions",
+            {"model": MODEL, "prompt": "a", "max_tokens": 2, field: REFUSED_COMPLETION[field]},
+        )
+    err = _error(r, 400)
+    assert err["param"] == field and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize(
+    ("name", "param"),
+    [
+        ("temperature a string", "temperature"),
+        ("five stop strings", "stop"),
+        ("stream not a bool", "stream"),
+        ("content wrong type", "messages.0.content"),  # not pydantic's union tag (content.str)
+        ("n two", "n"),
+        ("missing messages", "messages"),
+    ],
+)
+def test_a_bad_field_is_named_by_param(live, name, param):
+    assert _error(live.post("/v1/chat/completions", BAD_CHAT[name]), 400)["param"] == param
+
+
 def test_unknown_model_route_and_method(live):
     err = _error(live.post("/v1/chat/completions", _chat_body(model="gpt-9")), 404)
     assert err["code"] == "model_not_found"

@@ -24,8 +24,12 @@ def cache_main(action: str, disk_dir: str, as_json: bool) -> int:
     else:
         try:
             store = LocalDirStore(root)
-        except StoreBusy as exc:
-            raise ValueError(f"{exc}; stop that server before `turnkv cache {action}`") from None
+        except StoreBusy:  # its own message suggests serve's flags, which cache does not take
+            raise ValueError(
+                f"the KV disk cache {root} is in use by another turnkv process; stop it before "
+                f"`turnkv cache {action}` (`turnkv cache stats` reads it while a server runs), "
+                f"or pass --disk-dir for another directory"
+            ) from None
         try:
             out = verify(store) if action == "verify" else clear(store)
         finally:

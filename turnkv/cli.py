@@ -22,15 +22,30 @@ from turnkv.models.generation import BUILTIN
 
 EXIT_USAGE = 2
 DEFAULTS = EngineConfig()
+# ``turnkv --help``'s description: plain text (the module docstring's first line is RST)
+DESCRIPTION = "turnkv: an OpenAI-compatible LLM server and CLI (serve | chat | generate | selfcheck | cache)"
 # a flag of a Literal field offers exactly its values (config.py owns them)
 _CHOICES = {n: list(get_args(t)) for n, t in get_type_hints(EngineConfig).items() if get_origin(t) is Literal}
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line ``turnkv: error: ...`` and exit code 2."""
+    """argparse, but a usage error is one line ``turnkv: error: ...`` and exit code 2, pointing at
+    the help of the subcommand it concerns (``commands``: name -> its parser, on the top parser)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"turnkv: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:  # argparse reports them from the top parser: name the subcommand's help
+            self.commands.get(getattr(ns, "command", None), self).error(
+                f"unrecognized arguments: {' '.join(extras)}"
+            )
+        return ns
 
 
 def _flag_help(name: str, text: str) -> str:
@@ -64,10 +79,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--speculate",
         "speculate",
-        "context-copy speculative decoding (auto: on unless decode replays CUDA graphs)",
+        "context-copy speculative decoding (auto: on, except under --tensor-parallel)",
     )
     add("--weights", "weights", "GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes")
-    add("--threads", "threads", "torch CPU threads; 0 = the cores available to the process", type=int)
+    add(
+        "--threads",
+        "threads",
+        "torch CPU threads; 0 = chosen by timing decode steps on all, half or one of the cores available",
+        type=int,
+    )
     add(
         "--tensor-parallel",
         "tensor_parallel",
@@ -99,7 +119,7 @@ def _sampling_flags(p: argparse.ArgumentParser, serve: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="turnkv", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="turnkv", description=DESCRIPTION)
     ap.add_argument("--version", action="version", version=f"turnkv {version()}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -163,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("action", choices=["stats", "verify", "clear"])
     _disk_flags(d)
     d.add_argument("--json", action="store_true")
+    ap.commands = dict(sub.choices)
     return ap
 
 

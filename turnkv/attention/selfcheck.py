@@ -300,7 +300,10 @@ def cli_shapes(small: bool) -> list[ProbeShape]:
 
 
 def cli_main(device: str, as_json: bool) -> int:
-    """``turnkv selfcheck [--device D] [--json]``: probe, print verdict and per-shape error; 0 iff ok."""
+    """``turnkv selfcheck [--device D] [--json]``: probe, print verdict and per-shape error. Exit code
+    0 when the kernel passed or, on a CPU, when it is not available there (``no_cuda``: the answer a
+    CPU is expected to give); 1 when it failed, does not import, or a CUDA device asked for is
+    missing."""
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
@@ -333,7 +336,7 @@ def cli_main(device: str, as_json: bool) -> int:
         print(json.dumps({"device": str(dev), **asdict(verdict)}))
     else:
         _print_table(dev, verdict, results)
-    return 0 if verdict.verdict == "ok" else 1
+    return 0 if verdict.verdict == "ok" or (verdict.verdict == "no_cuda" and dev.type == "cpu") else 1
 
 
 def _print_table(dev: torch.device, verdict: Verdict, results: list[ProbeResult]) -> None:

@@ -6,7 +6,10 @@ kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
 (``n > 1``, ``logprobs``, penalties other than 0, ``min_p``, ``repetition_penalty``, the legacy
-``functions``/``function_call``) are refused with 400 rather than silently ignored.
+``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
+naming the field (``refused``: raised from a validator, it leaves pydantic as it is).
+A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
+``models.generation``'s).
 ``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are parsed here and
 honoured by ``server.structured`` (grammars, the model's tool-call format).
 
@@ -57,6 +60,12 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", code=code, param=param)
+
+
+def refused(param: str, message: str) -> ApiError:
+    """A 400 for a field turnkv cannot honour, naming it. Not a ValueError, so raised in a model
+    validator it passes through pydantic (whose model-level errors have no field)."""
+    return bad_request(message, param=param)
 
 
 class _Body(BaseModel):
@@ -208,19 +217,21 @@ class _Sampling(_Body):
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
         if self.n != 1:
-            raise ValueError("n must be 1: turnkv generates one choice per request")
+            raise refused("n", "n must be 1: turnkv generates one choice per request")
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+            raise refused("stop", f"at most {MAX_STOP_STRINGS} stop sequences")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise ValueError(f"{name} other than 0 is not supported")
+                raise refused(name, f"{name} other than 0 is not supported")
         extra = self.model_extra or {}
         for name, neutral in NEUTRAL_EXTRAS.items():
             if name in extra and not any(extra[name] == v for v in neutral):
-                raise ValueError(f"{name} {extra[name]!r} is not supported")
+                raise refused(name, f"{name} {repr(extra[name])[:40]} is not supported")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 12):
-                raise ValueError(f"logit_bias keys must be token ids (decimal integers); got {key[:40]!r}")
+                raise refused(
+                    "logit_bias", f"logit_bias keys must be token ids (decimal integers); got {key[:40]!r}"
+                )
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -264,7 +275,7 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.logprobs:
-            raise ValueError("logprobs are not supported")
+            raise refused("logprobs", "logprobs are not supported")
         return self
 
     def raw_tools(self) -> list[dict] | None:
@@ -291,17 +302,17 @@ class CompletionRequest(_Sampling):
     def _check_completion(self) -> CompletionRequest:
         if isinstance(self.prompt, list):
             if not self.prompt:
-                raise ValueError("prompt must not be empty")
+                raise refused("prompt", "prompt must not be empty")
             if isinstance(self.prompt[0], (str, list)) and len(self.prompt) != 1:
-                raise ValueError("one prompt per request (a batch of prompts is not supported)")
+                raise refused("prompt", "one prompt per request (a batch of prompts is not supported)")
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise refused("echo", "echo is not supported")
         if self.logprobs:
-            raise ValueError("logprobs are not supported")
+            raise refused("logprobs", "logprobs are not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise refused("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1")
+            raise refused("best_of", "best_of must be 1")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -329,6 +340,21 @@ def validation_error(e: ValidationError) -> ApiError:
     first = e.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first['msg']}")
-    loc = ".".join(str(x) for x in first.get("loc", ()))
+    loc = field_path(first.get("loc", ()))
     msg = first["msg"].removeprefix("Value error, ")
     return bad_request(f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
+
+
+def field_path(loc: tuple) -> str:
+    """A pydantic error's ``loc`` as the client's field path, without the tags pydantic adds for
+    the members of a union (``stop.str``, ``tool_choice.literal['none',...]`` -> ``stop``,
+    ``tool_choice``); our field names are lower case."""
+    path = []
+    for part in loc:
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper()):
+            break
+        path.append(str(part))
+    return ".".join(path)
