@@ -45,9 +45,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME/turnkv``, else ``~/.cache/turnkv``: where turnkv keeps what it derives."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "turnkv" / "kernels"
+    return Path(base) / "turnkv"
+
+
+def _cache_dir() -> Path:
+    return cache_home() / "kernels"
 
 
 def build(source: Path) -> Path:

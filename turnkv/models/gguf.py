@@ -2,8 +2,9 @@
 
 Reading a GGUF's header with ``gguf.GGUFReader`` and converting its vocabulary take seconds, so
 the first load writes what it learned (config, tensor table, tokenizer) to
-``$TURNKV_CACHE_DIR`` (default ``~/.cache/turnkv``) under ``gguf/<fingerprint>/``; later loads read
-that and map the tensor bytes straight from the file with ``numpy.memmap``.
+``$TURNKV_CACHE_DIR`` (default ``$XDG_CACHE_HOME/turnkv``, else ``~/.cache/turnkv``) under
+``gguf/<fingerprint>/``; later loads read that and map the tensor bytes straight from the file with
+``numpy.memmap``. Packed weights are cached beside it (``pack_cache``).
 
 llama.cpp's converter permutes the rows of the Q and K projections of ``llama`` models so its
 own RoPE (adjacent pairs) applies; ``unpermute_rows`` restores the Hugging Face layout
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from turnkv import cbuild
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.tokenizer import Tokenizer, gguf_backend
 
@@ -64,7 +66,8 @@ class GGUFHeader:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TURNKV_CACHE_DIR") or Path.home() / ".cache" / "turnkv")
+    """``$TURNKV_CACHE_DIR``, else the C kernels' cache home (``$XDG_CACHE_HOME/turnkv``)."""
+    return Path(os.environ.get("TURNKV_CACHE_DIR") or cbuild.cache_home())
 
 
 # ---- header ---------------------------------------------------------------------------------

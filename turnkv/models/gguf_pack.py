@@ -1,14 +1,17 @@
 """A GGUF's matrices -> ``QuantWeight``s swapped into the model (the loader's side of
 ``turnkv.models.quant``): which fused matrices can stay packed, their planes, the load-time
-self-check, and the report the loader keeps (``LoadedModel.weights``)."""
+self-check, and the report the loader keeps (``LoadedModel.weights``). What it packed is kept on
+disk and taken from there by a later load of the same file and settings (``pack_cache``)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from turnkv.models import pack_cache
 from turnkv.models.quant import (
     GROUP,
     PACKED_TYPES,
@@ -36,6 +39,7 @@ class PackReport:
     packed_bytes: int = 0
     worst_ratio: float = 0.0  # largest |packed - dequantized| / error_bound seen by the self-check
     matmul: str = ""  # the packed matrices' kernel: "c" (cpu_int4) or "torch-int4"; "" none packed
+    cache: str = ""  # the packed-weights cache: "hit", "miss" (packed now, stored), "off"; "" no packing
 
 
 def _concat(planes_per_part: list[list[Plane]], cols: int) -> list[Plane]:
@@ -52,14 +56,26 @@ def _concat(planes_per_part: list[list[Plane]], cols: int) -> list[Plane]:
     return out
 
 
-def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) -> PackReport:
+def pack_gguf(
+    model,
+    entries,
+    data,
+    mode: str,
+    device: torch.device,
+    path=None,
+    fingerprint: str = "",
+    dtype: torch.dtype | None = None,
+) -> PackReport:
     """Pack the matrices of a GGUF load whose every part is Q4_0/Q4_1/Q8_0 into ``QuantWeight``s
     and swap them into ``model`` (``model.hf_place`` / ``model.replace_weight``).
 
     ``entries``: ``(hf_name, TensorEntry, unpermute_heads)``; ``data`` the file's bytes; ``path``
-    the file, mapped again for the embedding's blocks (None: they are copied). ``mode``: ``auto`` packs on CPU what
-    passes the self-check; ``packed`` packs or raises ValueError saying why not; ``dequant`` packs
-    nothing. The embedding keeps its GGUF blocks for lookups (exact), plus planes when it is tied.
+    the file, mapped again for the embedding's blocks (None: they are copied, and nothing is
+    cached). ``mode``: ``auto`` packs on CPU what passes the self-check; ``packed`` packs or raises
+    ValueError saying why not; ``dequant`` packs nothing. The embedding keeps its GGUF blocks for
+    lookups (exact), plus planes when it is tied. With a ``path``, the result is taken from the
+    packed-weights cache when it holds this file (``fingerprint``: its content fingerprint) and
+    settings (``dtype``: the model's), else stored there (``pack_cache``).
     """
     from turnkv.models import gguf as gg
 
@@ -92,7 +108,15 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
         if mode == "packed":
             raise ValueError(f"--weights packed: {why_not} (use --weights auto or dequant)")
         return PackReport(reason=why_not)
+    facts = None
+    if path is not None and pack_cache.enabled():
+        facts = pack_cache.facts(Path(path), fingerprint, mode, dtype or torch.float32, device, entries)
+        cached = pack_cache.read(facts)
+        report = _restore(model, packable, cached, path) if cached is not None else None
+        if report is not None:
+            return report
     done, nbytes, worst, failed = set(), 0, 0.0, []
+    stored: list[tuple[list[str], QuantWeight]] = []
     kinds_checked: dict[tuple, tuple[bool, float]] = {}
     kinds_layout: dict[tuple, bool] = {}
     tied = model.lm_head is None
@@ -129,14 +153,75 @@ def pack_gguf(model, entries, data, mode: str, device: torch.device, path=None) 
         model.replace_weight(owner, attr, qw)
         done.update(p[1] for p in parts)
         nbytes += qw.nbytes()
+        stored.append(([p[1] for p in parts], qw))
     if failed and mode == "packed":
         raise ValueError(f"--weights packed: the self-check failed for {', '.join(failed[:3])}")
     left = sum(1 for key, parts in groups.items() if key not in packable or parts[0][1] not in done)
     used = "packed" if not left else ("mixed" if done else "dequant")
     reason = f"self-check failed for {', '.join(failed[:3])}" if failed else "self-check ok"
+    report = PackReport(used, reason, frozenset(done), nbytes, worst, packed_kernel() if done else "")
+    report.cache = "off" if facts is None else "miss"
+    if facts is not None:
+        _store(facts, report, stored)
     _trim_heap()
     log.info("weights %s: %d tensors packed, %.1f MiB (%s)", used, len(done), nbytes / 2**20, reason)
-    return PackReport(used, reason, frozenset(done), nbytes, worst, packed_kernel() if done else "")
+    return report
+
+
+# ---- the packed-weights cache (pack_cache) ----------------------------------------------------
+_REPORT = ("used", "reason", "packed_bytes", "worst_ratio", "matmul")
+
+
+def _store(facts: dict, report: PackReport, stored: list[tuple[list[str], QuantWeight]]) -> None:
+    """Write what the loader needs to rebuild ``stored`` (each fused matrix's part names and weight)."""
+    meta: dict = {name: getattr(report, name) for name in _REPORT}
+    meta["weights"], tensors = [], {}
+    for names, qw in stored:
+        meta["weights"].append(
+            {
+                "names": names,
+                "shape": list(qw.shape),
+                "block_type": qw.block_type,
+                "native": qw.native,
+                "wide_ok": qw.wide_ok,
+                "blocks": qw.blocks is not None,
+            }
+        )
+        for buf in ("packed", "scale_zeros"):
+            if getattr(qw, buf) is not None:
+                tensors[f"{names[0]}.{buf}"] = getattr(qw, buf)
+    pack_cache.write(facts, meta, tensors)
+
+
+def _restore(model, packable: dict, cached: tuple[dict, dict], path) -> PackReport | None:
+    """Swap the cached weights into ``model`` and return the stored report, or None (nothing
+    swapped) when they do not fit this model: a fused matrix of other parts or shape."""
+    from turnkv.models import gguf as gg
+
+    meta, tensors = cached
+    by_first = {parts[0][1]: (attr, parts) for (_, attr), parts in packable.items()}
+    swaps = []
+    try:
+        for w in meta["weights"]:
+            attr, parts = by_first[w["names"][0]]
+            owner, shape = parts[0][4], tuple(w["shape"])
+            if [p[1] for p in parts] != w["names"] or tuple(getattr(owner, attr).shape) != shape:
+                raise KeyError(w["names"][0])
+            blocks = gg.map_rows(path, parts[0][2]) if w["blocks"] else None
+            qw = QuantWeight(shape, None, blocks, w["block_type"])
+            qw.native, qw.wide_ok = bool(w["native"]), bool(w["wide_ok"])
+            qw.packed = tensors.get(f"{w['names'][0]}.packed")
+            qw.scale_zeros = tensors.get(f"{w['names'][0]}.scale_zeros")
+            swaps.append((w["names"], owner, attr, qw))
+        done = frozenset(n for names, *_ in swaps for n in names)
+        report = PackReport(packed_names=done, cache="hit", **{name: meta[name] for name in _REPORT})
+    except (KeyError, TypeError) as exc:
+        log.warning("packed-weights cache does not fit this model (%s): packing again", exc)
+        return None
+    for _, owner, attr, qw in swaps:
+        model.replace_weight(owner, attr, qw)
+    log.info("weights %s: %d tensors packed, from the cache (%s)", report.used, len(done), report.reason)
+    return report
 
 
 def _trim_heap() -> None:

@@ -129,6 +129,7 @@ class LoadedModel:
     matmul: str = ""  # packed weights' kernel: "c" or "torch-int4" (models/quant.py); "" dense
     # what the model recommends for requests that set no temperature etc. (models/generation.py)
     sampling: generation.SamplingDefaults = field(default_factory=generation.SamplingDefaults)
+    pack_cache: str = ""  # packed weights from the cache: "hit", "miss", "off" (models/pack_cache.py)
 
 
 # ---- device / dtype -------------------------------------------------------------------------
@@ -369,7 +370,8 @@ def _load_gguf(
         raise ModelLoadError(f"{path.name}: {exc}") from exc
     with torch.no_grad():
         try:
-            report = pack_gguf(model, [(n, e, heads(e)) for n, e in named], data, weights, dev, path)
+            table = [(n, e, heads(e)) for n, e in named]
+            report = pack_gguf(model, table, data, weights, dev, path, fp, dt)
         except ValueError as exc:
             raise ModelLoadError(f"{path.name}: {exc}") from exc
         items = [
@@ -380,7 +382,7 @@ def _load_gguf(
         _fill(model, items, f"loading {name}", progress, report.packed_names)
     sampling = generation.from_gguf(header.sampling, path.name)
     held = (report.used, report.reason, report.matmul)
-    return LoadedModel(model, tok, cfg, name, fp, dev, dt, *held, sampling)
+    return LoadedModel(model, tok, cfg, name, fp, dev, dt, *held, sampling, pack_cache=report.cache)
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
