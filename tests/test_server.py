@@ -25,6 +25,7 @@ from turnkv.engine.engine import Engine
 from turnkv.models.generation import DEFAULT_MAX_TOKENS
 from turnkv.models.load import build_random_model
 from turnkv.server.app import create_app
+from turnkv.server.run import uvicorn_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,8 @@ CARD_DEFAULTS = {
 
 
 class Live:
-    """One app under uvicorn in a daemon thread; ``server`` is the app's state (bank, worker)."""
+    """One app under uvicorn (turnkv's settings, ``run.uvicorn_config``) in a daemon thread;
+    ``server`` is the app's state (bank, worker)."""
 
     def __init__(self, loaded, **cfg) -> None:
         self.cfg = replace(EngineConfig(device="cpu", bank_bytes="1G"), **cfg)
@@ -52,7 +54,7 @@ class Live:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.uv = uvicorn.Server(uvicorn_config(app, self.cfg, host="127.0.0.1", port=self.port))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -47,6 +47,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app, cfg: EngineConfig, **kw) -> uvicorn.Config:
+    """uvicorn's settings for ``app`` under ``cfg`` (``kw``: e.g. a test's host and port)."""
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,  # turnkv's own access log has the token counts (server.access)
+        timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_S,
+        **kw,
+    )
+
+
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
     from turnkv.bank.disk import disk_dir, rank_dir
@@ -58,13 +69,7 @@ def serve(cfg: EngineConfig) -> None:
         engine = Engine.from_config(cfg)
         app = create_app(engine, cfg)
         srv: Server = app.state.server
-        config = uvicorn.Config(
-            app,
-            log_level="warning",
-            access_log=False,  # turnkv's own access log has the token counts (server.access)
-            timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_S,
-        )
-        server = _Uvicorn(config, srv, cfg.shutdown_timeout)
+        server = _Uvicorn(uvicorn_config(app, cfg), srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
         info, tier = engine.info, srv.bank.tier
         tp = engine.tp  # each rank's bank and tier hold its 1/size of every row, budgets per rank
