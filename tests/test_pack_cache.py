@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import test_quant
 import torch
+from safetensors import safe_open
 from test_quant import logits, tiny_gguf
 
 from turnkv import cbuild
@@ -259,3 +260,25 @@ def test_a_cache_that_cannot_be_written_is_skipped_with_a_warning(tmp_path, monk
     assert [r.getMessage().split(" under ")[0] for r in caplog.records if r.name == pack_cache.__name__] == [
         "could not write the packed-weights cache"
     ]
+
+
+def test_no_flipped_byte_of_the_header_and_no_sampled_byte_of_the_tensors_goes_unnoticed(cache, tmp_path):
+    """Every byte of the length and header, and every 127th byte of the tensors, flipped in turn:
+    ``read`` refuses each file (and removes it); the intact file reads back."""
+    path = gguf_file(tmp_path)
+    load(path)
+    (entry,) = files(cache)
+    good = entry.read_bytes()
+    with safe_open(str(entry), framework="pt") as f:
+        facts = json.loads(f.metadata()["facts"])
+    assert pack_cache.read(facts) is not None
+    end = 8 + _header_len(good)
+    logging.getLogger(pack_cache.__name__).setLevel(logging.ERROR)  # one warning per file, thousands
+    try:
+        for at in [*range(end), *range(end, len(good), 127)]:
+            entry.write_bytes(_flip(good, at))
+            assert pack_cache.read(facts) is None and not entry.exists(), at
+    finally:
+        logging.getLogger(pack_cache.__name__).setLevel(logging.NOTSET)
+    entry.write_bytes(good)
+    assert pack_cache.read(facts) is not None
