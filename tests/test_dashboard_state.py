@@ -352,6 +352,13 @@ NOT_FUSED = "off: the attention route is not fused ({})"
         # the disk tier, tensor parallelism, the server
         ({"disk__enabled": True}, "disk", "ok", "on"),
         ({"disk__enabled": True, "disk__corrupt": 2}, "disk", "warn", "on — with errors"),
+        # its store raises (a damaged index): lookups are misses, prompts recomputed
+        (
+            {"disk__enabled": True, "disk__degraded": "an index lookup failed"},
+            "disk",
+            "warn",
+            "degraded — recomputing",
+        ),
         (
             {"tensor_parallel": {"size": 2, "status": "ok", "dead_ranks": [], "error": None}},
             "tensor_parallel",

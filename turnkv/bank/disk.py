@@ -18,7 +18,11 @@ namespace and every token id before a block's end, so a block is found only by a
 same model, dtype and namespace whose tokens agree with it up to the block's last row.
 
 Failures never reach a request: an unusable directory disables the tier at start (logged), a
-write error is counted in ``write_failures`` and logged once, a bad block is a miss.
+write error is counted in ``write_failures`` and logged once, a bad block is a miss. A store call
+that raises at run time (a damaged ``index.sqlite``, an I/O error) is a miss too: the lookup
+finds nothing (the prompt is recomputed) and a write behind is dropped; each is counted in
+``faults``, ``/health.disk.degraded`` gives the reason until a lookup goes through the store again,
+and one warning is logged when the tier becomes degraded.
 
 Under tensor parallelism every rank has a tier of its own (its KV heads' shard of the same
 blocks, in a directory of its own) and every rank's bank must decide alike, so ``agree`` (the
@@ -76,6 +80,7 @@ DISK_KEYS = (
     "corrupt",
     "evictions",
     "dedupe_hits",
+    "faults",
 )
 
 
@@ -91,8 +96,8 @@ def disk_dir(directory: str | os.PathLike | None) -> Path:
 
 
 def disabled_health() -> dict:
-    """``/health.disk`` without a tier: ``enabled: false`` and zeros."""
-    return {"enabled": False, **dict.fromkeys(DISK_KEYS, 0)}
+    """``/health.disk`` without a tier: ``enabled: false``, nothing degraded and zeros."""
+    return {"enabled": False, "degraded": None, **dict.fromkeys(DISK_KEYS, 0)}
 
 
 @dataclass
@@ -106,6 +111,7 @@ class DiskStats:
     corrupt: int = 0  # blocks found bad (checksum, truncated, foreign, missing file) and removed
     evictions: int = 0  # blocks removed for the byte budget
     dedupe_hits: int = 0  # blocks not written because the store already held them
+    faults: int = 0  # store calls that raised at run time: each lookup a miss, each write dropped
 
 
 @dataclass
@@ -145,6 +151,7 @@ class DiskTier:
         self._closing = False
         self._abandon = False  # close() timed out: drop what is still queued
         self._warned: set[str] = set()
+        self.degraded: str | None = None  # why the last store call raised (None: the store answers)
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None  # the queue-time copies' CUDA stream (tensor parallelism)
         self._writer = threading.Thread(target=self._write_loop, name="turnkv-disk-writer", daemon=True)
@@ -179,9 +186,13 @@ class DiskTier:
             return None  # memory already holds every whole block
         first = have // BLOCK_TOKENS
         keys = block_keys(self.context, namespace, tokens, whole)
-        run = 0
-        while first + run < whole and self.store.has(keys[first + run]):
-            run += 1
+        run, faults = 0, self.stats.faults
+        try:
+            while first + run < whole and self.store.has(keys[first + run]):
+                run += 1
+        except Exception as exc:  # a damaged index: a miss (the ranks still agree below)
+            self._fault("an index lookup", exc)
+            run = 0
         run = run if self.agree is None else self.agree(run)
         seg = None
         if (first + run) * BLOCK_TOKENS > have:
@@ -189,9 +200,11 @@ class DiskTier:
             try:
                 seg = self.load(keys[first : first + run], parent, tokens, first)
             except Exception as exc:  # out of memory for the rows, a broken index: recompute
-                self._warn_once("load", f"KV disk cache: a restore failed ({type(exc).__name__}: {exc})")
+                self._fault("a restore", exc)
             if self.agree is not None:
                 seg = _cut(seg, self.agree(seg.num_rows // BLOCK_TOKENS if seg is not None else 0))
+        if self.stats.faults == faults:
+            self._answers()
         if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:
             self.stats.misses += 1
             return None
@@ -221,24 +234,29 @@ class DiskTier:
             lo = i * BLOCK_TOKENS
             return k[:, :, lo : lo + BLOCK_TOKENS], v[:, :, lo : lo + BLOCK_TOKENS]  # [L, Hkv, 256, D]
 
-        for i in range(n):
-            for j in range(i, min(n, i + window)):
-                if j not in futures:  # on a CPU device straight into the segment, else pinned memory
-                    futures[j] = pool.submit(self.store.get, keys[j], cuda, None if cuda else rows(j))
-            try:
-                block = futures.pop(i).result()
-                self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
-            except BlockError as exc:
-                self._corrupt(keys[i], exc)
-                break
-            if cuda:
-                dst_k, dst_v = rows(i)
-                dst_k.copy_(block.k, non_blocking=True)  # pinned host -> device
-                dst_v.copy_(block.v, non_blocking=True)
-            good += 1
-        for fut in futures.values():  # reads still running write rows past the good ones: let them end
-            if not fut.cancel():
-                fut.exception()
+        try:
+            for i in range(n):
+                for j in range(i, min(n, i + window)):
+                    if j not in futures:  # on a CPU device straight into the segment, else pinned memory
+                        futures[j] = pool.submit(self.store.get, keys[j], cuda, None if cuda else rows(j))
+                try:
+                    block = futures.pop(i).result()
+                    self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
+                except BlockError as exc:
+                    self._corrupt(keys[i], exc)
+                    break
+                except Exception as exc:  # the store itself failed (index, I/O): the run ends here
+                    self._fault("a block read", exc)
+                    break
+                if cuda:
+                    dst_k, dst_v = rows(i)
+                    dst_k.copy_(block.k, non_blocking=True)  # pinned host -> device
+                    dst_v.copy_(block.v, non_blocking=True)
+                good += 1
+        finally:
+            for fut in futures.values():  # reads still running write rows past the good ones: let them end
+                if not fut.cancel():
+                    fut.exception()
         if good == 0:
             return None
         self.store.touch(keys[:good])
@@ -266,7 +284,7 @@ class DiskTier:
         try:
             self.store.delete(key)
         except Exception as err:  # the index itself failing: the block stays a miss
-            self._warn_once("delete", f"KV disk cache: could not delete a bad block: {err}")
+            self._fault("deleting a bad block", err)
 
     def _readers(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -284,11 +302,15 @@ class DiskTier:
         todo: list[tuple[int, str, str]] = []
         present = []
         with self._cv:
-            for depth, key in enumerate(keys):
-                if key in self._pending or self.store.has(key):
-                    present.append(key)
-                else:
-                    todo.append((depth, key, keys[depth - 1] if depth else ROOT_KEY))
+            try:
+                for depth, key in enumerate(keys):
+                    if key in self._pending or self.store.has(key):
+                        present.append(key)
+                    else:
+                        todo.append((depth, key, keys[depth - 1] if depth else ROOT_KEY))
+            except Exception as exc:  # a damaged index: this write is dropped, the turn unharmed
+                self._fault("an index lookup before a write", exc)
+                return
             self.stats.dedupe_hits += len(present)
             room = max(self.queue_blocks - self._queued, 0)
             if len(todo) > room:  # keep the chain's head: later blocks need it
@@ -304,7 +326,10 @@ class DiskTier:
                 self._pending.update(key for _, key, _ in todo)
                 self._cv.notify_all()
         if present:
-            self.store.touch(present, now)
+            try:
+                self.store.touch(present, now)
+            except Exception as exc:
+                self._fault("marking blocks used", exc)
 
     def held(self) -> list[SegmentedSnapshot]:
         """Snapshots that queued writes keep alive (the bank counts their memory)."""
@@ -449,7 +474,30 @@ class DiskTier:
         with self._cv:
             facts = asdict(self.stats) | {"queued": self._queued}
         facts |= {"blocks": self.store.count, "bytes": self.store.nbytes, "budget_bytes": self.budget_bytes}
-        return {"enabled": True, **{k: int(facts[k]) for k in DISK_KEYS}}
+        return {"enabled": True, "degraded": self.degraded, **{k: int(facts[k]) for k in DISK_KEYS}}
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        """A store call raised: its caller takes it as a miss (or drops the write). Counted, the
+        reason on ``/health.disk.degraded``, one warning when the tier becomes degraded."""
+        reason = f"{what} failed: {type(exc).__name__}: {exc}"
+        with self._cv:
+            self.stats.faults += 1
+            first, self.degraded = self.degraded is None, reason
+        if first:
+            log.warning(
+                "KV disk cache degraded: %s; lookups are misses (prompts are recomputed) and writes "
+                "are dropped while the store fails (disk.degraded, disk.faults)",
+                reason,
+            )
+        else:
+            log.debug("KV disk cache: %s", reason)
+
+    def _answers(self) -> None:
+        """A lookup went through the store without a fault: it is no longer degraded."""
+        if self.degraded is not None:
+            with self._cv:
+                self.degraded = None
+            log.warning("KV disk cache: the store answers again; no longer degraded")
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind in self._warned:

@@ -31,6 +31,16 @@ before launching the one after, which it builds and uploads (``Engine.stage``) w
 fills them: only the masks' upload, the argmax and the launch lie between the fill's end and the
 next forward.
 
+**Faults.** Every stage runs under ``_guard``: admission (``Turn.begin``: the context check, the
+bank's lookup and the disk tier's, the price, the new or restored cache), a turn's window, the
+step's stage, launch, finalize and complete, and a turn's advance (sampler, grammar, detokenizer,
+stop strings, seal and bank). An exception there ends exactly the turns that stage concerns with a
+``Failed`` (``internal_error``: HTTP 500), releasing their leases (nothing already banked is
+lost), and the loop goes on; a fault in the loop's own glue fails the running turns. An entry
+leaves the queue and the running set once its last event (``Banked`` or ``Failed``) is sent, so
+neither holds a turn that nobody will end. (A disk tier that raises never gets here: it degrades
+to a miss, ``turnkv.bank.disk``.)
+
 ``run_turn`` drives one turn to its end on the calling thread (``turnkv generate``, ``turnkv chat``,
 the benches): the same code path as the server, with a running set of one.
 """
@@ -42,14 +52,14 @@ import logging
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine, Staged, StepResult
-from turnkv.engine.events import Failed, TurnEvent, TurnRequest, WindowOutput
+from turnkv.engine.events import Banked, Failed, TurnEvent, TurnRequest, WindowOutput
 from turnkv.engine.grammar import StepMasks
 from turnkv.engine.sampling import draw_rows, on_device
 from turnkv.engine.step import Window
@@ -65,6 +75,19 @@ class _Entry:
     turn: Turn
     emit: Emit
     submitted: float = 0.0  # time.monotonic() at submit
+    ended: bool = False  # its last event (Banked or Failed) was sent
+    deaf: bool = False  # its emit raised: the turn was cancelled
+
+    @property
+    def live(self) -> bool:
+        return not (self.ended or self.turn.done)
+
+
+@dataclass
+class _Outcome:
+    """What ``Scheduler._guard`` saw: whether the stage raised."""
+
+    failed: bool = False
 
 
 @dataclass
@@ -136,7 +159,20 @@ class Scheduler:
 
     def step(self) -> None:
         """Admit what fits, run one forward over every running turn's window, deliver events;
-        with run-ahead, launch this step before the one in flight hands out its tokens."""
+        with run-ahead, launch this step before the one in flight hands out its tokens. Never
+        raises an ``Exception``: a fault ends the turns it concerns (module docstring)."""
+        with self._guard("the step loop", lambda: [(e, None) for e in self.running]) as out:
+            self._step()
+        if out.failed:  # outside every stage: what was in flight is unknown, so it is dropped
+            self.inflight = None
+        self.running = [e for e in self.running if e.live]
+        try:
+            self.snapshot = self._info()
+        except Exception:  # the counts /health reads stay true whatever broke the rest
+            log.exception("scheduler: the health snapshot failed")
+            self.snapshot = {**self.snapshot, "running": len(self.running), "waiting": len(self.waiting)}
+
+    def _step(self) -> None:
         control = self.engine.control
         if control is not None and not control.announce(self):  # the other ranks run this step too
             return  # the group is down: every turn was failed
@@ -145,7 +181,7 @@ class Scheduler:
             # a sampled turn's verify window is drawn on the host: its next window needs those
             # tokens. Rather than sit a step out (every other step, while it drafts), it waits here
             self._complete(run)
-            self.running = [e for e in self.running if not e.turn.done]
+            self.running = [e for e in self.running if e.live]
             run = None
         self._admit()
         work = self._gather(run)
@@ -157,8 +193,8 @@ class Scheduler:
             work = work if staged is not None else []
         if run is not None and not self._finalize(run):  # its masks and argmax; if that broke,
             run = None  # its turns failed (and their windows of this step with them)
-            self.running = [e for e in self.running if not e.turn.done]
-            kept = [(e, w) for e, w in work if not e.turn.done]
+            self.running = [e for e in self.running if e.live]
+            kept = [(e, w) for e, w in work if e.live]
             work, staged = kept, staged if len(kept) == len(work) else None
         launched = None
         if work:
@@ -174,8 +210,6 @@ class Scheduler:
                 self.inflight = launched  # its tokens are taken by the next step()
             else:  # (a turn that needs them would wait for them at the next step() anyway)
                 self._complete(launched)
-        self.running = [e for e in self.running if not e.turn.done]
-        self.snapshot = self._info()
 
     def _gather(self, run: _Launched | None) -> list[tuple[_Entry, Window]]:
         """This step's windows: a decode row (or a verify window of drafts) from each decoding
@@ -195,13 +229,15 @@ class Scheduler:
                     flying[id(e.turn)] = offsets[i] + w.logits - 1
 
         def window(e: _Entry, budget: int, draft: bool = True) -> Window | None:
-            row = flying.get(id(e.turn))
-            if row is not None:
-                return e.turn.window_ahead(budget, row, draft)
-            w = e.turn.window(budget, draft)
-            if w is None:  # nothing to compute: finishing (or cancelled before its decode row)
-                self._deliver(e, e.turn.advance(None))
-            return w
+            with self._guard("the turn's window", [(e, None)]):
+                row = flying.get(id(e.turn))
+                if row is not None:
+                    return e.turn.window_ahead(budget, row, draft)
+                w = e.turn.window(budget, draft)
+                if w is None:  # nothing to compute: finishing (or cancelled before its decode row)
+                    self._deliver(e, e.turn.advance(None))
+                return w
+            return None  # it raised: the turn failed
 
         decode = [e for e in self.running if e.turn.decodes_next()]
         budget = self.max_batch_tokens - len(decode)
@@ -250,22 +286,21 @@ class Scheduler:
             if e.turn.request.cancel.is_set():
                 self._deliver(e, [Failed("cancelled", "the client went away before the turn started")])
                 continue
-            events = e.turn.begin()
-            e.turn.stats.queue_s = time.monotonic() - e.submitted
-            if events is None:  # it fits once running turns finish: it waits, first in line
-                self.waiting.appendleft(e)
-                break
-            self._deliver(e, events)
-            if not e.turn.done:
-                self.running.append(e)
+            with self._guard("admission", [(e, None)]):
+                events = e.turn.begin()
+                e.turn.stats.queue_s = time.monotonic() - e.submitted
+                if events is None:  # it fits once running turns finish: it waits, first in line
+                    self.waiting.appendleft(e)
+                    break
+                self._deliver(e, events)
+                if e.live:
+                    self.running.append(e)
 
     def _stage(self, work: list[tuple[_Entry, Window]]) -> Staged | None:
         """``Engine.stage`` of ``work``'s windows; None if that broke (its turns failed)."""
-        try:
+        with self._guard("the step's stage", work):
             return self.engine.stage([w for _, w in work])
-        except Exception as exc:
-            self._fail_step(work, exc)
-            return None
+        return None
 
     def _launch(
         self,
@@ -279,13 +314,12 @@ class Scheduler:
         the argmax of the step in flight."""
         windows = [w for _, w in work]
         t0 = time.perf_counter()
-        try:
+        with self._guard("the step's launch", work) as out:  # a broken step fails its turns
             if staged is None:
                 result = self.engine.run_step(windows, prev)
             else:
                 result = self.engine.run_staged(staged, prev)
-        except Exception as exc:  # a broken step fails its turns, never the loop
-            self._fail_step(work, exc)
+        if out.failed:
             return None
         run = _Launched(work, result, None, t0=t0)
         return run if not finalize or self._finalize(run) else None
@@ -299,7 +333,7 @@ class Scheduler:
             return True
         run.final = True
         result = run.result
-        try:
+        with self._guard("the step's finalize", run.work):
             offsets = result.plan.logit_offsets
             self.masks.apply(result.logits, _constrained(run.work, offsets))
             argmax = run.argmax = result.logits.argmax(-1) if result.logits.shape[0] else None
@@ -317,9 +351,7 @@ class Scheduler:
                 run.ready = torch.cuda.Event()
                 run.ready.record()
             return True
-        except Exception as exc:
-            self._fail_step(run.work, exc)
-            return False
+        return False
 
     def _complete(self, run: _Launched) -> None:
         """Wait for ``run``'s tokens and hand each window's rows to its turn."""
@@ -327,7 +359,7 @@ class Scheduler:
             return
         work, result = run.work, run.result
         windows = [w for _, w in work]
-        try:
+        with self._guard("the step's complete", work) as out:
             t_sync = time.perf_counter()
             if run.ready is not None:
                 run.ready.synchronize()
@@ -336,36 +368,34 @@ class Scheduler:
                 argmax = run.argmax.tolist() if run.argmax is not None else []
             self.wait_s += time.perf_counter() - t_sync
             self.engine.speculation.cost.observe(windows, time.perf_counter() - run.t0)
-        except Exception as exc:
-            self._fail_step(work, exc)
+            rows = sum(len(w.tokens) for w in windows)
+            self.steps += 1
+            self.rows += rows
+            layers = self.engine.shape.num_layers
+            labels = result.plan.labels
+            for label in labels:
+                self.route_counts[label] += layers
+            offsets = result.plan.logit_offsets
+            self._take_early(run, argmax)
+        if out.failed:
             return
-        rows = sum(len(w.tokens) for w in windows)
-        self.steps += 1
-        self.rows += rows
-        layers = self.engine.shape.num_layers
-        labels = result.plan.labels
-        for label in labels:
-            self.route_counts[label] += layers
-        offsets = result.plan.logit_offsets
-        self._take_early(run, argmax)
         for i, (e, w) in enumerate(work):
             if not e.turn.owns(w):  # a run-ahead row of an answer that ended one row earlier
                 continue
             lo, hi = offsets[i], offsets[i] + w.logits
-            out = WindowOutput(result.logits[lo:hi], argmax[lo:hi], labels[i], layers, i in run.drawn)
-            try:
-                events = e.turn.advance(out)
-            except Exception as exc:  # e.g. a sampler or detokenizer error: that turn alone fails
-                log.exception("turn failed")
-                events = e.turn.fail(exc)
-            self._deliver(e, events)
+            # the turn's own host work (sampler, grammar, detokenizer, stops, seal and bank): that
+            # turn alone fails
+            with self._guard("the turn's advance", [(e, None)]):
+                got = WindowOutput(result.logits[lo:hi], argmax[lo:hi], labels[i], layers, i in run.drawn)
+                self._deliver(e, e.turn.advance(got))
         now = time.perf_counter()
         seconds = now - max(run.t0, self._done_at)  # overlapped steps: from the previous one's end
         self._done_at = now
         a = 0.1 if self.steps > 1 else 1.0
         self.step_ms += a * (seconds * 1e3 - self.step_ms)
-        if self.observe is not None:
-            self.observe(len(windows), rows, seconds)
+        with self._guard("the step observer", ()):  # no turn fails: they have their tokens
+            if self.observe is not None:
+                self.observe(len(windows), rows, seconds)
         self.rows_per_step += a * (rows - self.rows_per_step)
 
     def _take_early(self, run: _Launched, argmax: list[int]) -> None:
@@ -383,11 +413,33 @@ class Scheduler:
                 continue
         self.masks.start(early)
 
-    def _fail_step(self, work: list[tuple[_Entry, Window]], exc: Exception) -> None:
-        log.error("step failed", exc_info=exc)
-        for e, w in work:
-            if e.turn.owns(w, ahead=True):
-                self._deliver(e, e.turn.fail(exc))
+    @contextlib.contextmanager
+    def _guard(
+        self, stage: str, work: Sequence[tuple[_Entry, Window | None]] | Callable[[], Sequence]
+    ) -> Iterator[_Outcome]:
+        """Run a stage of ``work`` (pairs of an entry and its window in the stage, None: the turn
+        itself; or a callable that lists them once the stage has raised). If it raises, each turn it
+        concerns ends with ``internal_error`` and the exception goes no further."""
+        out = _Outcome()
+        try:
+            yield out
+        except Exception as exc:
+            out.failed = True
+            pairs = work() if callable(work) else work
+            # a window that is no longer its turn's (an answer that ended one row earlier) is not
+            hit = [e for e, w in pairs if not e.ended and (w is None or e.turn.owns(w, ahead=True))]
+            log.error("%s failed (%d turn(s) end with an error)", stage, len(hit), exc_info=exc)
+            for e in hit:
+                self._fail(e, stage, exc)
+
+    def _fail(self, e: _Entry, stage: str, exc: Exception) -> None:
+        """End ``e`` with an error: its lease is released (nothing of this turn is banked; what
+        was banked before stays), and its client gets ``Failed`` whatever else breaks."""
+        try:
+            e.turn.fail(exc)
+        except Exception:
+            log.exception("releasing a failed turn raised too")
+        self._deliver(e, [Failed("internal_error", f"{stage} failed: {type(exc).__name__}: {exc}")])
 
     def _info(self) -> dict:
         graphs = self.engine.graphs
@@ -406,7 +458,15 @@ class Scheduler:
     @staticmethod
     def _deliver(e: _Entry, events: list[TurnEvent]) -> None:
         for ev in events:
-            e.emit(ev)
+            if isinstance(ev, (Banked, Failed)):
+                e.ended = True  # it leaves the queue and the running set
+            try:
+                e.emit(ev)
+            except Exception:  # nobody can hear this turn: it stops as a client that left does
+                if not e.deaf:
+                    log.exception("a turn's event could not be delivered: the turn is cancelled")
+                e.deaf = True
+                e.turn.request.cancel.set()
 
 
 def _constrained(work: list[tuple[_Entry, Window]], offsets: list[int]) -> list:

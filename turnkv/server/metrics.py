@@ -85,6 +85,7 @@ _DISK_COUNTERS = {
     "corrupt": "Bad blocks found (checksum, truncated, foreign, missing) and removed",
     "evictions": "Blocks evicted for the disk budget",
     "dedupe_hits": "Blocks not written because the disk tier already held them",
+    "faults": "KV disk tier store calls that raised (a damaged index, I/O): each a miss or a dropped write",
 }
 
 

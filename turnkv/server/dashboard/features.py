@@ -197,7 +197,11 @@ def _disk(doc: dict) -> Feature:
         return Feature(
             "disk", label, "off", "off", "finished turns are kept in memory only (--no-disk or no disk dir)"
         )
-    troubles = {k: d.get(k, 0) for k in ("write_failures", "dropped_writes", "corrupt") if d.get(k, 0)}
+    if d.get("degraded"):  # its store raises: every lookup is a miss (recomputed)
+        return Feature("disk", label, "warn", "degraded — recomputing", str(d["degraded"]))
+    troubles = {
+        k: d.get(k, 0) for k in ("write_failures", "dropped_writes", "corrupt", "faults") if d.get(k, 0)
+    }
     if troubles:
         detail = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in troubles.items())
         return Feature("disk", label, "warn", "on — with errors", f"finished turns go to disk; {detail}")
