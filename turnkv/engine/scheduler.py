@@ -83,11 +83,34 @@ class _Entry:
         return not (self.ended or self.turn.done)
 
 
-@dataclass
-class _Outcome:
-    """What ``Scheduler._guard`` saw: whether the stage raised."""
+Pairs = Sequence[tuple[_Entry, Window | None]]  # turns of a stage, with their windows in it
 
-    failed: bool = False
+
+class _Guard:
+    """``with``: one stage of ``work`` (pairs of an entry and its window in the stage, None: the
+    turn itself; or a callable that lists them once the stage has raised). If it raises an
+    ``Exception``, each turn it concerns ends with ``internal_error`` (``Scheduler._fail``), the
+    exception goes no further and ``failed`` is set. (A class: a step enters one per turn.)"""
+
+    __slots__ = ("failed", "sched", "stage", "work")
+
+    def __init__(self, sched: Scheduler, stage: str, work: Pairs | Callable[[], Pairs]) -> None:
+        self.sched, self.stage, self.work, self.failed = sched, stage, work, False
+
+    def __enter__(self) -> _Guard:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None or not issubclass(kind, Exception):
+            return False  # KeyboardInterrupt and the like go on (run_turn cancels on Ctrl-C)
+        self.failed = True
+        pairs = self.work() if callable(self.work) else self.work
+        # a window that is no longer its turn's (an answer that ended one row earlier) is not
+        hit = [e for e, w in pairs if not e.ended and (w is None or e.turn.owns(w, ahead=True))]
+        log.error("%s failed (%d turn(s) end with an error)", self.stage, len(hit), exc_info=exc)
+        for e in hit:
+            self.sched._fail(e, self.stage, exc)
+        return True
 
 
 @dataclass
@@ -413,24 +436,8 @@ class Scheduler:
                 continue
         self.masks.start(early)
 
-    @contextlib.contextmanager
-    def _guard(
-        self, stage: str, work: Sequence[tuple[_Entry, Window | None]] | Callable[[], Sequence]
-    ) -> Iterator[_Outcome]:
-        """Run a stage of ``work`` (pairs of an entry and its window in the stage, None: the turn
-        itself; or a callable that lists them once the stage has raised). If it raises, each turn it
-        concerns ends with ``internal_error`` and the exception goes no further."""
-        out = _Outcome()
-        try:
-            yield out
-        except Exception as exc:
-            out.failed = True
-            pairs = work() if callable(work) else work
-            # a window that is no longer its turn's (an answer that ended one row earlier) is not
-            hit = [e for e, w in pairs if not e.ended and (w is None or e.turn.owns(w, ahead=True))]
-            log.error("%s failed (%d turn(s) end with an error)", stage, len(hit), exc_info=exc)
-            for e in hit:
-                self._fail(e, stage, exc)
+    def _guard(self, stage: str, work: Pairs | Callable[[], Pairs]) -> _Guard:
+        return _Guard(self, stage, work)
 
     def _fail(self, e: _Entry, stage: str, exc: Exception) -> None:
         """End ``e`` with an error: its lease is released (nothing of this turn is banked; what
