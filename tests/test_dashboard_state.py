@@ -21,6 +21,7 @@ from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.context_copy import Speculation
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
+from turnkv.models.generation import SamplingDefaults, resolve
 from turnkv.server.dashboard import bankview, state
 from turnkv.server.dashboard.bankview import LiveClock, bank_view, ns_hash
 from turnkv.server.dashboard.features import features
@@ -162,6 +163,7 @@ class _Srv:
             info=info,
             counters=lambda: {"seals": 0, "merges": 0, "max_segments": 0},
             speculation=Speculation(),
+            sampling_defaults=resolve(SamplingDefaults(), SamplingDefaults()),
         )
         sched = {"running": 5, "waiting": 2, "step_ms": 12.5, "rows_per_step": 40, "route_counts": {}}
         self.worker = SimpleNamespace(scheduler=SimpleNamespace(snapshot=sched))
