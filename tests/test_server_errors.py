@@ -5,8 +5,6 @@ longer than the context, and clients that go away mid-answer (what was computed 
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
@@ -258,7 +256,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(live):
     prompt = live.engine.tokenizer.apply_chat_template(msgs)
     body = _chat_body(messages=msgs, max_tokens=200, ignore_eos=True)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.url + "/v1/chat/completions", content=json.dumps(body), timeout=1.5)
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=1.5)
     lens = _banked_after(live, prompt)
     assert max(lens) < len(prompt) + 150
 

@@ -22,6 +22,7 @@ from test_server import MODEL, Live, chat
 
 pytestmark = pytest.mark.slow
 
+JSON = {"content-type": "application/json"}
 WORDS = "alpha river stone lantern copper meadow signal harbor violet engine quiet amber".split()
 
 
@@ -173,7 +174,7 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_read(live):
         yield huge.encode()[: limit // 2]
         yield huge.encode()[limit // 2 :]
 
-    r = httpx.post(live.url + "/v1/chat/completions", content=chunks(), timeout=60)
+    r = httpx.post(live.url + "/v1/chat/completions", content=chunks(), headers=JSON, timeout=60)
     error(r, 413)
 
 
@@ -221,7 +222,7 @@ def raw(srv: Live, data: bytes, wait: bool = True) -> bytes:
 def test_a_client_leaving_mid_body_or_a_bad_chunked_body_is_a_4xx_without_traceback(live):
     time.sleep(0.3)  # the previous test's access lines are out
     before = statuses(live)
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     with Records().attached() as records:
         raw(live, head + b'Content-Length: 1000\r\n\r\n{"model":', wait=False)
         raw(live, head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")

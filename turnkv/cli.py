@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", "port", "TCP port; 0 = any free port", type=int)
     add("--bank-bytes", "bank_bytes", "KV budget of the session bank: N, 512M, 8G or auto")
     add("--api-key", "api_key", "required bearer key (repeatable; env: comma-separated)", action="append")
+    add(
+        "--allowed-hosts",
+        "allowed_hosts",
+        "Host header values accepted besides localhost/127.x/[::1] (comma-separated or repeatable; "
+        "* = any); none: loopback names only while bound to a loopback address, any host otherwise",
+        action="append",
+    )
+    add("--header-timeout", "header_timeout", "seconds to send the request headers (408 past it)", type=float)
+    add("--body-timeout", "body_timeout", "seconds to send the request body (408 past it)", type=float)
     add("--session-ttl", "session_ttl", "seconds an X-Session-Id protects its newest entry", type=float)
     add("--session-share", "session_share", "share of the bank budget protected entries may hold", type=float)
     add("--max-body-bytes", "max_body_bytes", "request body limit (413 past it): N, 1M or auto")

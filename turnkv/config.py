@@ -129,6 +129,11 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = field(default_factory=list)
+    # Host values accepted besides the loopback names (comma-separated or repeated; "*": any); none
+    # given: loopback names only while bound to a loopback address, any host otherwise
+    allowed_hosts: list[str] = field(default_factory=list)
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    body_timeout: float = 60.0  # seconds a client has to send a request's body once its headers are in
     session_ttl: float = 600.0  # seconds an X-Session-Id protects its newest entry after its last turn
     session_share: float = 0.5  # of the bank budget that protected entries may hold together
     max_body_bytes: str = "auto"  # N | auto: max(1 MiB, 128 bytes x the context length)
@@ -178,8 +183,11 @@ class EngineConfig:
         _check_range("session_share", self.session_share, 0, 1, "a share of the bank budget")
         _check_range("shutdown_timeout", self.shutdown_timeout, 0, None, "seconds")
         _check_range("queue_timeout", self.queue_timeout, 0, None, "seconds; 0 waits without a limit")
+        _check_range("header_timeout", self.header_timeout, 0, None, "seconds; 0 waits without a limit")
+        _check_range("body_timeout", self.body_timeout, 0, None, "seconds; 0 waits without a limit")
         if not self.host:
             raise ConfigError("host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        self.allowed_hosts = _host_patterns(self.allowed_hosts)
         bad = self.sampling_flags().problems()
         if bad:
             name = next(iter(bad))
@@ -261,6 +269,28 @@ def _check_type(name: str, value: object, hint: object) -> None:
         ok = isinstance(value, hint)  # type: ignore[arg-type]
     if not ok:
         raise ConfigError(name, f"must be {getattr(hint, '__name__', hint)} (got {value!r})")
+
+
+_HOST_PATTERN = re.compile(r"^(\*|(\*\.)?[a-z0-9.\-]+(:\d{1,5})?|\[[0-9a-f:.]+\](:\d{1,5})?)$")
+
+
+def _host_patterns(values: list[str]) -> list[str]:
+    """``--allowed-hosts`` entries, each value split at commas, lower case; ConfigError for one that
+    is not a host name or address (optionally with a port), ``*.domain`` or ``*``."""
+    out = []
+    for value in values:
+        for entry in value.split(","):
+            entry = entry.strip().lower()
+            if not entry:
+                continue
+            if not _HOST_PATTERN.match(entry):
+                raise ConfigError(
+                    "allowed_hosts",
+                    f"entries must be host names or addresses, optionally with a port, *.domain or * "
+                    f"(got {entry[:80]!r})",
+                )
+            out.append(entry)
+    return out
 
 
 def _check_range(name: str, value: float, lo: float, hi: float | None, note: str = "") -> None:

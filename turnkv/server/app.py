@@ -8,6 +8,10 @@ events. The first event
 decides the status (200, or 400/507 before any work); a client that goes away sets the turn's
 cancel flag, and the worker still seals and banks what it computed.
 
+Before a handler runs, ``server.guard`` checks the Host (``--allowed-hosts``), and the JSON routes
+check the Content-Type and the key before reading the body; ``server.openapi`` describes the
+routes at ``/openapi.json`` (behind the key, as ``/v1``).
+
 Namespaces: without ``--api-key`` everyone shares one cache namespace; with keys each key has its
 own, and a request's ``cache_salt`` adds to it, so a prefix banked under one namespace never
 yields ``cached_tokens`` under another.
@@ -36,8 +40,10 @@ from turnkv.parallel.control import DOWN_CODE, down_message
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
 from turnkv.server.dashboard import register_dashboard
+from turnkv.server.guard import HostGuard, HostPolicy, bearer_key, matching_key, require_json
 from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
+from turnkv.server.openapi import CHAT_ROUTE, COMPLETIONS_ROUTE, KEYED, ModelCard, ModelList, document, errors
 from turnkv.server.prompts import Prompts
 from turnkv.server.responses import failed_error, respond, route_label
 from turnkv.server.schemas import (
@@ -89,6 +95,7 @@ class Server:
         self.model_names = {engine.info.model_name, cfg.model}
         self.prompts = Prompts(engine.tokenizer, engine.max_context)
         self.max_body_bytes = body_limit(cfg.max_body_bytes, engine.max_context)
+        self.body_timeout = cfg.body_timeout
         self.vocab_size = engine.loaded.config.vocab_size  # logits per row: what logit_bias may name
         # tensor parallelism: a rank that dies ends the turns in flight and refuses new ones (503)
         self.group = engine.tp.group if engine.tp is not None else None
@@ -103,9 +110,8 @@ class Server:
         """The cache namespace; raises 401 when keys are set and the request has none of them."""
         ns = "public"
         if self.keys:
-            auth = request.headers.get("authorization", "")
-            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if key not in self.keys:
+            key = matching_key(bearer_key(request.scope["headers"]), self.keys)
+            if key is None:
                 raise ApiError(
                     401,
                     "Incorrect API key provided. Pass one of the server's --api-key values as a bearer token.",
@@ -212,9 +218,15 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
         if srv.bank.tier is not None:
             await asyncio.to_thread(srv.bank.tier.close)  # finishes the queued block writes
 
-    app = FastAPI(title="turnkv", lifespan=lifespan)
+    # no /docs or /redoc: their pages load their scripts from a CDN (server.openapi)
+    app = FastAPI(title="turnkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
-    app.add_middleware(AccessLog, enabled=cfg.access_log)
+
+    def refused(scope, status: int) -> None:
+        srv.metrics.request(route_label(Request(scope)), status)
+
+    app.add_middleware(HostGuard, policy=HostPolicy(cfg.host, cfg.allowed_hosts), count=refused)
+    app.add_middleware(AccessLog, enabled=cfg.access_log)  # outermost: it logs the refusals too
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -242,24 +254,35 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
     async def _health() -> dict:
         return server_health(srv)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def _metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/openapi.json", include_in_schema=False)
+    async def _openapi(request: Request) -> JSONResponse:
+        srv.namespace(request, None)  # 401 without a valid key, as /v1
+        return JSONResponse(document(app))
+
+    # response_model=None: documented, not filtered (FastAPI would drop a field the model lacks)
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors(*KEYED)})
     async def _models(request: Request) -> dict:
         srv.namespace(request, None)
         return {"object": "list", "data": [srv.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=None,
+        responses={200: {"model": ModelCard}, **errors(*KEYED, 404)},
+    )
     async def _model(request: Request, model_id: str) -> dict:
         srv.namespace(request, None)
         srv.check_model(model_id)
         return srv.model_card()
 
     async def _serve(request: Request, schema, chat: bool) -> Response:
-        srv.namespace(request, None)  # the API key is checked before the body is read
-        req = parse_body(schema, await read_body(request, srv.max_body_bytes))
+        srv.namespace(request, None)  # the key, then the content type, before the body is read
+        require_json(request.scope["headers"])
+        req = parse_body(schema, await read_body(request, srv.max_body_bytes, srv.body_timeout))
         srv.check_model(req.model)
         ns = srv.namespace(request, req.cache_salt)
         params = req.sampling(srv.vocab_size, srv.engine.sampling_defaults.values)
@@ -276,11 +299,11 @@ def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> Fa
         )
         return await respond(srv, request, turn, req, chat=chat, tools=st.plan)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **CHAT_ROUTE)
     async def _chat(request: Request) -> Response:
         return await _serve(request, ChatCompletionRequest, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **COMPLETIONS_ROUTE)
     async def _completions(request: Request) -> Response:
         return await _serve(request, CompletionRequest, chat=False)
 

@@ -5,12 +5,20 @@ decodes to 81 bytes at most for the default model, so a body past that cannot ho
 fits) is checked against ``Content-Length`` before anything is read, and against the bytes
 received for a chunked body, so a 20 MB body costs nothing: 413 in the OpenAI error shape.
 
+The whole body must arrive within ``--body-timeout`` seconds (default 60; uvicorn bounds neither
+its time nor that of the headers): a slower or endless one (chunks trickled forever under the
+size cap) is answered 408 ``request_timeout`` and its connection closed. The headers' deadline,
+and the one of a body the client goes on sending after an early answer, are the connection's
+(``server.protocol``).
+
 A client that disconnects while sending its body (or whose chunked body is malformed: the ASGI
 server then reports a disconnect) is a client error: :class:`ClientGone`, logged as one access
 line with status 499 and counted as 499 in ``/metrics``, never a traceback or a 500.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -49,8 +57,27 @@ def too_large(limit: int, size: str) -> ApiError:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes; raises 413 (too large), 400 or :class:`ClientGone`."""
+def too_slow(timeout: float) -> ApiError:
+    return ApiError(
+        408,
+        f"The request body did not arrive within {timeout:g} s (--body-timeout).",
+        code="request_timeout",
+        headers={"Connection": "close"},  # the rest of the body may still be on its way
+    )
+
+
+async def read_body(request: Request, limit: int, timeout: float = 0.0) -> bytes:
+    """The whole body, at most ``limit`` bytes, within ``timeout`` seconds (0: no limit); raises
+    413 (too large), 408 (too slow), 400 or :class:`ClientGone`."""
+    if timeout <= 0:
+        return await _read(request, limit)
+    try:
+        return await asyncio.wait_for(_read(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise too_slow(timeout) from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():

@@ -19,8 +19,11 @@ import threading
 import uvicorn
 
 from turnkv.config import EngineConfig
+from turnkv.server.protocol import deadline_protocol
 
 GRACE_S = 5.0  # after cancelling the turns, how long uvicorn still waits before cancelling tasks
+KEEP_ALIVE_S = 5  # uvicorn's default, stated: an idle keep-alive connection is closed after it
+MAX_HEADER_BYTES = 16 * 1024  # h11's default, stated: a request line and headers larger get 400
 
 
 class BindError(ValueError):
@@ -48,12 +51,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_config(app, cfg: EngineConfig, **kw) -> uvicorn.Config:
-    """uvicorn's settings for ``app`` under ``cfg`` (``kw``: e.g. a test's host and port)."""
+    """uvicorn's settings for ``app`` under ``cfg`` (``kw``: e.g. a test's host and port): h11 with
+    the header and drain deadlines (``server.protocol``; also when httptools is installed, which
+    uvicorn would pick and which has neither), idle keep-alive connections closed after
+    ``KEEP_ALIVE_S``, headers capped at ``MAX_HEADER_BYTES`` (400 past it)."""
     return uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,  # turnkv's own access log has the token counts (server.access)
         timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_S,
+        http=deadline_protocol(cfg.header_timeout, cfg.body_timeout),
+        timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         **kw,
     )
 

@@ -185,6 +185,18 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 
+
+def only(value: Any) -> Any:
+    """The one value turnkv honours of a field it accepts for compatibility (what /openapi.json
+    says; the validators refuse the rest with a 400 naming the field)."""
+    return Field(json_schema_extra={"enum": [value]})
+
+
+ONE = Field(json_schema_extra={"minItems": 1, "maxItems": 1})  # a batch of one: one prompt per request
+TokenIds = Annotated[
+    list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(json_schema_extra={"minItems": 1})
+]
+
 # Extension fields other servers honour; a value other than the neutral one changes the output.
 NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0, 0.0),
@@ -201,15 +213,15 @@ class _Sampling(_Body):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension; -1 and 0 mean off
-    n: int = 1
+    n: Annotated[int, only(1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
     logit_bias: dict[str, Bias] | None = None  # token id (a JSON key) -> bias added to its logit
     ignore_eos: bool = False
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
+    presence_penalty: Annotated[Penalty, only(0)] | None = None
+    frequency_penalty: Annotated[Penalty, only(0)] | None = None
     user: str | None = None
     cache_salt: str | None = None  # as vLLM names it: adds to the cache namespace
     response_format: ResponseFormat | None = None
@@ -267,7 +279,7 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
+    logprobs: Annotated[bool, only(False)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -292,11 +304,11 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     # a string, a list of one string, or token ids (a list of ints, or a list of one such list)
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: str | Annotated[list[str], ONE] | TokenIds | Annotated[list[TokenIds], ONE]
+    echo: Annotated[bool, only(False)] = False
+    logprobs: Annotated[int, only(0)] | None = None
+    suffix: Annotated[str, only("")] | None = None
+    best_of: Annotated[int, only(1)] | None = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
