@@ -4,7 +4,8 @@ A child process (``disk_child.py``) serves turns of the tiny engine through a ba
 tier. After a clean exit, a follow-up in this process restores the stored blocks and answers as
 a run without any cache. After ``kill -9`` at random moments mid-writing, reopening the directory
 reconciles it, every indexed block verifies, and a prompt built from each stored chain restores
-all of it and gets the logits of a run computed from scratch.
+all of it and gets the logits of a run computed from scratch. When the index is lost after such a
+kill, the rebuild from the block files keeps every block the process had made durable.
 """
 
 from __future__ import annotations
@@ -111,3 +112,25 @@ def test_kill_9_while_writing_then_every_block_verifies_and_answers_stay_right(e
         assert tier.health()["corrupt"] == 0
         tier.close()
     assert seen >= 8, "the children hardly wrote"
+
+
+def test_an_index_lost_after_a_kill_9_is_rebuilt_with_every_block_the_process_made_durable(engine, tmp_path):
+    child = spawn(tmp_path, "forever", "11")
+    assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    time.sleep(0.5)
+    child.kill()
+    child.wait(timeout=30)
+    durable = {p.stem for p in (tmp_path / "blocks").rglob("*.safetensors")}
+    assert durable
+    (tmp_path / "index.sqlite").unlink()  # its -wal and -shm stay behind, stale
+    tier = DiskTier.open(tmp_path, engine.info.fingerprint, engine.shape, GIB)
+    assert {i.key for i in tier.store.iterate()} == durable  # every renamed file was whole
+    assert tier.store.rebuilt is not None and tier.store.rebuilt.dropped == 0
+    bank = SessionBank(GIB, engine.shape.bytes_per_row, lambda held: unique_bytes(*held), tier=tier)
+    chain = max(_chains(tier), key=len)
+    ids = [*(t for key in chain for t in tier.store.get(key).tokens), 7]
+    got, cached = first_logits(engine, bank, "ns", ids)
+    want, _ = first_logits(engine, None, "ns", ids)
+    assert cached == len(chain) * B
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    tier.close()

@@ -2,9 +2,11 @@
 
 Pins: put/get/has/delete/iterate agree with one another and with the byte and block counts; a
 failed write (injected at write, fsync or rename) leaves no row, no block file and no temp file;
-reconcile removes temp files and files without rows and drops rows without files (or of the wrong
-size); eviction frees least recently used blocks and, among one chain's, the deepest first; one
-process per directory.
+reconcile removes temp files, adopts a file without a row that verifies (a crash between the rename
+and the row) and removes one that does not, and drops rows without files (or of the wrong size);
+eviction frees least recently used blocks and, among one chain's, the deepest first; one process
+per directory; the directories a write needs are made again when they were deleted, and an entry
+of the wrong kind where a block or its directory goes is replaced and counted.
 """
 
 from __future__ import annotations
@@ -114,14 +116,25 @@ def test_reconcile_removes_orphans_and_temp_files_and_drops_rows_without_files(t
     s.path(KEYS[1]).unlink()  # a row whose file is gone
     with open(s.path(KEYS[2]), "ab") as f:  # a file of the wrong size
         f.write(b"x")
+    s.delete(KEYS[3])
+    s.put(chain_block(4))
+    s._db.execute("DELETE FROM blocks WHERE key = ?", (KEYS[4],))  # a crash between rename and row
     s.close()
     s = LocalDirStore(tmp_path / "kv")
-    assert s.count == 4  # rows are not trusted until reconciled
+    assert s.count == 3  # rows are not trusted until reconciled
     fixed = s.reconcile()
-    assert fixed == {"temp_files": 1, "orphan_files": 1, "missing_files": 1, "bad_size": 1}
-    assert {i.key for i in s.iterate()} == {KEYS[0], KEYS[3]}
-    assert files(s) == sorted(k + ".safetensors" for k in (KEYS[0], KEYS[3]))
-    assert s.count == 2 and s.nbytes == sum(s.path(k).stat().st_size for k in (KEYS[0], KEYS[3]))
+    assert fixed == {
+        "temp_files": 1,
+        "orphan_files": 1,
+        "missing_files": 1,
+        "bad_size": 1,
+        "adopted": 1,
+        "bad_entries": 0,
+    }
+    assert {i.key for i in s.iterate()} == {KEYS[0], KEYS[4]}
+    assert files(s) == sorted(k + ".safetensors" for k in (KEYS[0], KEYS[4]))
+    assert s.count == 2 and s.nbytes == sum(s.path(k).stat().st_size for k in (KEYS[0], KEYS[4]))
+    assert torch.equal(s.get(KEYS[4]).k, chain_block(4).k)  # the adopted block reads back
     assert s.reconcile() == dict.fromkeys(fixed, 0)
     s.close()
 
@@ -147,15 +160,56 @@ def test_one_process_per_directory(tmp_path):
     LocalDirStore(tmp_path / "kv").close()
 
 
-def test_an_index_of_another_schema_is_rebuilt(tmp_path):
+def test_an_index_of_another_schema_is_rebuilt_from_the_blocks(tmp_path):
     s = LocalDirStore(tmp_path / "kv")
     s.put(chain_block(0))
     s._db.execute("PRAGMA user_version=99")
     s.close()
     s = LocalDirStore(tmp_path / "kv")
-    assert s.count == 0
-    assert s.reconcile()["orphan_files"] == 1 and files(s) == []
+    assert s.count == 1 and s.rebuilt is not None and "version 99" in s.rebuilt.reason
+    assert s.has(KEYS[0]) and not any(s.reconcile().values())
     s.close()
+
+
+def test_deleting_the_blocks_directory_at_run_time_fails_no_later_write(store):
+    import shutil
+
+    store.put(chain_block(0))
+    shutil.rmtree(store.blocks)
+    assert store.put(chain_block(1)) > 0  # the directories are made again
+    assert torch.equal(store.get(KEYS[1]).k, chain_block(1).k)
+    with pytest.raises(BlockError, match="missing"):
+        store.get(KEYS[0])  # its file went with the directory: a miss
+    store.delete(KEYS[0])
+    assert store.put(chain_block(0)) > 0 and store.get(KEYS[0]).depth == 0
+
+
+def test_a_directory_at_a_block_path_is_replaced_and_counted(store):
+    target = store.path(KEYS[0])
+    (target / "inside").mkdir(parents=True)  # a directory where the block's file goes
+    assert store.put(chain_block(0)) > 0 and target.is_file()
+    assert store.bad_entries == 1 and torch.equal(store.get(KEYS[0]).k, chain_block(0).k)
+
+
+def test_a_file_where_a_block_directory_goes_is_replaced_and_counted(store):
+    (store.blocks / KEYS[1][:2]).write_bytes(b"a file where a block directory goes")
+    assert store.put(chain_block(1)) > 0 and store.bad_entries == 1
+    assert store.get(KEYS[1]).key == KEYS[1]
+
+
+def test_reconcile_removes_and_counts_entries_of_the_wrong_kind(store):
+    store.put(chain_block(0))
+    target = store.path(KEYS[0])
+    target.unlink()
+    (target / "inside").mkdir(parents=True)  # a directory at an indexed block's path
+    stray = store.path(KEYS[3])
+    stray.parent.mkdir(exist_ok=True)
+    (stray / "deep").mkdir(parents=True)  # and at a path without a row
+    (store.blocks / "zz").write_bytes(b"not a directory")
+    fixed = store.reconcile()
+    assert (fixed["bad_entries"], fixed["missing_files"]) == (3, 1)
+    assert list(store.blocks.rglob("*")) == [p for p in store.blocks.rglob("*") if p.is_dir()]
+    assert store.count == 0 and store.put(chain_block(0)) > 0 and store.has(KEYS[0])
 
 
 def test_a_block_directory_that_is_not_a_directory_is_a_missing_block(store):

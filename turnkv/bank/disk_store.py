@@ -4,9 +4,13 @@
 SQLite index (WAL) of every block's key, parent, context, size and last access in
 ``root/index.sqlite``. A write is durable before it is visible: temp file, write, flush, fsync,
 rename, fsync the directory, and only then the index row. A crash therefore leaves at most a
-temp file or a file without a row; :meth:`LocalDirStore.reconcile` (run on open) removes both and
-drops rows whose file is missing or has the wrong size. One process owns a directory at a time
-(an ``flock`` on ``root/lock``); another gets :class:`StoreBusy`.
+temp file or a file without a row; :meth:`LocalDirStore.reconcile` (run on open by the tier)
+removes temp files, adopts a file without a row that verifies, and drops rows whose file is
+missing or has the wrong size. The files are the truth: a lost or damaged index is rebuilt from
+them on open (``disk_index``), never a reason to delete one. A write makes the directories it
+needs (``blocks/`` deleted at run time) and replaces an entry of the wrong kind in its way (a
+directory where a block file goes), counting it. One process owns a directory at a time (an
+``flock`` on ``root/lock``); another gets :class:`StoreBusy`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import errno
 import itertools
 import logging
 import os
-import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -25,11 +29,21 @@ from pathlib import Path
 from typing import Protocol
 
 from turnkv.bank.disk_blocks import Block, BlockError, decode_block, encode_block
+from turnkv.bank.disk_index import (
+    INDEX,
+    SUFFIX,
+    Rebuild,
+    fsync_dir,
+    open_db,
+    open_index,
+    rebuild,
+    remove,
+    scan,
+    verified_row,
+)
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1  # of the index; an index of another version is rebuilt (its files are dropped)
-SUFFIX = ".safetensors"
 _tmp_ids = itertools.count()
 
 
@@ -91,27 +105,25 @@ class BlockStore(Protocol):
 
 
 class LocalDirStore:
-    """A :class:`BlockStore` in a local directory; thread-safe (one lock around the index)."""
+    """A :class:`BlockStore` in a local directory; thread-safe (one lock around the index).
 
-    def __init__(self, root: str | os.PathLike, lock: bool = True) -> None:
+    An unusable index is rebuilt from the block files on open (``rebuilt`` then says how); with
+    ``repair=False`` (implied by ``lock=False``: no rebuild without the lock) it raises
+    ``IndexDamaged`` instead.
+    """
+
+    def __init__(self, root: str | os.PathLike, lock: bool = True, repair: bool = True) -> None:
         self.root = Path(root).expanduser()
         self.blocks = self.root / "blocks"
         self.blocks.mkdir(parents=True, exist_ok=True)
         self._lock_file = self._take_lock() if lock else None
         self._mu = threading.RLock()
-        self._db = sqlite3.connect(self.root / "index.sqlite", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # a row lost to a power cut only orphans a durable file, which reconcile removes
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        if self._db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
-            self._db.execute("DROP TABLE IF EXISTS blocks")
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS blocks (key TEXT PRIMARY KEY, parent TEXT NOT NULL, "
-            "context TEXT NOT NULL, depth INTEGER NOT NULL, nbytes INTEGER NOT NULL, "
-            "last_access REAL NOT NULL)"
-        )
-        self._db.execute("CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(last_access, depth)")
+        self.bad_entries = 0  # entries of the wrong kind that writes replaced
+        try:
+            self._db, self.rebuilt = open_index(self.root, repair=repair and lock)
+        except BaseException:
+            self._release()
+            raise
         self._nbytes, self._count = 0, 0
         self._recount()
 
@@ -124,7 +136,9 @@ class LocalDirStore:
             return 0
         data = encode_block(block)
         final = self.path(block.key)
-        final.parent.mkdir(exist_ok=True)
+        self._make_way(final.parent, stat.S_ISDIR)
+        final.parent.mkdir(parents=True, exist_ok=True)  # blocks/ itself may have been deleted
+        self._make_way(final, stat.S_ISREG)
         tmp = final.parent / f".{block.key}.{os.getpid()}.{next(_tmp_ids)}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -132,7 +146,7 @@ class LocalDirStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -167,8 +181,7 @@ class LocalDirStore:
                 self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
                 self._nbytes -= row[0]
                 self._count -= 1
-        with contextlib.suppress(OSError):  # a directory we cannot write: the row is gone anyway
-            self.path(key).unlink(missing_ok=True)
+        remove(self.path(key))  # a directory we cannot write: the row is gone anyway
 
     def iterate(self) -> Iterator[BlockInfo]:
         with self._mu:
@@ -211,41 +224,76 @@ class LocalDirStore:
     def close(self) -> None:
         with self._mu:
             self._db.close()
-        if self._lock_file is not None:
-            self._lock_file.close()  # releases the flock
-            self._lock_file = None
+        self._release()
 
-    # -- start-up --------------------------------------------------------------------------------
-    def reconcile(self) -> dict[str, int]:
-        """Make the index and the files agree. Returns counts: ``temp_files`` and ``orphan_files``
-        removed, ``missing_files`` (rows whose file is gone) and ``bad_size`` (rows whose file has
-        another size) dropped."""
-        out = {"temp_files": 0, "orphan_files": 0, "missing_files": 0, "bad_size": 0}
+    # -- start-up and repair ---------------------------------------------------------------------
+    def reconcile(self, adopt: bool = True) -> dict[str, int]:
+        """Make the index and the files agree. Returns counts: ``temp_files`` removed,
+        ``adopted`` (files without a row that verify, given one; with ``adopt`` only),
+        ``orphan_files`` (files without a row that do not) and ``bad_entries`` (anything else under
+        ``blocks/``) removed, ``missing_files`` (rows whose file is gone) and ``bad_size`` (rows
+        whose file has another size) dropped."""
+        out = dict.fromkeys(("temp_files", "orphan_files", "missing_files", "bad_size"), 0)
+        out |= {"adopted": 0, "bad_entries": 0}
         with self._mu:
             rows = dict(self._db.execute("SELECT key, nbytes FROM blocks").fetchall())
             on_disk: set[str] = set()
-            for sub in self.blocks.iterdir():
-                if not sub.is_dir():
-                    out["orphan_files"] += _unlink(sub)
-                    continue
-                for f in sub.iterdir():
-                    if f.name.endswith(".tmp"):
-                        out["temp_files"] += _unlink(f)
-                    elif f.name.endswith(SUFFIX) and f.name.removesuffix(SUFFIX) in rows:
-                        key = f.name.removesuffix(SUFFIX)
-                        on_disk.add(key)
-                        if f.stat().st_size != rows[key]:
-                            out["bad_size"] += 1
-                            self.delete(key)
-                    else:
-                        out["orphan_files"] += _unlink(f)
+            for entry in scan(self.blocks):
+                if entry.kind == "temp":
+                    out["temp_files"] += remove(entry.path)
+                elif entry.kind == "bad":
+                    out["bad_entries"] += remove(entry.path)
+                elif entry.key in rows:
+                    on_disk.add(entry.key)
+                    if _size(entry.path) != rows[entry.key]:
+                        out["bad_size"] += 1
+                        self.delete(entry.key)
+                elif adopt and (row := verified_row(entry.path, entry.key)) is not None:
+                    self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?, ?, ?)", row)
+                    out["adopted"] += 1
+                else:
+                    out["orphan_files"] += remove(entry.path)
             for key in rows.keys() - on_disk:
                 out["missing_files"] += 1
                 self.delete(key)
             self._recount()
         return out
 
+    def rebuild(self) -> Rebuild:
+        """Rebuild the index from the block files (``turnkv cache repair``), keeping the rows'
+        last access; the lock must be held."""
+        with self._mu:
+            kept = dict(self._db.execute("SELECT key, last_access FROM blocks").fetchall())
+            self._db.close()
+            try:
+                report = rebuild(self.root, "sound (rebuilt as asked)", kept)
+            finally:
+                self._db = open_db(self.root / INDEX)
+            self._recount()
+        return report
+
     # -- internals -------------------------------------------------------------------------------
+    def _make_way(self, path: Path, kind) -> None:
+        """Remove what stands at ``path`` unless it is of ``kind`` (``stat.S_ISDIR``/``S_ISREG``):
+        a directory where a block file goes would fail its write forever."""
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if not kind(mode) and remove(path):
+            with self._mu:
+                self.bad_entries += 1
+            log.warning(
+                "KV disk cache: removed %s, which stood where a block's %s goes",
+                path,
+                "directory" if kind is stat.S_ISDIR else "file",
+            )
+
+    def _release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None
+
     def _recount(self) -> None:
         n, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()
         self._count, self._nbytes = int(n), int(total)
@@ -269,17 +317,8 @@ class LocalDirStore:
         return f
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _size(path: Path) -> int:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: Path) -> int:
-    try:
-        path.unlink()
-        return 1
+        return path.stat().st_size
     except OSError:
-        return 0
+        return -1
