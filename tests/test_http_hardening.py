@@ -122,6 +122,9 @@ def test_a_loopback_server_answers_only_loopback_hosts(live):
     error(r, 403)
     metrics = httpx.get(live.url + "/metrics", timeout=30).text
     assert 'route="/v1/chat/completions",status="403"' in metrics
+    twice = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+    answer, _ = until_closed(live, twice, b"", every=0.1, limit=5)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer  # h11 refuses it before the app sees it
 
 
 def test_allowed_hosts_adds_names_and_star_allows_any(loaded):
@@ -263,6 +266,14 @@ def test_an_endless_body_after_an_early_answer_is_cut_too(live):
     answer, took = endless_body(live, "text/plain")
     assert answer.startswith(b"HTTP/1.1 415 "), answer
     assert took < FAST + 2, "the connection was held past the body timeout"
+
+
+def test_a_request_h11_cannot_parse_gets_a_400_in_the_error_shape(live):
+    for data in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20_000):
+        answer, _ = until_closed(live, data, b"", every=0.1, limit=5)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, answer
+        assert json.loads(body)["error"]["code"] == "invalid_http_request"
 
 
 def test_a_slow_but_steady_client_within_the_timeouts_is_served(live):

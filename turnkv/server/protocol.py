@@ -1,14 +1,15 @@
 """uvicorn's h11 protocol with the deadlines it lacks: a request's headers, and a body nobody reads.
 
 uvicorn closes a keep-alive connection that stays idle ``timeout_keep_alive`` seconds after an
-answer, and h11 caps the headers' size (16 KiB, then 400), but nothing bounds their time: a
+answer, and h11 caps the headers' size (``MAX_HEADER_BYTES``, then 400), but nothing bounds their time: a
 connection that sends nothing, or its headers a byte at a time (slowloris), is held forever. Here
 the headers must be complete within ``--header-timeout`` seconds of the connection opening (or of
 the first byte of a later request on it); past it a client that sent part of them gets 408 in the
 OpenAI shape, one that sent nothing is just closed. A body is the app's to bound
 (``server.body``), except one the client goes on sending after it was answered (a 401, 413 or 415
 is sent before the body is read, and uvicorn reads on and drops it, for ever if it is endless):
-that connection is closed ``--body-timeout`` seconds after the answer.
+that connection is closed ``--body-timeout`` seconds after the answer. A request h11 cannot parse
+(malformed, or headers past ``MAX_HEADER_BYTES``) gets uvicorn's 400, here in the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -22,19 +23,30 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from turnkv.server.schemas import ApiError
 
 
-def _timeout_answer(timeout: float) -> bytes:
-    body = json.dumps(
-        ApiError(
-            408,
-            f"The request headers did not arrive within {timeout:g} s (--header-timeout).",
-            code="request_timeout",
-        ).body()
-    ).encode()
+def _answer(error: ApiError, phrase: str) -> bytes:
+    """A whole HTTP/1.1 answer closing the connection, written before (or instead of) h11's."""
+    body = json.dumps(error.body()).encode()
     head = (
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        f"HTTP/1.1 {error.status} {phrase}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     return head.encode() + body
+
+
+def _timeout_answer(timeout: float) -> bytes:
+    message = f"The request headers did not arrive within {timeout:g} s (--header-timeout)."
+    return _answer(ApiError(408, message, code="request_timeout"), "Request Timeout")
+
+
+MAX_HEADER_BYTES = 16 * 1024  # h11's default, stated: a request line and headers larger get 400
+BAD_REQUEST = _answer(
+    ApiError(
+        400,
+        f"Invalid HTTP request: malformed, or a request line and headers over {MAX_HEADER_BYTES // 1024} KiB.",
+        code="invalid_http_request",
+    ),
+    "Bad Request",
+)
 
 
 ANSWERED = (h11.DONE, h11.MUST_CLOSE)  # our states once an answer has been sent
@@ -83,6 +95,11 @@ class DeadlineH11(H11Protocol):
             self._arm("drain", self.body_timeout)  # answered before its body was read
         elif self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a pipelined request
             self._arm("headers", self.header_timeout)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what h11 cannot parse, in the OpenAI error shape (not plain text)."""
+        self.transport.write(BAD_REQUEST)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

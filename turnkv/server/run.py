@@ -19,11 +19,10 @@ import threading
 import uvicorn
 
 from turnkv.config import EngineConfig
-from turnkv.server.protocol import deadline_protocol
+from turnkv.server.protocol import MAX_HEADER_BYTES, deadline_protocol
 
 GRACE_S = 5.0  # after cancelling the turns, how long uvicorn still waits before cancelling tasks
 KEEP_ALIVE_S = 5  # uvicorn's default, stated: an idle keep-alive connection is closed after it
-MAX_HEADER_BYTES = 16 * 1024  # h11's default, stated: a request line and headers larger get 400
 
 
 class BindError(ValueError):
