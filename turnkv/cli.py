@@ -188,8 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--device", default="auto", help="auto | cpu | cuda | any torch device (default: auto)")
     k.add_argument("--json", action="store_true")
 
-    d = sub.add_parser("cache", help="the KV disk tier: stats, verify every block, or clear it")
-    d.add_argument("action", choices=["stats", "verify", "clear"])
+    d = sub.add_parser(
+        "cache", help="the KV disk tier: stats, verify every block, clear it, or repair its index"
+    )
+    d.add_argument("action", choices=["stats", "verify", "clear", "repair"])
     _disk_flags(d)
     d.add_argument("--json", action="store_true")
     ap.commands = dict(sub.choices)
