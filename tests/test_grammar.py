@@ -331,3 +331,94 @@ def test_the_finer_slices_give_the_masks_of_a_plain_trie_walk(smol_tokenizer, sc
             break
         token = rng.choice(allowed)
         assert all(m.consume_token(token) for m in matchers)
+
+
+UNION = {  # 150 objects whose properties may all come first: llguidance's row of them is 2850 items
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}, "o1": {"type": "integer"}, "o2": {}}}
+        for i in range(150)
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+            "#: every value it admits is infinite",
+        ),
+        ({"$ref": "#"}, "#: every value it admits is infinite"),
+        (
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+            "#: every value it admits is infinite",
+        ),
+        ({"type": "object", "x-guidance": {"whitespace_flexible": True}}, "#: x-guidance"),
+        ({"type": "string", "pattern": "^(([a-z]{1,20}){1,20}){1,20}$"}, "repeats up to 8000 characters"),
+        (UNION, "the grammar library cannot follow it: Parser Error: Current row has"),
+        (
+            {"type": "object", "properties": {"a": {"type": "string"}, "b": UNION}, "required": ["a", "b"]},
+            "#/properties/b: the grammar library cannot follow it: Parser Error: Current row has",
+        ),
+        (
+            {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}},
+            "cannot follow it: Parser Error: Current row has",
+        ),
+    ],
+)
+def test_a_schema_that_would_fail_mid_turn_is_refused_when_compiled(grammars, schema, words):
+    """Each of these compiles in llguidance and then fails at the first token (500), answers ''
+    (the empty grammar), or lets the client's layout override the canonical one."""
+    with pytest.raises(GrammarError, match=re.escape(words)):
+        grammars.json_schema(schema)
+
+
+def test_a_grammar_with_no_value_is_refused_when_compiled(grammars):
+    import llguidance
+
+    from turnkv.engine.grammar_probe import token_lengths, walk_start
+
+    ll = grammars.ll_tokenizer()
+    lengths = token_lengths(ll, grammars.vocab_size, grammars.tokenizer.eos_token_ids)
+    for lark, why in (('start: ""', "nothing but an empty answer"), ('start: a\na: a "x"', "no first token")):
+        matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not matcher.is_error()  # llguidance itself accepts both
+        assert why in (walk_start(matcher, lengths) or ""), lark
+    ok = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark('start: "x"*'), log_level=0)
+    assert walk_start(ok, lengths) is None  # empty or x...: it has values
+
+
+LINKED = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+            },
+            "required": ["v", "next"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+
+
+def test_recursive_schemas_with_a_way_out_still_answer_valid_json(engine, grammars):
+    eos = tuple((t, 100.0) for t in sorted(engine.tokenizer.eos_token_ids))  # end once it may
+    ended = 0
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, logit_bias=eos)
+        text, finish = answer(engine, grammars.json_schema(LINKED), params, 300)
+        if finish == "stop":
+            jsonschema.validate(json.loads(text), LINKED)
+            ended += 1
+    assert ended
+
+
+def test_a_forced_call_grammar_names_the_call_whose_parameters_are_refused(grammars):
+    good = ToolCallShape(HERMES.header.format(name="f"), {"type": "object"}, HERMES.close)
+    bad = ToolCallShape(HERMES.header.format(name="g"), {"$ref": "#"}, HERMES.close)
+    with pytest.raises(GrammarError, match="infinite") as e:
+        grammars.tool_calls([good, bad], HERMES.separator, 2)
+    assert e.value.call == 1

@@ -10,7 +10,9 @@ is an error naming it rather than silently ignored (xgrammar 0.2.9 ignores ``not
 
 - ``Grammars`` compiles for one tokenizer and one logit width (thread-safe; the HTTP handlers
   compile in their thread pool, never on the engine thread). A compiled grammar is cached by its
-  source, so an agent that resends the same tools every turn compiles them once.
+  source, so an agent that resends the same tools every turn compiles them once. A schema is
+  checked first (``schema_check``) and a compiled grammar's first steps walked (``grammar_probe``):
+  what llguidance would only fail on mid-turn is a ``GrammarError`` before the turn.
 - ``Grammar.start()`` gives a turn its ``Constraint`` (a matcher built from the grammar's text).
 - ``StepMasks.apply`` runs once per step, after the forward is launched and before the step's
   batched argmax: it fills the bitmask of every constrained row on the host (on CUDA this overlaps
@@ -42,7 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from turnkv.engine.grammar_probe import refusal, token_lengths
+from turnkv.engine.schema_check import DEPTH_MAX
+from turnkv.engine.schema_check import check as check_schema
 
 if TYPE_CHECKING:
     from turnkv.tokenizer import Tokenizer
@@ -64,7 +71,12 @@ SLICES = [r"[\x20\x0A\x0D\x09]+", *(f"{_STR}{{1,{n}}}" for n in (2, 4, 8, 10, 16
 
 
 class GrammarError(ValueError):
-    """A schema or grammar that cannot be compiled or enforced; the message says what and where."""
+    """A schema or grammar that cannot be compiled or enforced; the message says what and where
+    (``call``: the index of the ``tool_calls`` shape it is about)."""
+
+    def __init__(self, message: str, call: int | None = None) -> None:
+        super().__init__(message)
+        self.call = call
 
 
 @dataclass(frozen=True)
@@ -122,10 +134,12 @@ class Grammars:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._ll: Any = None
+        self._lengths: np.ndarray = np.zeros(0)  # of each token, for grammar_probe (with _ll)
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
 
     def ll_tokenizer(self) -> Any:
-        """llguidance's view of the tokenizer (built once: ~0.25 s at 49152 tokens, 0.7 s at 128K)."""
+        """llguidance's view of the tokenizer, built once (with each token's length, for
+        ``grammar_probe``)."""
         with self._lock:
             if self._ll is None:
                 import llguidance
@@ -134,21 +148,33 @@ class Grammars:
                 self._ll = llguidance.LLTokenizer(
                     self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos, slices=SLICES
                 )
+                self._lengths = token_lengths(self._ll, self.vocab_size, set(eos))
             return self._ll
 
-    def _compile(self, key: str, source: str) -> Grammar:
-        """The grammar of llguidance ``source`` (cached by ``key``); GrammarError if it is invalid."""
+    def _hit(self, key: str) -> Grammar | None:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+            return hit
+
+    def _compile(self, key: str, source: str, probes: Sequence[tuple[str, str]] = ()) -> Grammar:
+        """The grammar of llguidance ``source`` (cached by ``key``); GrammarError if it is invalid,
+        or if its first steps (``grammar_probe``), or those of a ``probes`` grammar (a subschema
+        alone, named by its place), fail in llguidance."""
+        hit = self._hit(key)
+        if hit is not None:
+            return hit
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.ll_tokenizer(), source, log_level=0)
+        ll = self.ll_tokenizer()
+        matcher = llguidance.LLMatcher(ll, source, log_level=0)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
-        grammar = Grammar(key, self.ll_tokenizer(), source)  # compiled once to check it
+        problem = refusal(ll, self._lengths, matcher, probes)
+        if problem is not None:
+            raise GrammarError(problem)
+        grammar = Grammar(key, ll, source)  # compiled once to check it
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > CACHE_ENTRIES:
@@ -166,12 +192,22 @@ class Grammars:
 
         if not isinstance(schema, dict):
             raise GrammarError(f"the schema must be a JSON object (got {type(schema).__name__})")
-        key = "schema:" + json.dumps(schema, sort_keys=True)
         try:
+            key = "schema:" + json.dumps(schema, sort_keys=True)
+        except RecursionError:
+            raise GrammarError(f"the schema nests deeper than {DEPTH_MAX} levels") from None
+        hit = self._hit(key)
+        if hit is not None:
+            return hit
+        try:
+            alone = check_schema(schema)
             source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=CANONICAL)
-        except ValueError as e:
+            probes = [
+                (w, llguidance.LLMatcher.grammar_from_json_schema(s, defaults=CANONICAL)) for w, s in alone
+            ]
+        except ValueError as e:  # SchemaProblem, or llguidance's
             raise GrammarError(_first_line(str(e))) from None
-        return self._compile(key, source)
+        return self._compile(key, source, probes)
 
     def tool_calls(
         self, calls: Sequence[ToolCallShape], separator: str | None = None, max_calls: int = 1
@@ -190,7 +226,11 @@ class Grammars:
         for i, call in enumerate(calls):
             params = call.parameters if call.parameters is not None else {"type": "object"}
             if not isinstance(params, dict):
-                raise GrammarError(f"the parameters of {call.begin!r} must be a JSON object")
+                raise GrammarError(f"the parameters of {call.begin!r} must be a JSON object", call=i)
+            try:
+                self.json_schema(params)  # the schema's own checks and probes (cached by schema)
+            except GrammarError as e:
+                raise GrammarError(str(e), call=i) from None
             schema = {**params, "x-guidance": CANONICAL}
             lines.append(f"call_{i}: {json.dumps(call.begin)} args_{i} {json.dumps(call.end)}")
             lines.append(f"args_{i}: %json {json.dumps(schema)}")
