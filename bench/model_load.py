@@ -1,5 +1,6 @@
-"""Model load time, cold (empty turnkv cache) and warm (header + tokenizer cached), and the build
-time of random-weight shapes; each measurement in a fresh process so nothing is shared.
+"""Model load time, cold (empty turnkv cache) and warm (header, tokenizer and packed weights
+cached), and the build time of random-weight shapes; each measurement in a fresh process so
+nothing is shared.
 
     python bench/model_load.py [--spec default] [--device auto] [--dtype auto] [--repeat 3]
                                [--shapes llama3-8b,qwen3-8b]
