@@ -293,3 +293,81 @@ def test_bad_tool_and_format_fields_are_400s_naming_the_field(tool_live, extra, 
     err = r.json()["error"]
     assert param is None or (err["param"] or "").startswith(param), err
     assert words is None or words in err["message"], err
+
+
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+UNION = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}, "o1": {"type": "integer"}, "o2": {}}}
+        for i in range(150)
+    ]
+}
+
+
+def call_history(arguments) -> list[dict]:
+    """A user turn, an assistant call with ``arguments``, its result, and the next question."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_time", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "12:00"},
+        {"role": "user", "content": "And now?"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        (RECURSIVE, "every value it admits is infinite"),  # was: 500 at the first token
+        ({"$ref": "#"}, "every value it admits is infinite"),  # was: 200 with content ""
+        (CYCLE, "every value it admits is infinite"),
+        ({"type": "object", "x-guidance": {"whitespace_flexible": True}}, "x-guidance"),  # was: honoured
+        (UNION, "Current row has"),  # was: 500 at the first token
+        ({"type": "string", "pattern": "^(([a-z]{1,20}){1,20}){1,20}$"}, "repeats up to 8000"),
+    ],
+)
+def test_hostile_schemas_are_400s_naming_the_schema_before_the_turn(default_live, schema, words):
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for route, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "JSON"}], "response_format": rf}),
+        ("/v1/completions", {"prompt": "JSON:", "response_format": rf}),
+    ):
+        r = default_live.post(route, {"model": MODEL, "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema" and words in err["message"], err
+
+
+def test_history_arguments_nested_too_deep_are_a_400_naming_them(default_live):
+    """5000 levels was a RecursionError (500) rendering the history; the default model's template
+    has no tools, but its requests' history is still read."""
+    for arguments in ("[" * 5000 + "]" * 5000, "[" * 200):
+        body = {"model": MODEL, "messages": call_history(arguments), "max_tokens": 2}
+        r = default_live.post("/v1/chat/completions", body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages[1].tool_calls[0].function.arguments", err
+        assert "nest" in err["message"] and "at most 128" in err["message"], err
+
+
+@pytest.mark.parametrize("arguments", ['{"tz": "UTC"', "[1, 2]", "7", "null", '"a string"', {"tz": "UTC"}])
+def test_history_arguments_that_are_not_an_object_still_render(tool_live, arguments):
+    """The template gets the text when it is not JSON, the value when it is (any JSON value)."""
+    body = {"messages": call_history(arguments), "tools": TOOLS, "max_tokens": 4, "temperature": 0}
+    r = tool_live.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+
+
+def test_a_forced_calls_parameters_are_checked_as_a_response_format_is(tool_live):
+    bad = {"type": "function", "function": {"name": "loop", "parameters": RECURSIVE}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [*TOOLS, bad], "max_tokens": 8}
+    r = tool_live.post("/v1/chat/completions", {**body, "tool_choice": "required"})  # was: 500
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools[2].function.parameters" and "infinite" in err["message"], err
+    named = {"type": "function", "function": {"name": "loop"}}
+    r = tool_live.post("/v1/chat/completions", {**body, "tool_choice": named})
+    assert r.json()["error"]["param"] == "tools[2].function.parameters", r.text
+    r = tool_live.post("/v1/chat/completions", {**body, "tool_choice": "auto"})  # not enforced: rendered
+    assert r.status_code == 200, r.text

@@ -100,12 +100,38 @@ def template_message(message: dict) -> dict:
 def _template_call(call: dict) -> dict:
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
-    if isinstance(args, str):
+    if isinstance(args, str) and json_depth(args) <= ARGUMENTS_DEPTH_MAX:  # deeper: json.loads recurses
         try:
             fn["arguments"] = json.loads(args)
         except ValueError:
             pass  # a template that writes a string as is still can
     return {**call, "function": fn}
+
+
+ARGUMENTS_DEPTH_MAX = 128  # nesting of a call's arguments (requests deeper are refused: server.structured)
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+def json_depth(value: object) -> int:
+    """How deep arrays and objects nest in ``value``: a JSON text (its brackets outside strings,
+    valid JSON or not) or a parsed value; counted without recursion."""
+    if isinstance(value, str):
+        depth = deepest = 0
+        for m in _BRACKETS.finditer(value):
+            c = m.group()
+            if c in "[{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif c in "]}":
+                depth -= 1
+        return deepest
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 # -- parsing ----------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ the default model's vocabulary, ~65 ms at 128K; a repeated one is a cache hit).
   rendered (the prompt stays the same as on turns that allow calls, so it stays cached) and
   nothing is parsed.
 
-Every problem is an ``ApiError`` 400 naming its field.
+Every problem is an ``ApiError`` 400 naming its field, decided here, before the turn runs: a schema
+is checked and its grammar's first steps walked when it is compiled (``engine.grammar``), and the
+history's tool-call arguments may nest at most ``ARGUMENTS_DEPTH_MAX`` deep (``check_history``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from turnkv.engine.grammar import Grammar, GrammarError, Grammars, ToolCallShape
 from turnkv.server.schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat, bad_request
-from turnkv.toolcalls import ToolFormat, ToolsUnsupported, template_format
+from turnkv.toolcalls import ARGUMENTS_DEPTH_MAX, ToolFormat, ToolsUnsupported, json_depth, template_format
 
 # the most calls a forced ``required`` turn may write with ``parallel_tool_calls``: a model that
 # repeats its call ends the turn there instead of at max_tokens
@@ -58,9 +60,8 @@ def response_grammar(rf: ResponseFormat | None, grammars: Grammars) -> Grammar |
             raise GrammarError("json_schema.schema must be a JSON object")
         return grammars.json_schema(schema)
     except GrammarError as e:
-        raise bad_request(
-            f"response_format: the schema cannot be enforced: {e}", param="response_format"
-        ) from None
+        where = "response_format" if rf.type == "json_object" else "response_format.json_schema.schema"
+        raise bad_request(f"{where}: the schema cannot be enforced: {e}", param=where) from None
 
 
 LEGACY = ("functions", "function_call")  # the deprecated form of tools and tool_choice
@@ -85,8 +86,23 @@ def check_tools(req: ChatCompletionRequest) -> None:
         raise bad_request('tool_choice "required" needs tools', param="tool_choice")
 
 
+def check_history(req: ChatCompletionRequest) -> None:
+    """The earlier calls' ``arguments`` nest at most ``ARGUMENTS_DEPTH_MAX`` deep (a text or an
+    object; a text that is not JSON reaches the template as the text)."""
+    for i, message in enumerate(req.messages):
+        for j, call in enumerate(message.tool_calls or ()):
+            depth = json_depth(call.function.arguments)
+            if depth > ARGUMENTS_DEPTH_MAX:
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise bad_request(
+                    f"{where}: the arguments nest {depth} levels deep; at most {ARGUMENTS_DEPTH_MAX}",
+                    param=where,
+                )
+
+
 def chat_structure(req: ChatCompletionRequest, grammars: Grammars, template: str | None) -> Structure:
     check_tools(req)
+    check_history(req)
     grammar = response_grammar(req.response_format, grammars)
     tools = req.raw_tools()
     if not tools:
@@ -110,13 +126,14 @@ def chat_structure(req: ChatCompletionRequest, grammars: Grammars, template: str
             param="tool_choice",
         )
     assert req.tools is not None
-    wanted = [t for t in req.tools if named is None or t.function.name == named]
+    wanted = [k for k, t in enumerate(req.tools) if named is None or t.function.name == named]
     shapes = [
         ToolCallShape(fmt.header.format(name=t.function.name), t.function.parameters or None, fmt.close)
-        for t in wanted
+        for t in (req.tools[k] for k in wanted)
     ]
     try:
         grammar = grammars.tool_calls(shapes, fmt.separator, most)
     except GrammarError as e:
-        raise bad_request(f"tools: a function's parameters cannot be enforced: {e}", param="tools") from None
+        where = "tools" if e.call is None else f"tools[{wanted[e.call]}].function.parameters"
+        raise bad_request(f"{where}: the parameters cannot be enforced: {e}", param=where) from None
     return Structure(grammar, tools, ToolPlan(fmt, most))
