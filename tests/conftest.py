@@ -4,14 +4,23 @@ temp dir; the default model is loaded once per session for the server test modul
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 
 
 def pytest_configure(config) -> None:
-    # the disk tier's default directory is $XDG_CACHE_HOME/turnkv/kv: never the user's real cache
+    # the disk tier's default directory is $XDG_CACHE_HOME/turnkv/kv: never the user's real cache;
+    # removed when the session ends (packed weights put ~100 MB a session there)
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="turnkv-test-cache-")
+    config._turnkv_cache = os.environ["XDG_CACHE_HOME"]
+
+
+def pytest_unconfigure(config) -> None:
+    where = getattr(config, "_turnkv_cache", None)
+    if where is not None:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
