@@ -1,8 +1,9 @@
-"""The CPU decode attention in C (``turnkv/attention/cpu_native.py``) as a spec.
+"""The CPU attention in C (``turnkv/attention/cpu_native.py``) as a spec.
 
 Against the fp32 oracle (``reference.py``) at 1e-5; and bit for bit against itself: a row's result
-is the same alone, inside a verify window, among other windows, split over threads, and whether
-its keys lie in one view or several (segmented == contiguous).
+is the same alone, inside a verify window or a prefill chunk (cut into row blocks), among other
+windows, split over threads, and whether its keys lie in one view or several (segmented ==
+contiguous).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _truncated(views, n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[1], [7], [5, 9], [1, 0, 13, 3], [16] * 5, [300, 17]])
-@pytest.mark.parametrize("m", [1, 4, 32])
+@pytest.mark.parametrize("m", [1, 4, 32, 70])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (32, 8, 32)])
 def test_equals_the_fp32_reference(dtype, lengths, m, hq, hkv, d):
     """Window-causal attention over all views (the last holds the window's m rows) in fp32."""
@@ -78,15 +79,15 @@ def test_equals_the_fp32_reference(dtype, lengths, m, hq, hkv, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 4)])
 def test_a_row_is_the_same_bits_alone_in_a_verify_window_and_in_company(dtype, hq, hkv):
-    """Speculation's and batching's exactness: row i of a verify window equals that row decoded
-    alone over its keys; a window's rows equal the window alone, whatever else shares the step and
-    however its items are cut over threads."""
+    """Speculation's, batching's and the cache's exactness: row i of a verify window or a prefill
+    chunk (several row blocks) equals that row decoded alone over its keys; a window's rows equal
+    the window alone, whatever else shares the step and however its items are cut over threads."""
     rnd = random.Random(7)
     d = 64
     windows = []
-    for seed in range(6):
+    for seed in range(7):
         lengths = [rnd.randint(1, 200) for _ in range(rnd.randint(1, 4))]
-        m = rnd.choice([1, 1, 3, 8, 32])
+        m = [1, 1, 3, 8, 32, 33, 75][seed]
         lengths[-1] += m
         windows.append((_views(hkv, lengths, d, dtype, seed), sum(lengths) - m, m))
     q, together = _run(windows, hq, d, threads=3)
@@ -114,17 +115,18 @@ def test_segmented_equals_contiguous_bit_for_bit(dtype):
     assert torch.equal(one, many)
 
 
-def test_the_portable_step_uses_it_for_cpu_decode_windows_and_torch_for_prefill():
-    """A ragged CPU step: decode and verify windows in C, a prefill window (>= 33 rows) through
-    torch's flash kernel, in one output in row order."""
+def test_the_portable_step_runs_every_cpu_window_in_c():
+    """A ragged CPU step: decode, verify and prefill windows (a first chunk, a chunk after a
+    segment, several row blocks) all in one C call, in one output in row order; only views the
+    kernel cannot read (float16) are left to torch ops."""
     hq, hkv, d = 9, 3, 64
-    shapes = [([40], 1), ([8, 3], 4), ([2, 30], 40)]
+    shapes = [([40], 1), ([8, 3], 4), ([2, 30], 40), ([0], 70), ([50], 33)]
     windows = []
     for seed, (lengths, m) in enumerate(shapes):
         views = _views(hkv, [*lengths[:-1], lengths[-1] + m], d, torch.float32, seed)
         windows.append(KVWindow(tuple(views), sum(lengths), m))
     step = PortableBackend(Verdict()).plan(windows)
-    assert step.native is not None and step.others == [2]
+    assert step.native is not None and step.others == []
     n = sum(w.rows for w in windows)
     q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(1))
     out = step.attend(1, q, d**-0.5)
@@ -133,6 +135,8 @@ def test_the_portable_step_uses_it_for_cpu_decode_windows_and_torch_for_prefill(
         ref = reference_attention(q[row : row + w.rows].transpose(0, 1), w.layer_views(1), d**-0.5)
         torch.testing.assert_close(out[row : row + w.rows], ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
         row += w.rows
+    half = KVWindow(tuple(_views(hkv, [45], d, torch.float16, 9)), 5, 40)
+    assert PortableBackend(Verdict()).plan([windows[0], half]).others == [1]
 
 
 def test_off_and_build_failures_fall_back_to_torch_ops_with_the_reason(monkeypatch):
@@ -181,8 +185,8 @@ def test_the_store_writes_what_torch_writes(dtype):
 
 @pytest.mark.slow
 def test_the_default_model_answers_alike_with_the_kernel_and_with_torch_ops(default_model, monkeypatch):
-    """End to end through the scheduler: the default prompt's greedy answer (prefill through torch's
-    flash kernel, every decode step through the C kernel or, switched off, through torch ops)."""
+    """End to end through the scheduler: the default prompt's greedy answer (every step through the
+    C kernel or, switched off, through torch ops: prefill through torch's flash kernel)."""
     from turnkv.config import EngineConfig
     from turnkv.engine.engine import Engine
     from turnkv.engine.events import GenEvent, TurnRequest

@@ -100,8 +100,10 @@ class PortableStep:
         # ``start``). Their checks are Python on every layer (2-core VM, one decode row over 100
         # keys, one thread: ``attend`` 39.5 -> 36.3 us, 34.2 with concat_segments' checks hoisted).
         self.concat = [_concat_route(w) for w in self.windows]
-        # CPU decode and verify windows in C (``cpu_native``; ``lse.concat_segments`` where no
-        # compiler is found): one call per layer for all of them, each view read as stored
+        # Every CPU window in C (``cpu_native``), prefill chunks too: one call per layer for all
+        # of them, each view read as stored, and a row's bits those of the same row decoded
+        # alone, so a prefix restored from the bank or the disk answers as recomputed. Where no
+        # compiler is found: ``lse.concat_segments`` and, for prefill, torch's flash kernel.
         self.native: cpu_native.NativeStep | None = None
         self.others = list(range(len(self.windows)))  # the windows left to torch ops
         picked = [i for i, w in enumerate(self.windows) if _native_route(w)]
@@ -145,7 +147,7 @@ class PortableStep:
         out = torch.empty(q.shape, dtype=torch.float32)  # [N, Hq, D]
         q32 = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.float().contiguous()
         self.native.attend(layer, q32, out, scale)
-        for i in self.others:  # prefill windows (torch's flash kernel) beside the decode rows
+        for i in self.others:  # windows over views the kernel cannot read (float16)
             s, w = self.starts[i], self.windows[i]
             out[s : s + w.rows] = self._attend(layer, q, scale, [s], [w], [self.concat[i]])
         return out if q.dtype == torch.float32 else out.to(q.dtype)
@@ -200,12 +202,11 @@ class PortableStep:
 
 
 def _native_route(w: KVWindow) -> bool:
-    """Whether window ``w`` can take the C kernel: a CPU window of fewer rows than the flash kernel
-    takes, over views the kernel reads (fp32 or bf16, head dim a multiple of 16)."""
+    """Whether window ``w`` takes the C kernel: a CPU window of any rows (prefill chunks too, so
+    a row's bits never depend on the window it came in) over views the kernel reads (fp32 or
+    bf16, head dim a multiple of 16)."""
     k = w.views[0][0]
-    return w.rows < CPU_FLASH_MIN_ROWS and all(
-        cpu_native.supports(kk) and kk.dtype == k.dtype and vv.dtype == k.dtype for kk, vv in w.views
-    )
+    return all(cpu_native.supports(kk) and kk.dtype == k.dtype and vv.dtype == k.dtype for kk, vv in w.views)
 
 
 def _concat_route(w: KVWindow) -> bool:

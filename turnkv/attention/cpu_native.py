@@ -1,10 +1,13 @@
-"""The CPU decode attention in C (``cpu_attention.c``): built at first use, called through ctypes.
+"""The CPU attention in C (``cpu_attention.c``): built at first use, called through ctypes.
 
-A step's CPU decode and verify windows (fewer rows than the flash kernel takes) go through one C
-call per layer, its slices on torch's OpenMP threads, instead of ~25 torch ops per window and layer plus an fp32
+Every CPU window of a step (decode, verify and prefill alike) goes through one C call per layer,
+its slices on torch's OpenMP threads, instead of ~25 torch ops per window and layer plus an fp32
 copy of every bf16 view (``lse.concat_segments``, the path where no compiler is found). The C reads
 each view as stored and keeps every sum in fp32; a row's bits depend only on its own query and the
-keys it sees (the exactness argument is in the C file's header).
+keys it sees (the exactness argument is in the C file's header), so a turn whose prefix came from
+the bank or the disk computes what it would have computed in one window. A window's rows are cut
+into blocks of ``ROW_BLOCK`` (each block's scores stop at the keys its last row sees), and the
+step's (window, KV head, block) items are cut over the threads at equal shares of the work.
 
 Built at first use by ``turnkv.cbuild`` (``-O3 -march=native -fopenmp``, cached per source and
 CPU). ``TURNKV_CPU_KERNEL=off`` keeps the torch path (the tests use it to run both); a failed
@@ -25,6 +28,11 @@ from turnkv import cbuild
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SPLIT_MIN_KEYS = 256  # keys x rows x KV heads of a step from which its items go to several threads
+ROW_BLOCK = 32  # rows of a window per work item (a decode or verify window is one block)
+# The C's arithmetic, named: part of the KV cache fingerprint (``load.cache_fingerprint``), so the
+# disk tier never hands a turn rows that another attention (torch's flash kernel for prefill
+# chunks, before this kernel took every window) computed. Change it whenever the C's sums change.
+ARITHMETIC = "c-attention-all-windows"
 _VIEW_FIELDS = 9  # k_ptr, v_ptr, k strides (layer, head, row), v strides (layer, head, row), rows
 
 
@@ -40,6 +48,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         i64,
         i64,
         f32,
+        ptr,
         ptr,
         ptr,
         i64,
@@ -97,24 +106,31 @@ class NativeStep:
                 )
         self.wins = np.asarray(wins, dtype=np.int64).reshape(-1, 5)
         self.views = np.asarray(views, dtype=np.int64).reshape(-1, _VIEW_FIELDS)
-        self.items = len(wins) * self.hkv
+        items, work = [], []
+        for w, (_, _, ws, m) in enumerate(windows):
+            for r0 in range(0, m, ROW_BLOCK):
+                r1 = min(r0 + ROW_BLOCK, m)
+                items += [(w, h, r0, r1) for h in range(self.hkv)]
+                work += [(r1 - r0) * (ws + r1)] * self.hkv  # scores read: rows x keys
+        self.items = np.asarray(items, dtype=np.int64).reshape(-1, 4)
         self._keys = max(ws + m for _, _, ws, m in windows)
-        self._rows = max(m for _, _, _, m in windows)
+        self._rows = min(ROW_BLOCK, max(m for _, _, _, m in windows))
         # item slices for ``threads`` OpenMP threads, cut at equal shares of the keys read (on the
         # 2-core VM, SmolLM2 at 1K keys: one conversation 68.5 -> 80.6 tok/s split over 2 threads,
         # eight 152 -> 219; at 48 keys the same within noise, 88-96 tok/s); one slice below
         # SPLIT_MIN_KEYS
-        work = np.repeat([(ws + m) * m for _, _, ws, m in windows], self.hkv)
-        total = int(work.sum())
-        parts = min(threads, self.items) if total >= SPLIT_MIN_KEYS else 1
+        total = sum(work)
+        parts = min(threads, len(items)) if total >= SPLIT_MIN_KEYS else 1
         ends = np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left") + 1
-        self.cuts = np.asarray(sorted({0, self.items, *(int(e) for e in ends)}), dtype=np.int64)
+        self.cuts = np.asarray(sorted({0, len(items), *(int(e) for e in ends)}), dtype=np.int64)
         self.parts = len(self.cuts) - 1
         self._scratch: torch.Tensor | None = None
+        # the tables' addresses, read once: each ``.ctypes`` is a new object (~1 us, twice a layer)
+        self._ptrs = tuple(a.ctypes.data for a in (self.wins, self.views, self.items, self.cuts))
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-        """Every item (window x KV head) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim contiguous)
-        -> the windows' rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
+        """Every item (window x KV head x row block) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim
+        contiguous) -> the windows' rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
         hq = q.shape[1]
         stride = self._rows * (hq // self.hkv) * (self._keys + 2 * self.d) + 16
         if self._scratch is None:  # each slice's fp32 work space (see the C file), kept for the step
@@ -129,10 +145,11 @@ class NativeStep:
             self.hkv,
             self.d,
             scale,
-            self.wins.ctypes.data,
-            self.views.ctypes.data,
+            self._ptrs[0],
+            self._ptrs[1],
+            self._ptrs[2],
             self.dtype,
-            self.cuts.ctypes.data,
+            self._ptrs[3],
             self.parts,
             self._scratch.data_ptr(),
             stride,
@@ -146,5 +163,5 @@ class NativeStep:
             return False
         ks, vs = k.stride(), v.stride()
         self._store(layer, k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1], self.hkv, self.d,
-                    self.wins.ctypes.data, len(self.wins), self.views.ctypes.data, self.dtype)  # fmt: skip
+                    self._ptrs[0], len(self.wins), self._ptrs[1], self.dtype)  # fmt: skip
         return True

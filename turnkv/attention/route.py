@@ -6,7 +6,8 @@ Routes (see docs/DESIGN.md), chosen once at load for the whole engine (``selfche
 - ``single`` / ``lse``: the portable backend on any device: a window over one view goes through
   ``single_attention`` (torch SDPA on the zero-copy view, or on a CPU the same fp32 math as lse, so
   one segment is bit-identical to the contiguous layout), over several views through
-  ``lse.lse_attention`` (per view in fp32 with its log-sum-exp, one exact merge).
+  ``lse.lse_attention`` (per view in fp32 with its log-sum-exp, one exact merge). On a CPU where
+  the C kernel builds, every window attends there instead (``cpu_native``; these labels stay).
 
 Counts are keyed ``<route>_q<rows>`` for windows of 1-32 rows and ``<route>_prefill`` above.
 """

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from turnkv.attention import cpu_native
 from turnkv.config import ModelConfig, RopeScaling
 from turnkv.kv.cache import KVShape
 from turnkv.models import cpu_int4, generation, quant
@@ -190,7 +191,9 @@ def cache_fingerprint(
     fingerprint samples 16 x 64 KiB of each file; two checkpoints that differ only outside those
     samples, with the same size, would share it.) Packed weights' kernel (``matmul``) is a fact
     too: the C and torch int4 kernels round differently, so their rows differ in the last bits,
-    and so is the C kernel's arithmetic (``cpu_int4.ARITHMETIC``), which has changed before.
+    and so is the C kernel's arithmetic (``cpu_int4.ARITHMETIC``), which has changed before. So is
+    a CPU's attention (``cpu_native.ARITHMETIC`` where its C kernel runs, which takes every window
+    since prefill chunks left torch's flash kernel).
     """
     dtype = str(shape.dtype).removeprefix("torch.")
     if compute is not None and compute != shape.dtype:
@@ -199,6 +202,8 @@ def cache_fingerprint(
     if matmul == "c":
         matmul += f":{cpu_int4.ARITHMETIC}"
     facts += f"|{matmul}" if matmul else ""  # dense loads keep the keys they had
+    if torch.device(shape.device).type == "cpu" and cpu_native.library() is not None:
+        facts += f"|attention:{cpu_native.ARITHMETIC}"
     return hashlib.sha256(facts.encode()).hexdigest()[:24]
 
 
