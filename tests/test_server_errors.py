@@ -131,7 +131,7 @@ def test_every_refused_field_is_named_by_param(live, route, field):
         ("temperature a string", "temperature"),
         ("five stop strings", "stop"),
         ("stream not a bool", "stream"),
-        ("content wrong type", "messages.0.content"),  # not pydantic's union tag (content.str)
+        ("content wrong type", "messages[0].content"),  # not pydantic's union tag (content.str)
         ("n two", "n"),
         ("missing messages", "messages"),
     ],

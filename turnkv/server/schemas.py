@@ -363,10 +363,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
 def field_path(loc: tuple) -> str:
     """A pydantic error's ``loc`` as the client's field path, without the tags pydantic adds for
     the members of a union (``stop.str``, ``tool_choice.literal['none',...]`` -> ``stop``,
-    ``tool_choice``); our field names are lower case."""
-    path = []
+    ``tool_choice``); our field names are lower case. List indices read as the grammar checks
+    name them: ``messages[0].content``."""
+    path = ""
     for part in loc:
         if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper()):
             break
-        path.append(str(part))
-    return ".".join(path)
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
