@@ -23,12 +23,12 @@ from scipy.stats import chisquare
 
 from turnkv.config import EngineConfig
 from turnkv.engine.context_copy import CHAIN, MAX_MATCH, ContextIndex, Speculation
-from turnkv.engine.engine import Engine, StepResult
+from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.governor import MAX_PAUSE, Governor, StepCost
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.engine.step import plan_step
+from turnkv.engine.step import StepResult, plan_step
 
 
 class FixedCost(StepCost):

@@ -50,8 +50,10 @@ def test_a_ragged_step_equals_each_window_alone(tiny):
     assert res.plan.attention.labels == ["lse_q20", "lse_q1", "lse_q5"]
     for i, (h, w) in enumerate(zip(HISTORIES, WINDOWS, strict=True)):
         alone = tiny.run_step([Window(history(tiny, h), w, logits=len(w))])
+        # not bit for bit: fp32 GEMMs round by their row count (on some CPUs' BLAS the more), and
+        # these large weights' attention scores amplify that; a misplaced row is off by ~scale
         scale = alone.logits.abs().max().item()
-        torch.testing.assert_close(res.of(i), alone.logits, atol=1e-5 * scale, rtol=0)
+        torch.testing.assert_close(res.of(i), alone.logits, atol=1e-3 * scale, rtol=0)
         assert torch.equal(res.of(i).argmax(-1), alone.logits.argmax(-1))
 
 

@@ -24,7 +24,7 @@ from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.context_copy import Speculation
 from turnkv.engine.cpu_threads import make_thread_policy
 from turnkv.engine.graphs import GraphStep, make_graphs
-from turnkv.engine.step import StepPlan, Window, one_row_windows, plan_step, run_plan
+from turnkv.engine.step import Staged, StepResult, Window, one_row_windows, plan_step, run_plan
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
 from turnkv.kv.segments import unique_bytes
@@ -47,27 +47,6 @@ class EngineInfo:
     verdict: Verdict
     graphs: str  # "on", or why decode steps run eagerly
     weights: dict  # how the matrices are held: {"held", "note", "matmul"} (``/health.weights``)
-
-
-@dataclass
-class Staged:
-    """A step built and uploaded, not launched (``Engine.stage``)."""
-
-    step: StepPlan | GraphStep  # what runs
-    windows: list[Window]  # the windows asked for
-    firsts: list[int] | None = None  # each one's first one-row window in ``step`` (None: the same)
-
-
-@dataclass
-class StepResult:
-    """The logits of one step, per window: ``logits[off_i : off_i + windows[i].logits]``."""
-
-    plan: StepPlan
-    logits: torch.Tensor  # [R, V] fp32, device
-
-    def of(self, i: int) -> torch.Tensor:
-        off = self.plan.logit_offsets[i]
-        return self.logits[off : off + self.plan.windows[i].logits]
 
 
 class Engine:
@@ -95,7 +74,7 @@ class Engine:
         self.prefill_chunk = max(1, cfg.prefill_chunk)
         # RoPE tables for every position a turn may reach, built once: steps (and graphs) only index
         self.model.rope.ensure(self.max_context or mc.max_position or 8192)
-        self.graphs = make_graphs(self, cfg.cuda_graphs)
+        self.graphs = make_graphs(cfg.cuda_graphs, self.model, self.backend, self.tp is not None)
         # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
         self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
         self.speculation = Speculation(cfg.speculate, _speculation_off(self), self.shape.device.type)

@@ -22,19 +22,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from turnkv.attention.backend import StepAttention
+from turnkv.attention.backend import AttentionBackend, StepAttention
 from turnkv.attention.fused import conversations
 from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
-from turnkv.engine.step import StepPlan, Window, carry, host_inputs, open_kv
+from turnkv.engine.step import StepPlan, StepResult, Window, carry, host_inputs, open_kv
 from turnkv.kv.cache import KVWindow
 from turnkv.limits import MAX_SEGMENTS
-
-if TYPE_CHECKING:
-    from turnkv.engine.engine import Engine, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +70,11 @@ class GraphStep:
 
 
 class DecodeGraphs:
-    """Captured decode steps of one engine (see the module docstring)."""
+    """Captured decode steps of one model (see the module docstring). ``threaded``: the step has
+    collectives (tensor parallelism), captured in ``thread_local`` mode (``_capture``)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, threaded: bool) -> None:
+        self.model, self.backend, self.threaded = model, backend, threaded
         self.status = "on"
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, bool], _Captured] = {}
@@ -106,17 +103,15 @@ class DecodeGraphs:
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
         # by the context bucket instead, a 64-client H200 run spent most of its time capturing
         # (the split count is sized by conversations: a verify window's rows split as one row's)
-        key = (bs, self.engine.backend.decode_splits(conversations(kv), bucket), solo)
+        key = (bs, self.backend.decode_splits(conversations(kv), bucket), solo)
         captured = self.graphs.get(key) or self._new_buffers(bs)
         captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
-        step = self.engine.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
+        step = self.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
         return GraphStep(list(windows), kv, key, captured, step, len(inputs))
 
     def replay(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
         """Replay (capturing first) the graph of ``staged``. ``prev`` (device): the argmax of the
         step in flight, which fed rows read (``carry``: on the device, never on the host)."""
-        from turnkv.engine.engine import StepResult
-
         captured, (bs, _, solo) = staged.captured, staged.key
         b, inputs = len(staged.windows), captured.inputs
         carry(inputs[:b], prev, inputs[3 * bs : staged.used])
@@ -132,7 +127,7 @@ class DecodeGraphs:
         return StepResult(plan, captured.logits[:b])
 
     def _new_buffers(self, bs: int) -> _Captured:
-        device = self.engine.shape.device
+        device = self.model.device
         inputs = torch.zeros(5 * bs, dtype=torch.int64, device=device)
         # the table's size for bs sequences of one group (decode windows: one narrow launch)
         words = bs * (1 + MAX_SEGMENTS) * FIELDS + bs * FIELDS
@@ -140,14 +135,14 @@ class DecodeGraphs:
         return _Captured(torch.cuda.CUDAGraph(), inputs, table, torch.empty(0))
 
     def _capture(self, captured: _Captured, ids, pos, rows, step, solo: bool) -> None:
-        model = self.engine.model
+        model = self.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
             model(ids, pos, rows, step, (), solo)
         torch.cuda.current_stream().wait_stream(stream)
         mode = "global"
-        if self.engine.tp is not None:
+        if self.threaded:
             # the step's NCCL collectives are captured too; NCCL's watchdog thread may still query
             # events of eager collectives (cudaEventQuery), which a global-mode capture forbids in
             # every thread (pytorch/pytorch#104487): let them finish, and forbid only this thread
@@ -159,12 +154,14 @@ class DecodeGraphs:
         log.info("captured a decode graph for %d rows", ids.shape[0])
 
 
-def make_graphs(engine: Engine, mode: str) -> DecodeGraphs | NoGraphs:
+def make_graphs(
+    mode: str, model: torch.nn.Module, backend: AttentionBackend, threaded: bool
+) -> DecodeGraphs | NoGraphs:
     """``--cuda-graphs auto|off``: captured decode where possible, else eager with the reason."""
     if mode == "off":
         return NoGraphs("off: --cuda-graphs off")
-    if engine.shape.device.type != "cuda":
-        return NoGraphs(f"off: no CUDA ({engine.shape.device.type})")
-    if engine.backend.name != "fused":
-        return NoGraphs(f"off: the attention route is not fused ({engine.backend.verdict.verdict})")
-    return DecodeGraphs(engine)
+    if model.device.type != "cuda":
+        return NoGraphs(f"off: no CUDA ({model.device.type})")
+    if backend.name != "fused":
+        return NoGraphs(f"off: the attention route is not fused ({backend.verdict.verdict})")
+    return DecodeGraphs(model, backend, threaded)

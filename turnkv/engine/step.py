@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from turnkv.attention.backend import AttentionBackend, StepAttention
 from turnkv.kv.cache import KVCache, KVWindow
 from turnkv.models.quant import wide_rows
+
+if TYPE_CHECKING:
+    from turnkv.engine.graphs import GraphStep
 
 
 @dataclass
@@ -78,6 +82,27 @@ class StepPlan:
     def labels(self) -> list[str]:
         """Per window, the route label of its attention calls (one per layer) this step."""
         return self.window_labels if self.window_labels is not None else self.attention.labels
+
+
+@dataclass
+class Staged:
+    """A step built and uploaded, not launched (``Engine.stage``)."""
+
+    step: StepPlan | GraphStep  # what runs
+    windows: list[Window]  # the windows asked for
+    firsts: list[int] | None = None  # each one's first one-row window in ``step`` (None: the same)
+
+
+@dataclass
+class StepResult:
+    """The logits of one step, per window: ``logits[off_i : off_i + windows[i].logits]``."""
+
+    plan: StepPlan
+    logits: torch.Tensor  # [R, V] fp32, device
+
+    def of(self, i: int) -> torch.Tensor:
+        off = self.plan.logit_offsets[i]
+        return self.logits[off : off + self.plan.windows[i].logits]
 
 
 def one_row_windows(windows: Sequence[Window]) -> tuple[list[Window], list[int]] | None:
