@@ -30,6 +30,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.runtime import new_bank, run_ahead
 
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor violet engine whisper canyon ledger "
@@ -150,9 +151,9 @@ def run(engine: Engine, variant: str, args, budget: int) -> dict:
 
 
 def _run(engine: Engine, variant: str, args, budget: int) -> dict:
-    bank = engine.new_bank(budget)
+    bank = new_bank(engine, budget)
     max_running = 1 if variant == "serial" else args.max_running
-    ahead = False if variant == "plain" else None  # None: as the engine's --run-ahead says
+    ahead = False if variant == "plain" else run_ahead(engine.cfg, engine)  # else as --run-ahead says
     sched = Scheduler(
         engine, bank, max_running=max_running, max_batch_tokens=args.max_batch_tokens, run_ahead=ahead
     )

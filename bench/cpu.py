@@ -64,10 +64,9 @@ def _child_turnkv(opts: dict) -> dict:
     import torch
 
     from turnkv.config import EngineConfig
-    from turnkv.engine.engine import Engine
     from turnkv.engine.sampling import SamplingParams
-    from turnkv.engine.scheduler import run_turn
     from turnkv.engine.turn import GenEvent, TurnRequest
+    from turnkv.runtime import build, load_engine
     from turnkv.threads import set_threads
 
     set_threads(opts["threads"])
@@ -76,7 +75,7 @@ def _child_turnkv(opts: dict) -> dict:
     cfg = EngineConfig(  # a fixed thread count
         device="cpu", weights=opts["weights"], kv_dtype=opts["kv_dtype"], threads=opts["threads"]
     )
-    eng = Engine.from_config(cfg, progress=False)
+    eng = load_engine(cfg, progress=False)
     rss = _rss_mib() - before
     tok = eng.tokenizer
     answer_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}])
@@ -85,9 +84,10 @@ def _child_turnkv(opts: dict) -> dict:
     def turn(ids: list[int], n: int, params: SamplingParams):
         """One turn through the scheduler, in a namespace of its own (nothing banked is reused)."""
         req = TurnRequest(list(ids), params, max_tokens=n, namespace=f"run{next(runs)}")
-        return [e for e in run_turn(eng, bank, req) if isinstance(e, GenEvent)]
+        return [e for e in rt.run_turn(req, bank) if isinstance(e, GenEvent)]
 
-    bank = eng.new_bank("1G")
+    rt = build(cfg, "bench", engine=eng)
+    bank = rt.new_bank("1G")
     answer = "".join(e.text for e in turn(answer_ids, 24, SamplingParams()))
 
     def run(ids: list[int], n: int | None = None) -> tuple[float, float, float, float]:

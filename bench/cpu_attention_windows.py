@@ -80,11 +80,11 @@ def prefill(sizes: list[int], reps: int) -> None:
     from turnkv.attention import backend
     from turnkv.attention.lse import CPU_FLASH_MIN_ROWS
     from turnkv.config import EngineConfig
-    from turnkv.engine.engine import Engine
+    from turnkv.runtime import load_engine
 
     every = backend._native_route
     routes = {"c": every, "torch": lambda w: w.rows < CPU_FLASH_MIN_ROWS and every(w)}
-    engine = Engine.from_config(EngineConfig(device="cpu", prefill_chunk=512), progress=False)
+    engine = load_engine(EngineConfig(device="cpu", prefill_chunk=512), progress=False)
     ids = engine.tokenizer.encode("The history of maps and of the people who drew them. " * 400)
     got: dict[tuple[str, int], list[float]] = {(r, n): [] for r in routes for n in sizes}
     try:

@@ -48,6 +48,7 @@ from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 from turnkv.models import cpu_int4
+from turnkv.runtime import load_engine, new_bank, run_ahead
 
 SPLITS = (0.72, 0.19, 0.09)  # sizes that the merge policy keeps as three segments
 
@@ -123,16 +124,18 @@ def synthetic_history(engine: Engine, context: int, seed: int) -> SegmentedSnaps
 
 
 # -- decode -------------------------------------------------------------------------------------
-def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, run_ahead: str = "auto") -> dict:
+def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, ahead_mode: str = "auto") -> dict:
     b = len(histories)
     device = engine.shape.device
     # room for the histories, a contiguous copy of each, and the turns' own rows
     held = sum(seg.nbytes for h in histories for seg in h.segments())
-    bank = engine.new_bank(2 * held + b * (args.new + args.gen + 64) * engine.shape.bytes_per_row + (1 << 30))
+    bank = new_bank(
+        engine, 2 * held + b * (args.new + args.gen + 64) * engine.shape.bytes_per_row + (1 << 30)
+    )
     g = torch.Generator().manual_seed(7)
     vocab = engine.loaded.config.vocab_size
     eos = set(engine.tokenizer.eos_token_ids)
-    ahead = {"auto": None, "on": True, "off": False}[run_ahead]
+    ahead = {"auto": run_ahead(engine.cfg, engine), "on": True, "off": False}[ahead_mode]
     sched = Scheduler(engine, bank, max_running=b, max_batch_tokens=b * args.new, run_ahead=ahead)
     for i, snap in enumerate(histories):
         bank.insert(f"c{i}", snap)
@@ -222,8 +225,10 @@ def run_prefill(engine: Engine, n: int, chunk: int, flops_rate: float | None, ar
     if not getattr(engine, "_prefill_warm", False):  # Triton compiles the prefill kernels once
         engine.prefill(engine.new_cache(), list(range(1, 2 * chunk + 1)))
         engine._prefill_warm = True
-    bank = engine.new_bank(2 * n * engine.shape.bytes_per_row + (4 << 30))
-    sched = Scheduler(engine, bank, max_running=1, max_batch_tokens=chunk)
+    bank = new_bank(engine, 2 * n * engine.shape.bytes_per_row + (4 << 30))
+    sched = Scheduler(
+        engine, bank, max_running=1, max_batch_tokens=chunk, run_ahead=run_ahead(engine.cfg, engine)
+    )
     ids = torch.randint(0, mc.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     eos = set(engine.tokenizer.eos_token_ids)
     ids = [t if t not in eos else (t + 1) % mc.vocab_size for t in ids]
@@ -330,7 +335,7 @@ def measure(args, group=None) -> dict:
         loaded = None
         for name, kv in itertools.product(args.layouts.split(","), kvs):
             cfg = replace(base, kv_layout=name, kv_dtype=kv)
-            e = Engine.from_config(cfg, progress=False) if loaded is None else Engine(loaded, cfg)
+            e = load_engine(cfg, progress=False) if loaded is None else Engine(loaded, cfg)
             loaded = e.loaded
             label = name if len(kvs) == 1 else f"{name}/{e.info.kv_dtype}"
             label = label if len(int4s) == 1 else f"{label}/mm-{int4}"
@@ -417,7 +422,7 @@ def measure(args, group=None) -> dict:
 
 def kv_capacity(engine: Engine) -> dict:
     """What ``--bank-bytes auto`` gives this engine now: bytes per GPU and tokens (rows) of KV."""
-    budget = engine.new_bank("auto").budget_bytes
+    budget = new_bank(engine, "auto").budget_bytes
     return {"budget_bytes": budget, "bytes_per_row": engine.shape.bytes_per_row,
             "tokens": budget // engine.shape.bytes_per_row}  # fmt: skip
 

@@ -41,6 +41,7 @@ from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.kv.segments import unique_bytes
+from turnkv.runtime import load_engine
 
 NO_LIMIT = 1 << 50
 
@@ -219,7 +220,7 @@ def main() -> None:
         attention=args.attention,
         prefill_chunk=args.prefill_chunk,
     )
-    engine = Engine.from_config(cfg, progress=False)
+    engine = load_engine(cfg, progress=False)
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="disk-bench-", dir=args.dir or OUT))
     sizes = [int(t) for t in args.tokens.split(",")]

@@ -44,6 +44,7 @@ from turnkv.engine.grammar import Grammars
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.models.load import load_model
+from turnkv.runtime import new_bank, run_ahead
 
 RECORDS = {
     "type": "array",
@@ -97,7 +98,9 @@ def run(
     grammar = grammars.json_schema(RECORDS) if grammars is not None else None
     tok = engine.tokenizer
     rng = random.Random(seed)
-    sched = Scheduler(engine, engine.new_bank("auto"), max_running=batch)
+    sched = Scheduler(
+        engine, new_bank(engine, "auto"), max_running=batch, run_ahead=run_ahead(engine.cfg, engine)
+    )
     sched.masks.prefetch = prefetch
     failed: list[Failed] = []
     for i in range(batch):

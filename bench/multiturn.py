@@ -29,7 +29,7 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Banked, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.scheduler import run_turn
+from turnkv.runtime import build, load_engine
 
 
 def _mem_now(device: torch.device) -> int:
@@ -47,7 +47,8 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
 
     params = SamplingParams(ignore_eos=True)
     cuda = engine.shape.device.type == "cuda"
-    bank = engine.new_bank()
+    rt = build(engine.cfg, "bench", engine=engine)
+    bank = rt.new_bank()
     prompt: list[int] = []
     rows = []
     for turn in range(args.turns + 1):
@@ -60,7 +61,7 @@ def run_layout(engine: Engine, history: int, args: argparse.Namespace, seed: int
         bank.stats.peak_bytes = start_kv
         t0 = time.perf_counter()
         stats, generated, banked = None, [], None
-        for ev in run_turn(engine, bank, TurnRequest(prompt, params, max_tokens=args.gen)):
+        for ev in rt.run_turn(TurnRequest(prompt, params, max_tokens=args.gen), bank):
             if isinstance(ev, GenEvent):
                 if ev.token_id is not None:
                     generated.append(ev.token_id)
@@ -110,7 +111,7 @@ def main() -> None:
 
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype, attention=args.attention)
-    seg = Engine.from_config(replace(base, kv_layout="segmented"), progress=False)
+    seg = load_engine(replace(base, kv_layout="segmented"), progress=False)
     # the same weights behind both layouts: one model, two engines
     con = Engine(seg.loaded, replace(base, kv_layout="contiguous"))
     info = seg.info

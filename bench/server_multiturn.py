@@ -57,7 +57,7 @@ from turnkv.config import EngineConfig, parse_size
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.scheduler import run_turn
+from turnkv.runtime import build, load_engine, new_bank
 
 WORDS = (
     "river stone lantern orbit copper meadow signal harbor violet engine whisper canyon ledger "
@@ -80,6 +80,7 @@ class InProcess:
     def __init__(self, engine: Engine, bank: SessionBank, ignore_eos: bool) -> None:
         self.engine = engine
         self.bank = bank
+        self.rt = build(engine.cfg, "bench", engine=engine)
         self.ignore_eos = ignore_eos
 
     def ask(self, messages: list[dict], max_tokens: int, salt: str) -> dict:
@@ -102,7 +103,7 @@ class InProcess:
                 first.append(time.perf_counter() - t0)
             events.append(ev)
 
-        for ev in run_turn(self.engine, self.bank, turn):
+        for ev in self.rt.run_turn(turn, self.bank):
             emit(ev)
         failed = next((e for e in events if isinstance(e, Failed)), None)
         if failed is not None:
@@ -132,7 +133,7 @@ class Http:
 
         from turnkv.server.app import create_app
 
-        app = create_app(engine, engine.cfg, bank)
+        app = create_app(build(engine.cfg, "serve", engine=engine), bank)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -183,7 +184,7 @@ class Http:
 
 
 def run_variant(engine: Engine, variant: str, args: argparse.Namespace, budget: int) -> dict:
-    bank = engine.new_bank(budget)
+    bank = new_bank(engine, budget)
     # random weights hit EOS at random: run every answer to its length there; a real model's
     # answers end where the model ends them (greedy, so every variant gets the same answers)
     driver = (Http if args.mode == "http" else InProcess)(engine, bank, ignore_eos=bool(args.shape))
@@ -307,7 +308,7 @@ def main() -> None:
 
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype)
-    first = Engine.from_config(replace(base, kv_layout="segmented"), progress=False)
+    first = load_engine(replace(base, kv_layout="segmented"), progress=False)
     per_turn = args.user_tokens + args.answer_tokens + 16  # + template tokens
     final_rows = args.conversations * args.turns * per_turn
     # default: the unique KV of every conversation at the end, 20 % slack, and one prefill
@@ -363,7 +364,7 @@ def run_clients(args: argparse.Namespace) -> None:
         prefill_chunk=args.max_batch_tokens,
         speculate=args.speculate,
     )
-    engine = Engine.from_config(cfg, progress=False)
+    engine = load_engine(cfg, progress=False)
     # random weights end answers at random: run each to its length; --ignore-eos does it for a real
     # model too (every answer A tokens: no client's longer answers leave it decoding alone at the end)
     args.ignore_eos = bool(args.shape) or args.ignore_eos

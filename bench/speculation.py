@@ -60,6 +60,7 @@ from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import Window
+from turnkv.runtime import load_engine, new_bank, run_ahead
 
 FIRST_TOKENS = 200  # the first answer of a revision (longer ones of this model tend to loop)
 
@@ -90,7 +91,8 @@ class Side:
         self.engine = copy.copy(engine)  # the same model, layout, backend and graphs
         self.engine.speculation = Speculation(mode)  # its own step costs and counters
         self.mode = mode
-        self.sched = Scheduler(self.engine, self.engine.new_bank("4G"), len(ids), max_batch_tokens=512)
+        ahead = run_ahead(engine.cfg, engine)
+        self.sched = Scheduler(self.engine, new_bank(self.engine, "4G"), len(ids), 512, run_ahead=ahead)
         self.text = [""] * len(ids)
         self.stats: list = [None] * len(ids)
         self.turns = []
@@ -312,7 +314,7 @@ def main() -> None:
 
     model = f"random:{args.shape}" if args.shape else args.model
     cfg = EngineConfig(model=model, device=args.device, dtype=args.dtype)
-    engine = Engine.from_config(cfg, progress=False)
+    engine = load_engine(cfg, progress=False)
     info = engine.info
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"# {info.model_name} on {info.device} {info.dtype}; attention {info.verdict.route}; graphs "

@@ -30,6 +30,7 @@ from report import save
 
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
+from turnkv.runtime import build, load_engine
 from turnkv.server.app import create_app
 
 HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
@@ -39,7 +40,9 @@ def serve(engine: Engine, cfg: EngineConfig) -> tuple[uvicorn.Server, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(build(cfg, "serve", engine=engine)), port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.02)
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     cfg = EngineConfig(device="cpu", bank_bytes="1G", access_log=False)
-    engine = Engine.from_config(cfg, progress=False)
+    engine = load_engine(cfg, progress=False)
     backend = engine.tokenizer.backend
     text = "river stone lantern copper meadow " * (args.text_kb * 1024 // 34)
     threads = {

@@ -13,15 +13,16 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.scheduler import run_turn
+from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
+from turnkv.runtime import load_engine
 
 GIB = 1 << 30
 
 
 def tiny_engine(dtype: str = "float32") -> Engine:
-    return Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype=dtype), progress=False)
+    return load_engine(EngineConfig(model="random:test", device="cpu", dtype=dtype), progress=False)
 
 
 def bank_over(engine: Engine, directory, budget: int = GIB, **tier_kw) -> SessionBank:
@@ -39,7 +40,7 @@ def turn(engine: Engine, bank: SessionBank, ns: str, ids: list[int], max_tokens:
     ``(new token ids, TurnStats, cached rows)``."""
     out, stats = [], None
     request = TurnRequest(ids, SamplingParams(ignore_eos=True), max_tokens=max_tokens, namespace=ns)
-    for ev in run_turn(engine, bank, request):
+    for ev in run_turn(Scheduler(engine, bank, max_running=1), request):
         if isinstance(ev, Failed):
             raise RuntimeError(ev.message)
         if isinstance(ev, GenEvent):

@@ -88,12 +88,12 @@ def test_scripted_chat_undo_reuses_segments():
 @pytest.fixture
 def no_load(monkeypatch):
     """Loading a model fails the test: every refusal below must come before the load."""
-    from turnkv.engine.engine import Engine
+    from turnkv import runtime
 
     def refuse(*a, **kw):
         raise AssertionError("the model was loaded before the flags were validated")
 
-    monkeypatch.setattr(Engine, "from_config", refuse)
+    monkeypatch.setattr(runtime, "load_engine", refuse)
     for var in [v for v in __import__("os").environ if v.startswith("TURNKV_")]:
         monkeypatch.delenv(var)
     return monkeypatch

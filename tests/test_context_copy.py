@@ -29,6 +29,7 @@ from turnkv.engine.governor import MAX_PAUSE, Governor, StepCost
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import StepResult, plan_step
+from turnkv.runtime import load_engine, new_bank
 
 
 class FixedCost(StepCost):
@@ -203,7 +204,7 @@ V0 = 3  # the chain's tokens: 0, 1, 2 (below the byte tokenizer's specials)
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))
+    return load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32"))
 
 
 def markov_source(engine: Engine, table: torch.Tensor):
@@ -231,7 +232,7 @@ def sample_many(engine, params_for, n: int, max_tokens: int) -> list[tuple[int, 
     per 64: a bank of thousands of entries would make this test slow, not better)."""
     out: list[list[int]] = [[] for _ in range(n)]
     for lo in range(0, n, 64):
-        sched = Scheduler(engine, engine.new_bank("64M"), max_running=64, max_batch_tokens=4096)
+        sched = Scheduler(engine, new_bank(engine, "64M"), max_running=64, max_batch_tokens=4096)
         for i in range(lo, min(lo + 64, n)):
             req = TurnRequest(PROMPT, params_for(i), max_tokens=max_tokens)
             sched.submit(
@@ -325,7 +326,7 @@ def cycle_source(engine: Engine, nxt: dict[int, int]):
 
 def answer(engine: Engine, prompt: list[int], params: SamplingParams, max_tokens: int):
     """Events (token, text, finish) and the banked rows' token ids of one turn."""
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     events = []
     sched = Scheduler(engine, bank)
     sched.submit(TurnRequest(prompt, params, max_tokens=max_tokens), events.append)
@@ -363,16 +364,14 @@ def test_the_cache_after_rejections_equals_a_plain_run(monkeypatch):
     """Real forwards (random:test, fp32, fp32 rows): the rows a speculative turn banks are the rows
     a plain turn banks -- the same token ids, K and V equal up to the rounding of a wider matmul
     (bf16 rows, a CPU's default, would round such a difference up to a bf16 step now and then)."""
-    engine = Engine.from_config(
-        EngineConfig(model="random:test", device="cpu", dtype="float32", kv_dtype="float32")
-    )
+    engine = load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32", kv_dtype="float32"))
     with torch.no_grad():  # weights whose greedy answer partly loops: drafts kept and rejected
         engine.model.init_random(seed=7, std=0.1)
     prompt = [256, *b"the cat sat on the mat; the cat sat on the hat; the cat"]
     banked = {}
     for mode in ("off", "auto"):
         monkeypatch.setattr(engine, "speculation", speculation(mode))
-        bank = engine.new_bank("64M")
+        bank = new_bank(engine, "64M")
         events = []
         sched = Scheduler(engine, bank)
         sched.submit(TurnRequest(prompt, SamplingParams(ignore_eos=True), max_tokens=48), events.append)
@@ -401,16 +400,10 @@ def test_auto_drafts_with_and_without_graphs_and_not_under_tensor_parallelism():
     """``--speculate auto`` is on where decode steps run eagerly (CPU) and where they replay CUDA
     graphs (verify windows replay decode graphs as one-row windows: ``Engine.stage``), off with
     the reason under tensor parallelism."""
-    from types import SimpleNamespace
+    from turnkv.runtime import speculation_off
 
-    from turnkv.engine.engine import _speculation_off
-
-    cpu = SimpleNamespace(tp=None, graphs=SimpleNamespace(status="off: no CUDA (cpu)"))
-    graphs = SimpleNamespace(tp=None, graphs=SimpleNamespace(status="on"))
-    tp = SimpleNamespace(tp=object(), graphs=SimpleNamespace(status="on"))
-    for engine in (cpu, graphs):
-        assert _speculation_off(engine) is None and Speculation("auto", None).enabled
-    s = Speculation("auto", _speculation_off(tp))
+    assert speculation_off(1) is None and Speculation("auto", None).enabled  # graphs or not
+    s = Speculation("auto", speculation_off(2))
     assert not s.enabled and s.for_turn([1, 2, 3]) is None
     assert s.stats.health()["status"].startswith("off: tensor parallelism")
     assert s.stats.health()["mode"] == "auto"

@@ -19,6 +19,7 @@ from turnkv.attention.backend import PortableBackend
 from turnkv.attention.reference import reference_attention
 from turnkv.attention.route import Verdict
 from turnkv.kv.cache import KVWindow
+from turnkv.runtime import new_bank
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason=f"no C kernel: {cpu_native.status()}")
 
@@ -191,7 +192,7 @@ def test_the_default_model_answers_alike_with_the_kernel_and_with_torch_ops(defa
     from turnkv.engine.engine import Engine
     from turnkv.engine.events import GenEvent, TurnRequest
     from turnkv.engine.sampling import SamplingParams
-    from turnkv.engine.scheduler import run_turn
+    from turnkv.engine.scheduler import Scheduler, run_turn
 
     engine = Engine(default_model, EngineConfig())
     ids = engine.tokenizer.apply_chat_template(
@@ -203,6 +204,8 @@ def test_the_default_model_answers_alike_with_the_kernel_and_with_torch_ops(defa
             monkeypatch.setattr(cpu_native.KERNEL, "lib", None)
             monkeypatch.setattr(cpu_native.KERNEL, "why", "off (test)")
         req = TurnRequest(list(ids), SamplingParams(), max_tokens=24, namespace=kernel)
-        bank = engine.new_bank("256M")
-        answers[kernel] = "".join(e.text for e in run_turn(engine, bank, req) if isinstance(e, GenEvent))
+        bank = new_bank(engine, "256M")
+        answers[kernel] = "".join(
+            e.text for e in run_turn(Scheduler(engine, bank, max_running=1), req) if isinstance(e, GenEvent)
+        )
     assert answers["c"] == answers["torch"] and "Paris" in answers["c"]

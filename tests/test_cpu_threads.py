@@ -14,6 +14,7 @@ from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.engine.step import Window
 from turnkv.models import quant
+from turnkv.runtime import load_engine, new_bank
 
 
 class Clocked:
@@ -130,7 +131,7 @@ def test_the_governor_is_on_only_for_threads_0_on_a_cpu_with_cores(monkeypatch):
 
 
 def _answers(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    bank = engine.new_bank("1G")
+    bank = new_bank(engine, "1G")
     sched = Scheduler(engine, bank, max_running=len(prompts))
     out: list[list[int]] = [[] for _ in prompts]
     for i, ids in enumerate(prompts):
@@ -149,7 +150,7 @@ def packed_engine() -> Engine:
     # no drafts: the governor times only steps of one-row windows, and the maps prompt below drafts
     # at every step
     cfg = EngineConfig(device="cpu", weights="packed", prefill_chunk=300, threads=1, speculate="off")
-    return Engine.from_config(cfg, progress=False)
+    return load_engine(cfg, progress=False)
 
 
 @pytest.mark.slow

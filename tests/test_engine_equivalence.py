@@ -21,6 +21,7 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.step import Window
+from turnkv.runtime import build, load_engine
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ SCRIPT = [
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    seg = Engine.from_config(
+    seg = load_engine(
         # fp32 rows: windows are compared at fp32 tolerance (bf16 rows would round a row's fp32
         # differences to bf16 steps; tests/test_kv_dtype.py holds bf16 rows to their own bound)
         EngineConfig(kv_layout="segmented", device="cpu", weights="dequant", kv_dtype="float32"),
@@ -51,7 +52,7 @@ def engines() -> dict[str, Engine]:
 def run_script(engine: Engine, fresh_each_turn: bool) -> tuple[list[str], list[int]]:
     """The script through ``ChatSession`` (the server's turn path with a private bank). With
     ``fresh_each_turn`` every turn runs in a namespace of its own: nothing is reused."""
-    session = ChatSession(engine, PARAMS, max_tokens=12)
+    session = ChatSession(build(engine.cfg, "chat", engine=engine), PARAMS, max_tokens=12)
     answers, cached = [], []
     fork_point = None
     fresh = iter(range(1000))

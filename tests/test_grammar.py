@@ -21,14 +21,13 @@ from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.grammar import Constraint, GrammarError, Grammars, ToolCallShape
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
+from turnkv.runtime import load_engine, new_bank
 from turnkv.toolcalls import HERMES, parse
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(
-        EngineConfig(model="random:test", device="cpu", dtype="float32", prefill_chunk=64)
-    )
+    return load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32", prefill_chunk=64))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,11 @@ def grammars(engine) -> Grammars:
 def answer(engine, grammar, params: SamplingParams, max_tokens: int = 400, prompt: str = "Answer in JSON."):
     """The text and finish reason of one constrained turn."""
     req = TurnRequest(engine.tokenizer.encode(prompt), params, max_tokens=max_tokens, grammar=grammar)
-    events = [e for e in run_turn(engine, engine.new_bank(), req) if isinstance(e, GenEvent)]
+    events = [
+        e
+        for e in run_turn(Scheduler(engine, new_bank(engine), max_running=1), req)
+        if isinstance(e, GenEvent)
+    ]
     return "".join(e.text for e in events), events[-1].finish_reason
 
 
@@ -132,7 +135,7 @@ def test_masks_touch_only_their_own_turn(engine, grammars):
         "required": ["a"],
         "additionalProperties": False,  # else random weights add properties of their own
     }
-    sched = Scheduler(engine, engine.new_bank(), max_running=4)
+    sched = Scheduler(engine, new_bank(engine), max_running=4)
     texts: dict[int, list[str]] = {0: [], 1: [], 2: [], 3: []}
     sched.submit(  # constrained rows first and last in the step: masks are matched to their rows
         TurnRequest(
@@ -173,7 +176,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(engine, grammars, mon
     }
 
     def run(prefetch: bool) -> tuple[list[str], int, int]:
-        sched = Scheduler(engine, engine.new_bank(), max_running=8)
+        sched = Scheduler(engine, new_bank(engine), max_running=8)
         monkeypatch.setattr(sched.masks, "prefetch", prefetch)
         texts: list[list[str]] = [[] for _ in range(7)]
         for i in range(6):

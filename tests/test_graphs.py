@@ -18,6 +18,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.runtime import load_engine, new_bank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
@@ -41,7 +42,7 @@ def conversations(engine: Engine, batch: int, rounds: int) -> list[str]:
     # step for step alike on both engines: no run-ahead (it adds a row after an answer's end;
     # tests/test_run_ahead.py compares it with the plain loop)
     sched = Scheduler(
-        engine, engine.new_bank("8G"), max_running=batch, max_batch_tokens=4096, run_ahead=False
+        engine, new_bank(engine, "8G"), max_running=batch, max_batch_tokens=4096, run_ahead=False
     )
     history = [[256, *(t % 250 for t in range(10 + i, 10 + i + 300 + 97 * i))] for i in range(batch)]
     texts = []
@@ -67,7 +68,7 @@ def test_replays_are_bit_identical_to_eager_steps(batch):
     cfg = EngineConfig(
         model="random:test", device="cuda", dtype="bfloat16", attention="auto", speculate="off"
     )
-    graphs = Engine.from_config(cfg)
+    graphs = load_engine(cfg)
     assert graphs.backend.name == "fused" and graphs.info.graphs == "on"
     eager = Engine(graphs.loaded, replace(cfg, cuda_graphs="off"))
     a, b = record(graphs), record(eager)
@@ -86,11 +87,11 @@ def test_speculation_replays_verify_windows_and_keeps_the_greedy_text():
     conversation alone answers token for token as without speculation, at any context (the
     drafts stop at the key bucket: 4096 is crossed here)."""
     cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", attention="auto")
-    on = Engine.from_config(cfg)
+    on = load_engine(cfg)
     off = Engine(on.loaded, replace(cfg, speculate="off"))
     texts = {}
     for name, engine in (("on", on), ("off", off)):
-        sched = Scheduler(engine, engine.new_bank("8G"), max_running=1)
+        sched = Scheduler(engine, new_bank(engine, "8G"), max_running=1)
         got = texts[name] = []
         for i, n in enumerate((40, 600, 4070)):  # a loop the drafts copy; the last crosses 4096 keys
             loop = [256, *([40 + i, 41, 42, 43, 44, 45, 46] * (n // 7))]

@@ -14,8 +14,9 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.scheduler import run_turn
+from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.kv.cache import kv_dtype
+from turnkv.runtime import load_engine, new_bank
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 F32, BF16 = torch.float32, torch.bfloat16
@@ -76,10 +77,8 @@ def test_one_view_reads_bf16_rows_as_their_fp32_values(m, t):
 
 
 def test_an_engine_stores_half_the_bytes_and_reports_the_dtype():
-    ours = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))
-    fp32 = Engine.from_config(
-        EngineConfig(model="random:test", device="cpu", dtype="float32", kv_dtype="float32")
-    )
+    ours = load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32"))
+    fp32 = load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32", kv_dtype="float32"))
     assert (ours.info.kv_dtype, ours.info.dtype, fp32.info.kv_dtype) == ("bfloat16", "float32", "float32")
     assert 2 * ours.shape.bytes_per_row == fp32.shape.bytes_per_row
     assert ours.info.fingerprint != fp32.info.fingerprint  # disk-tier keys never mix the two
@@ -131,6 +130,8 @@ def test_the_default_prompt_answers_alike(engines):
             [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
         )
         req = TurnRequest(list(ids), SamplingParams(), max_tokens=24, namespace="paris")
-        bank = engine.new_bank("256M")
-        answers[kv] = "".join(e.text for e in run_turn(engine, bank, req) if isinstance(e, GenEvent))
+        bank = new_bank(engine, "256M")
+        answers[kv] = "".join(
+            e.text for e in run_turn(Scheduler(engine, bank, max_running=1), req) if isinstance(e, GenEvent)
+        )
     assert answers["bfloat16"] == answers["float32"] and "Paris" in answers["float32"]

@@ -29,6 +29,7 @@ from turnkv.models.llama import LlamaModel
 from turnkv.models.load import SHAPES
 from turnkv.parallel.shard import ShardPlan, check_divisible, valid_sizes
 from turnkv.parallel.spmd import run_group
+from turnkv.runtime import load_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,16 +94,21 @@ def test_the_all_reduce_on_a_cpu_is_gloo_and_a_bad_setting_is_refused(monkeypatc
 def test_a_group_s_server_has_no_queue_timeout():
     # rank 0's clock would drop a waiting turn that the other ranks go on admitting
     from turnkv.config import EngineConfig
-    from turnkv.engine.engine import Engine
     from turnkv.server.app import Server
 
     cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", queue_timeout=5.0, no_disk=True)
-    engine = Engine.from_config(cfg)
-    assert Server(engine, cfg).worker.scheduler.queue_timeout == 5.0
+    from turnkv.runtime import build
+
+    engine = load_engine(cfg)
+    assert Server(build(cfg, "serve", engine=engine)).worker.scheduler.queue_timeout == 5.0
     from types import SimpleNamespace
 
-    engine.tp = SimpleNamespace(group=SimpleNamespace(on_down=[]))  # as if rank 0 of a group
-    assert Server(engine, cfg).worker.scheduler.queue_timeout == 0.0
+    # as if rank 0 of an undriven group (no leader): the runtime resolves what a group turns off
+    group = SimpleNamespace(on_down=[], driven=False, leader=True, size=2, min_over_ranks=lambda n: n)
+    engine.tp = SimpleNamespace(group=group, size=2)
+    rt = build(cfg, "serve", engine=engine)
+    assert rt.effective.grammars_off is not None and rt.effective.speculation_off is not None
+    assert Server(rt).worker.scheduler.queue_timeout == 0.0
 
 
 def test_the_command_refuses_before_loading(capsys, monkeypatch):

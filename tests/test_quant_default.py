@@ -18,12 +18,13 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.scheduler import run_turn
+from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
 from turnkv.models import cpu_int4, quant
 from turnkv.models.load import default_model_path, load_model
+from turnkv.runtime import new_bank
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,7 +73,10 @@ def window_logits(loaded, ids: list[int]) -> torch.Tensor:
 
 def greedy(engine: Engine, prompt: str, n: int = 32) -> list[int]:
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    events = run_turn(engine, engine.new_bank("1G"), TurnRequest(ids, SamplingParams(), max_tokens=n))
+    events = run_turn(
+        Scheduler(engine, new_bank(engine, "1G"), max_running=1),
+        TurnRequest(ids, SamplingParams(), max_tokens=n),
+    )
     return [ev.token_id for ev in events if isinstance(ev, GenEvent) and ev.token_id is not None]
 
 

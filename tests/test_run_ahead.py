@@ -17,15 +17,14 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import Banked, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.runtime import build, load_engine, new_bank
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     # no drafts: the two loops then run the same steps (drafting turns run ahead too: the test
     # test_turns_that_draft_run_ahead_and_drop_windows_planned_after_a_rejected_draft)
-    return Engine.from_config(
-        EngineConfig(model="random:test", device="cpu", dtype="float32", speculate="off")
-    )
+    return load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32", speculate="off"))
 
 
 def prompt(n: int, start: int) -> list[int]:
@@ -36,7 +35,7 @@ class Run:
     """One scheduler (run-ahead on or off) over its own bank; every turn's events by name."""
 
     def __init__(self, engine: Engine, ahead: bool, max_batch_tokens: int = 0) -> None:
-        bank = engine.new_bank("256M")
+        bank = new_bank(engine, "256M")
         self.sched = Scheduler(
             engine, bank, max_running=8, max_batch_tokens=max_batch_tokens, run_ahead=ahead
         )
@@ -84,13 +83,11 @@ def cuda_engine() -> Engine:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     # no drafts either: with them a step's rows (and so cuBLAS's kernel) differ between the loops
-    return Engine.from_config(
-        EngineConfig(model="random:test", device="cuda", dtype="bfloat16", speculate="off")
-    )
+    return load_engine(EngineConfig(model="random:test", device="cuda", dtype="bfloat16", speculate="off"))
 
 
 def test_on_cuda_run_ahead_is_on_by_default_and_changes_no_bit(cuda_engine):
-    assert Scheduler(cuda_engine, cuda_engine.new_bank("64M")).run_ahead  # graphs on: auto is on
+    assert build(cuda_engine.cfg, "bench", engine=cuda_engine).effective.run_ahead  # graphs on: auto is on
     test_run_ahead_answers_and_banks_what_the_plain_loop_does(cuda_engine)
     test_seeded_sampled_turns_run_ahead_and_draw_the_same_tokens(cuda_engine)
 
@@ -256,7 +253,7 @@ def test_a_cancelled_turn_ends_cancelled_and_banks_the_rows_of_its_tokens(engine
 
 
 def test_run_ahead_is_on_only_where_decode_steps_replay_cuda_graphs(engine):
-    sched = Scheduler(engine, engine.new_bank("64M"))
+    sched = Scheduler(engine, new_bank(engine, "64M"))
     assert not sched.run_ahead  # a CPU engine: graphs are off
     assert sched.snapshot["run_ahead"] == {"enabled": False, "steps": 0}
 
@@ -348,7 +345,7 @@ def test_turns_that_draft_run_ahead_and_drop_windows_planned_after_a_rejected_dr
     monkeypatch.setattr(governor, "OTHERS_LOSS", float("inf"))
     runs, calls, steps = [], {}, {}
     for ahead in (False, True):
-        engine = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))
+        engine = load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32"))
         run_step, seen = engine.run_step, []
         engine.run_step = lambda windows, prev=None, f=run_step, seen=seen: (
             seen.append([(w.cache, len(w.tokens)) for w in windows]) or f(windows, prev)

@@ -12,13 +12,12 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.runtime import load_engine, new_bank
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(
-        EngineConfig(model="random:test", device="cpu", dtype="float32", prefill_chunk=64)
-    )
+    return load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32", prefill_chunk=64))
 
 
 def request(n: int, max_tokens: int = 4, start: int = 10) -> TurnRequest:
@@ -44,7 +43,7 @@ class Log:
 
 
 def test_a_long_prompt_never_stalls_the_others_decoding_for_more_than_one_chunk(engine):
-    sched = Scheduler(engine, engine.new_bank("256M"), max_running=8, max_batch_tokens=64)
+    sched = Scheduler(engine, new_bank(engine, "256M"), max_running=8, max_batch_tokens=64)
     log = Log(sched)
     for i in range(3):
         sched.submit(request(10, max_tokens=40, start=i), log.emit(i))
@@ -65,7 +64,7 @@ def test_a_long_prompt_never_stalls_the_others_decoding_for_more_than_one_chunk(
 
 
 def test_prefill_goes_in_arrival_order_within_the_budget(engine):
-    sched = Scheduler(engine, engine.new_bank("256M"), max_running=8, max_batch_tokens=100)
+    sched = Scheduler(engine, new_bank(engine, "256M"), max_running=8, max_batch_tokens=100)
     log = Log(sched)
     for i, n in enumerate((90, 90, 30)):
         sched.submit(request(n, start=7 * i), log.emit(i))
@@ -79,7 +78,7 @@ def test_prefill_goes_in_arrival_order_within_the_budget(engine):
 
 
 def test_max_running_caps_the_running_set_and_nobody_starves(engine):
-    sched = Scheduler(engine, engine.new_bank("256M"), max_running=2, max_batch_tokens=64)
+    sched = Scheduler(engine, new_bank(engine, "256M"), max_running=2, max_batch_tokens=64)
     log = Log(sched)
     for i in range(7):
         sched.submit(request(12, max_tokens=3, start=3 * i), log.emit(i))
@@ -93,7 +92,7 @@ def test_max_running_caps_the_running_set_and_nobody_starves(engine):
 def test_a_turn_that_fits_once_others_finish_waits_then_runs(engine):
     one = 140 * engine.shape.bytes_per_row + engine.activation_bytes(40, 0)  # 40 prompt + 100 answer
     budget = one + 70 * engine.shape.bytes_per_row  # room for one turn, not two
-    sched = Scheduler(engine, engine.new_bank(budget), max_running=8, max_batch_tokens=64)
+    sched = Scheduler(engine, new_bank(engine, budget), max_running=8, max_batch_tokens=64)
     log = Log(sched)
     sched.submit(request(40, max_tokens=100, start=1), log.emit(0))
     sched.submit(request(40, max_tokens=100, start=99), log.emit(1))
@@ -106,7 +105,7 @@ def test_a_turn_that_fits_once_others_finish_waits_then_runs(engine):
 
 
 def test_a_turn_that_can_never_fit_is_refused_at_once_with_the_numbers(engine):
-    sched = Scheduler(engine, engine.new_bank(64 * 1024), max_running=8)
+    sched = Scheduler(engine, new_bank(engine, 64 * 1024), max_running=8)
     log = Log(sched)
     sched.submit(request(200, max_tokens=50), log.emit(0))
     sched.step()
@@ -117,7 +116,9 @@ def test_a_turn_that_can_never_fit_is_refused_at_once_with_the_numbers(engine):
 
 def test_a_waiting_turn_past_the_queue_timeout_fails_with_queue_timeout(engine):
     budget = 210 * engine.shape.bytes_per_row + engine.activation_bytes(40, 0)  # one turn, not two
-    sched = Scheduler(engine, engine.new_bank(budget), max_running=8, max_batch_tokens=64, queue_timeout=0.05)
+    sched = Scheduler(
+        engine, new_bank(engine, budget), max_running=8, max_batch_tokens=64, queue_timeout=0.05
+    )
     log = Log(sched)
     sched.submit(request(40, max_tokens=100, start=1), log.emit(0))
     sched.submit(request(40, max_tokens=100, start=99), log.emit(1))
@@ -132,7 +133,7 @@ def test_a_waiting_turn_past_the_queue_timeout_fails_with_queue_timeout(engine):
 
 
 def test_a_cancelled_turn_frees_its_slot_at_the_next_step_and_banks_its_rows(engine):
-    bank = engine.new_bank("256M")
+    bank = new_bank(engine, "256M")
     sched = Scheduler(engine, bank, max_running=1, max_batch_tokens=64)
     log = Log(sched)
     first = request(30, max_tokens=200)

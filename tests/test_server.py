@@ -24,6 +24,7 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.models.generation import DEFAULT_MAX_TOKENS
 from turnkv.models.load import build_random_model
+from turnkv.runtime import build
 from turnkv.server.app import create_app
 from turnkv.server.run import uvicorn_config
 
@@ -48,7 +49,7 @@ class Live:
     def __init__(self, loaded, **cfg) -> None:
         self.cfg = replace(EngineConfig(device="cpu", bank_bytes="1G"), **cfg)
         self.engine = Engine(loaded, self.cfg)
-        app = create_app(self.engine, self.cfg)
+        app = create_app(build(self.cfg, "serve", engine=self.engine))
         self.server = app.state.server
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -19,6 +19,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.runtime import load_engine, new_bank
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ QUESTIONS = {
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(EngineConfig(device="cpu"), progress=False)
+    return load_engine(EngineConfig(device="cpu"), progress=False)
 
 
 def answers(
@@ -53,7 +54,7 @@ def answers(
             texts[i] += ev.text
             stats[i] = ev.stats or stats[i]
 
-    bank = bank if bank is not None else engine.new_bank("1G")
+    bank = bank if bank is not None else new_bank(engine, "1G")
     sched = Scheduler(engine, bank, max_running=8, max_batch_tokens=budget)
     for i, p in enumerate(prompts):
         sched.submit(TurnRequest(p, SamplingParams(), max_tokens=max_tokens), lambda ev, i=i: emit(i, ev))
@@ -77,7 +78,7 @@ def test_greedy_text_is_the_same_with_speculation_on_and_off_alone_and_in_a_batc
 def test_a_follow_up_that_revises_the_banked_answer_is_the_same_with_speculation(engine):
     tok = engine.tokenizer
     first = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
-    bank = engine.new_bank("1G")
+    bank = new_bank(engine, "1G")
     [answer], _ = answers(engine, "off", [tok.apply_chat_template(first)], bank, max_tokens=72)
     follow = [
         *first,

@@ -19,11 +19,12 @@ from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.engine.step import Window
+from turnkv.runtime import load_engine, new_bank
 
 
 @pytest.fixture(scope="module")
 def tiny() -> Engine:
-    engine = Engine.from_config(EngineConfig(model="random:test", device="cpu", dtype="float32"))
+    engine = load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32"))
     with torch.no_grad():  # larger weights than the default 0.02: logits with clear maxima
         engine.model.init_random(seed=1, std=0.2)
     return engine
@@ -71,7 +72,7 @@ def generate(engine: Engine, prompts: list[list[int]], together: bool, max_token
     params = SamplingParams(ignore_eos=True)
     texts: list[list[str]] = [[] for _ in prompts]
     if together:
-        sched = Scheduler(engine, engine.new_bank("1G"), max_running=8, max_batch_tokens=64)
+        sched = Scheduler(engine, new_bank(engine, "1G"), max_running=8, max_batch_tokens=64)
         for i, p in enumerate(prompts):
             sched.submit(
                 TurnRequest(p, params, max_tokens=max_tokens), lambda ev, i=i: _collect(texts[i], ev)
@@ -83,7 +84,10 @@ def generate(engine: Engine, prompts: list[list[int]], together: bool, max_token
         assert sched.rows / sched.steps > 1.5  # decode rows of several turns shared steps
     else:
         for i, p in enumerate(prompts):
-            for ev in run_turn(engine, engine.new_bank("1G"), TurnRequest(p, params, max_tokens=max_tokens)):
+            for ev in run_turn(
+                Scheduler(engine, new_bank(engine, "1G"), max_running=1),
+                TurnRequest(p, params, max_tokens=max_tokens),
+            ):
                 _collect(texts[i], ev)
     return ["".join(t) for t in texts]
 
@@ -103,7 +107,7 @@ def test_default_model_greedy_text_alone_and_in_company():
     # fp32 weights: the packed CPU path rounds activations to bf16 before each matmul, so a turn
     # whose prompt is prefilled in other chunks beside others can part at a bf16 near-tie
     # (docs/SCHEDULER.md says what holds where)
-    engine = Engine.from_config(EngineConfig(device="cpu", weights="dequant"), progress=False)
+    engine = load_engine(EngineConfig(device="cpu", weights="dequant"), progress=False)
     tok = engine.tokenizer
     questions = ["What is the capital of France?", "Name three colours.", "Count to five.", "Say hi."]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]

@@ -12,13 +12,12 @@ from turnkv.engine.events import Admitted, Banked, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.engine.turn import Turn
+from turnkv.runtime import load_engine, new_bank
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(
-        EngineConfig(model="random:test", device="cpu", dtype="float32", prefill_chunk=16)
-    )
+    return load_engine(EngineConfig(model="random:test", device="cpu", dtype="float32", prefill_chunk=16))
 
 
 def drive(engine: Engine, turn: Turn, cancel_after: int | None = None) -> list:
@@ -45,7 +44,7 @@ PROMPT = [256, *range(40, 90)]  # 51 tokens: four prefill windows of 16 rows and
 
 def test_begin_steps_finish_in_order_and_bank_the_turn(engine, monkeypatch):
     monkeypatch.setattr(engine.speculation, "enabled", False)  # one row per decode step
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     turn = Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=5))
     events = drive(engine, turn)
     assert isinstance(events[0], Admitted) and events[0].cached_tokens == 0
@@ -60,7 +59,7 @@ def test_begin_steps_finish_in_order_and_bank_the_turn(engine, monkeypatch):
 
 
 def test_a_follow_up_restores_the_banked_rows(engine):
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     first = drive(
         engine, Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=3))
     )
@@ -74,7 +73,7 @@ def test_a_follow_up_restores_the_banked_rows(engine):
 
 
 def test_rebase_banks_the_rows_of_the_re_rendered_history(engine):
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     tail = [258, 10, 11]  # what the "template" appends after the answer (end of turn, newlines)
 
     def render(answer: str) -> list[int]:
@@ -91,7 +90,7 @@ def test_rebase_banks_the_rows_of_the_re_rendered_history(engine):
 
 
 def test_cancel_stops_the_answer_and_still_banks_what_was_computed(engine):
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     req = TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=50, render_history=lambda a: PROMPT)
     events = drive(engine, Turn(engine, bank, req), cancel_after=3)
     last = [e for e in events if isinstance(e, GenEvent)][-1]
@@ -102,22 +101,27 @@ def test_cancel_stops_the_answer_and_still_banks_what_was_computed(engine):
 
 
 def test_context_and_memory_refusals_do_nothing(engine):
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     too_long = Turn(engine, bank, TurnRequest([256] * 4096, SamplingParams()))
     [failed] = too_long.begin()
     assert isinstance(failed, Failed) and failed.code == "context_length_exceeded" and too_long.done
     over = Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(), max_tokens=4050))
     [failed] = over.begin()
     assert failed.code == "context_length_exceeded" and "4101 tokens" in failed.message
-    tiny = engine.new_bank(64 * 1024)  # 64 KiB: not even the prompt's rows
+    tiny = new_bank(engine, 64 * 1024)  # 64 KiB: not even the prompt's rows
     [refused] = Turn(engine, tiny, TurnRequest(PROMPT, SamplingParams(), max_tokens=8)).begin()
     assert refused.code == "kv_memory_exhausted" and refused.needed_bytes > refused.available_bytes
     assert bank.stats.refusals == 0 and tiny.stats.refusals == 1
 
 
 def test_a_failing_step_fails_its_turns_and_keeps_the_bank(engine, monkeypatch):
-    bank = engine.new_bank("64M")
-    list(run_turn(engine, bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=2)))
+    bank = new_bank(engine, "64M")
+    list(
+        run_turn(
+            Scheduler(engine, bank, max_running=1),
+            TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=2),
+        )
+    )
     before = {e.id for e in bank.entries()}
     sched = Scheduler(engine, bank)
     events: list = []
@@ -135,14 +139,16 @@ def test_a_failing_step_fails_its_turns_and_keeps_the_bank(engine, monkeypatch):
 
 
 def test_sampled_turns_draw_their_own_stream(engine):
-    bank = engine.new_bank("64M")
+    bank = new_bank(engine, "64M")
     params = SamplingParams(temperature=1.0, seed=11, ignore_eos=True)
 
     def tokens(ev_list):
         return [e.token_id for e in ev_list if isinstance(e, GenEvent) and e.token_id is not None]
 
-    alone = tokens(run_turn(engine, bank, TurnRequest(PROMPT, params, max_tokens=6)))
-    sched = Scheduler(engine, engine.new_bank("64M"))
+    alone = tokens(
+        run_turn(Scheduler(engine, bank, max_running=1), TurnRequest(PROMPT, params, max_tokens=6))
+    )
+    sched = Scheduler(engine, new_bank(engine, "64M"))
     a, b = [], []
     sched.submit(TurnRequest(PROMPT, params, max_tokens=6), a.append)
     sched.submit(TurnRequest([256, 7, 8, 9], SamplingParams(temperature=1.0, seed=3), max_tokens=6), b.append)

@@ -22,6 +22,7 @@ from turnkv.attention.segment_table import key_bucket  # noqa: E402
 from turnkv.config import EngineConfig  # noqa: E402
 from turnkv.engine.engine import Engine  # noqa: E402
 from turnkv.engine.step import Window, one_row_windows, plan_step  # noqa: E402
+from turnkv.runtime import load_engine  # noqa: E402
 
 HISTORY = 300  # rows before the window
 K = 5  # the window: the current token and 4 drafts
@@ -36,7 +37,7 @@ def engine() -> Engine:
         attention="fused",
         speculate="off",
     )
-    engine = Engine.from_config(cfg)
+    engine = load_engine(cfg)
     assert engine.backend.name == "fused"
     return engine
 

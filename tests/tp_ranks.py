@@ -17,6 +17,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.step import Window
 from turnkv.models.load import SHAPES
+from turnkv.runtime import build, load_engine, new_bank
 
 # A second shape that splits over 2: untied embeddings with an odd vocabulary (the last rank's
 # padding rows), q/k/v and o biases (o's added on rank 0 only), per-head q/k norms, GQA group 2.
@@ -53,7 +54,7 @@ def engine_for(model: str, size: int) -> Engine:
         model=model, device="cpu", dtype="float32", kv_dtype="float32", prefill_chunk=16,
         tensor_parallel=size, weights="dequant", run_ahead="on",
     )  # fmt: skip
-    return Engine.from_config(cfg, progress=False)
+    return load_engine(cfg, progress=False)
 
 
 def step_logits(engine: Engine) -> list[list[float]]:
@@ -71,14 +72,15 @@ def step_logits(engine: Engine) -> list[list[float]]:
 def conversation(engine: Engine) -> dict:
     """Turns, a fork and an /undo-style rollback through ``ChatSession`` (scheduler, turns, bank):
     the answers' text, the bank's unique bytes and the ids of the segments it holds."""
-    bank = engine.new_bank("64M")
-    s = ChatSession(engine, SamplingParams(), max_tokens=10, system="be brief", bank=bank)
+    bank = new_bank(engine, "64M")
+    rt = build(engine.cfg, "chat", engine=engine)
+    s = ChatSession(rt, SamplingParams(), max_tokens=10, system="be brief", bank=bank)
     texts = ["".join(s.ask("hello")), "".join(s.ask("and then?"))]
     f = s.fork()
     texts.append("".join(f.ask("a branch")))
     s.undo()  # back one turn: the next prompt restores a shorter prefix of what is banked
     texts.append("".join(s.ask("instead")))
-    seeded = ChatSession(engine, SamplingParams(temperature=1.0, seed=7), max_tokens=10, bank=bank)
+    seeded = ChatSession(rt, SamplingParams(temperature=1.0, seed=7), max_tokens=10, bank=bank)
     texts.append("".join(seeded.ask("roll the dice")))
     segments = sorted({seg.id for e in bank.entries() for seg in e.snapshot.segments()})
     return {
@@ -116,22 +118,22 @@ def disk_program(
     so the group must restore the first block only. (``model``, ``device``: the same on GPUs.)"""
     from turnkv.bank.disk_blocks import block_keys
     from turnkv.engine.events import GenEvent, TurnRequest
-    from turnkv.engine.scheduler import run_turn
+    from turnkv.engine.scheduler import Scheduler, run_turn
 
     torch.set_num_threads(1)
     size = 1 if group is None else group.size
     exact = "float32" if device == "cpu" else "auto"
     cfg = EngineConfig(model=model, device=device, dtype=exact, kv_dtype=exact, prefill_chunk=128,
                        tensor_parallel=size, disk_dir=directory, speculate="off")  # fmt: skip
-    engine = Engine.from_config(cfg, progress=False)
+    engine = load_engine(cfg, progress=False)
     prompt = [256, *((7 * i + 3) % 250 for i in range(599))]  # 600 ids: two whole blocks restorable
 
     def turn(bank) -> tuple[str, int]:
         req = TurnRequest(list(prompt), SamplingParams(), max_tokens=8, namespace="disk")
-        events = [e for e in run_turn(engine, bank, req) if isinstance(e, GenEvent)]
+        events = [e for e in run_turn(Scheduler(engine, bank, max_running=1), req) if isinstance(e, GenEvent)]
         return "".join(e.text for e in events), events[-1].stats.cached_tokens
 
-    bank = engine.new_bank("1G", disk=True)
+    bank = new_bank(engine, "1G", disk=True)
     queue_s = []  # what queueing a turn's blocks costs the engine thread (a host copy under TP)
     write_behind = bank.tier.write_behind
 
@@ -147,7 +149,7 @@ def disk_program(
     if missing_on == (0 if group is None else group.rank):
         bank.tier.store.delete(block_keys(bank.tier.context, "disk", prompt, 2)[1])
     bank.tier.close()  # the directory let go, as at a restart
-    again = engine.new_bank("1G", disk=True)
+    again = new_bank(engine, "1G", disk=True)
     warm = turn(again)
     tier = again.tier.health()
     again.tier.close()

@@ -23,11 +23,10 @@ from collections.abc import Iterator
 from dataclasses import asdict
 
 from turnkv.bank.session_bank import SessionBank
-from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, GenEvent, TurnRequest, TurnStats
 from turnkv.engine.history import ChatHistory
 from turnkv.engine.sampling import SamplingParams
-from turnkv.engine.scheduler import run_turn
+from turnkv.runtime import Runtime
 
 HELP = "commands: /undo (back one turn), /reset, /stats, /quit"
 
@@ -37,17 +36,17 @@ class ChatSession:
 
     def __init__(
         self,
-        engine: Engine,
+        rt: Runtime,
         params: SamplingParams,
         max_tokens: int | None = 256,  # None: the engine's default (models/generation.py)
         system: str | None = None,
         bank: SessionBank | None = None,
         namespace: str = "chat",
     ) -> None:
-        self.engine = engine
+        self.rt, self.engine = rt, rt.engine
         self.params = params
         self.max_tokens = max_tokens
-        self.bank = bank if bank is not None else engine.new_bank()
+        self.bank = bank if bank is not None else rt.bank
         self.namespace = namespace
         self.system = [{"role": "system", "content": system}] if system else []
         self.reset()
@@ -60,9 +59,7 @@ class ChatSession:
 
     def fork(self) -> ChatSession:
         """A second conversation from here (same bank: the shared history is restored, not copied)."""
-        other = ChatSession(
-            self.engine, self.params, self.max_tokens, bank=self.bank, namespace=self.namespace
-        )
+        other = ChatSession(self.rt, self.params, self.max_tokens, bank=self.bank, namespace=self.namespace)
         other.messages = list(self.messages)
         other.turns = list(self.turns)
         return other
@@ -83,7 +80,7 @@ class ChatSession:
             cancel=cancel if cancel is not None else threading.Event(),
         )
         pieces = []
-        for ev in run_turn(self.engine, self.bank, request, interruptible=True):
+        for ev in self.rt.run_turn(request, self.bank, interruptible=True):
             if isinstance(ev, Failed):
                 self.turns.pop()
                 self.messages.pop()
@@ -147,8 +144,9 @@ def interruptible() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
-    session = ChatSession(engine, params, None, args.system)  # --max-tokens is the engine's default
+def run_chat(rt: Runtime, args: argparse.Namespace, params: SamplingParams) -> int:
+    engine = rt.engine
+    session = ChatSession(rt, params, None, args.system)  # --max-tokens is the engine's default
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"turnkv chat with {engine.info.model_name}. {HELP}", file=sys.stderr)

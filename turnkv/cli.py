@@ -302,15 +302,15 @@ def _run(args: argparse.Namespace, cfg: EngineConfig) -> int:
         serve(cfg)
         return 0
     sampling_params(args, None)  # the seed, before the model loads (the rest is in cfg)
-    from turnkv.engine.engine import Engine
+    from turnkv.runtime import build
 
-    engine = Engine.from_config(cfg, progress=not getattr(args, "json", False))
-    params = sampling_params(args, engine.sampling_defaults.values)
+    rt = build(cfg, args.command, progress=not getattr(args, "json", False))
+    params = sampling_params(args, rt.engine.sampling_defaults.values)
     if args.command == "generate":
-        return _generate(engine, args, params)
+        return _generate(rt, args, params)
     from turnkv.chat import run_chat
 
-    return run_chat(engine, args, params)
+    return run_chat(rt, args, params)
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -323,17 +323,17 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return cli_main(args.device, args.json)
 
 
-def _generate(engine, args: argparse.Namespace, params) -> int:
-    from turnkv.engine.scheduler import run_turn
+def _generate(rt, args: argparse.Namespace, params) -> int:
     from turnkv.engine.turn import Failed, GenEvent, TurnRequest
 
+    engine = rt.engine
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
     ids = engine.tokenizer.apply_chat_template(messages)
     request = TurnRequest(ids, params)  # max_tokens: the engine's default (--max-tokens, ...)
     pieces, stats = [], None
-    for ev in run_turn(engine, engine.new_bank(), request):
+    for ev in rt.run_turn(request):
         if isinstance(ev, Failed):
             raise ValueError(ev.message)
         if isinstance(ev, GenEvent):

@@ -18,16 +18,13 @@ import torch
 
 from turnkv.attention.route import Verdict
 from turnkv.attention.segment_table import key_bucket
-from turnkv.bank.budget import auto_budget_bytes
-from turnkv.bank.session_bank import SessionBank
-from turnkv.config import EngineConfig, parse_size
+from turnkv.config import EngineConfig
 from turnkv.engine.context_copy import Speculation
 from turnkv.engine.cpu_threads import make_thread_policy
 from turnkv.engine.graphs import GraphStep, make_graphs
 from turnkv.engine.step import Staged, StepResult, Window, one_row_windows, plan_step, run_plan
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
-from turnkv.kv.segments import unique_bytes
 from turnkv.limits import MAX_WINDOW_ROWS
 from turnkv.models.generation import resolve
 from turnkv.models.load import LoadedModel, cache_fingerprint
@@ -50,7 +47,8 @@ class EngineInfo:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, speculation_off: str | None = None) -> None:
+        """``speculation_off``: why ``--speculate auto`` drafts nothing here (``runtime.resolve``)."""
         from turnkv.attention.selfcheck import make_backend
 
         self.loaded = loaded
@@ -60,8 +58,6 @@ class Engine:
         # this rank's shard under tensor parallelism (its heads, its KV heads); else the model
         mc = self.model.cfg
         self.tp = self.model.tp  # turnkv.parallel.group.TensorParallel, or None in one process
-        # rank 0 of a group driving the others (turnkv.parallel.control.Leader), else None
-        self.control = None
         kv = kv_dtype(cfg.kv_dtype, loaded.dtype, loaded.device)
         self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv, loaded.device)
         self.layout = make_layout(cfg.kv_layout, self.shape)
@@ -75,9 +71,7 @@ class Engine:
         # RoPE tables for every position a turn may reach, built once: steps (and graphs) only index
         self.model.rope.ensure(self.max_context or mc.max_position or 8192)
         self.graphs = make_graphs(cfg.cuda_graphs, self.model, self.backend, self.tp is not None)
-        # ranks' banks must agree on the budget: the smallest of their automatic ones (a collective)
-        self._auto_budget = None if self.tp is None else _group_auto_budget(self.tp.group, self.shape.device)
-        self.speculation = Speculation(cfg.speculate, _speculation_off(self), self.shape.device.type)
+        self.speculation = Speculation(cfg.speculate, speculation_off, self.shape.device.type)
         # torch's CPU threads per step: chosen by timing decode steps with --threads 0 (cpu_threads.py)
         self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
         # what a turn gets where it sets no temperature, top_p, top_k or max_tokens (the same on
@@ -97,84 +91,12 @@ class Engine:
             {"held": loaded.weights, "note": loaded.weights_note, "matmul": loaded.matmul or None},
         )
 
-    @classmethod
-    def from_config(cls, cfg: EngineConfig, progress: bool = True) -> Engine:
-        from turnkv.models.load import build_random_model, load_model
-
-        group = None
-        if cfg.tensor_parallel > 1:
-            from turnkv.parallel.group import current_group
-
-            group = current_group()
-            if group is None or group.size != cfg.tensor_parallel:
-                raise ValueError(
-                    f"--tensor-parallel {cfg.tensor_parallel} needs a process group of that size: "
-                    "start it through the turnkv command (or torchrun with as many processes)"
-                )
-            cfg = replace(cfg, device=str(group.device))
-        if cfg.model.startswith("random:"):
-            loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, group=group)
-        else:
-            weights = cfg.weights if group is None else "dequant"  # packed weights are not cut per rank
-            loaded = load_model(
-                cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, group=group
-            )
-        engine = cls(loaded, cfg)
-        if group is not None and group.driven and group.leader:
-            from turnkv.parallel.control import Leader
-
-            group.driver = group.driver or Leader(group)
-            engine.control = group.driver
-        return engine
-
     # -- caches -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
         return self.layout.new()
 
     def restore(self, snapshot: Snapshot) -> KVCache:
         return self.layout.restore(snapshot)
-
-    def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
-        """A session bank of ``budget`` bytes (``auto``: see ``auto_budget_bytes``; default the
-        ``--bank-bytes`` flag) for this engine's caches; with ``disk``, over the disk tier in
-        ``--disk-dir`` unless ``--no-disk`` (or the directory is unusable)."""
-        budget = self.cfg.bank_bytes if budget is None else budget
-        if budget == "auto":
-            size = self._auto_budget or auto_budget_bytes(self.shape.device)
-        else:
-            size = parse_size(budget)
-        tier = None
-        if disk and not self.cfg.no_disk:
-            tier = self._open_tier()
-        return SessionBank(
-            budget_bytes=size,
-            bytes_per_row=self.shape.bytes_per_row,
-            measure=lambda held: unique_bytes(*held),
-            copy_on_restore=self.layout.copies_on_restore,
-            session_ttl_s=self.cfg.session_ttl,
-            session_share=self.cfg.session_share,
-            tier=tier,
-        )
-
-    def _open_tier(self):
-        """The disk tier in ``--disk-dir``: under tensor parallelism one per rank, in a directory
-        of its own (its KV heads' shard of every block), whose restores every rank agrees on
-        (``DiskTier.agree``). A rank that cannot open its directory fails: the others' banks
-        would otherwise decide without it (docs/PARALLEL.md)."""
-        from turnkv.bank.disk import open_tier, rank_dir
-
-        budget = parse_size(self.cfg.disk_bytes)
-        if self.tp is None:
-            return open_tier(self.cfg.disk_dir, self.info.fingerprint, self.shape, budget)
-        group = self.tp.group
-        where = rank_dir(self.cfg.disk_dir, group.size, group.rank)
-        tier = open_tier(where, self.info.fingerprint, self.shape, budget, agree=group.agree_min)
-        if tier is None:
-            raise RuntimeError(
-                f"rank {group.rank} cannot use its KV disk cache {where} (see the warning above); "
-                "fix --disk-dir or serve with --no-disk"
-            )
-        return tier
 
     def activation_bytes(self, rows: int, history: int = 0) -> int:
         """Transient memory of one prefill chunk of ``rows`` rows over ``history`` cached rows.
@@ -280,19 +202,3 @@ class Engine:
     def _down(self, exc: Exception) -> None:
         if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish
             self.tp.group.down(f"a step failed on rank {self.tp.rank}: {type(exc).__name__}: {exc}")
-
-
-def _speculation_off(engine: Engine) -> str | None:
-    """Why context-copy speculation drafts nothing on ``engine`` (None: ``auto`` drafts)."""
-    if engine.tp is not None:  # every rank runs its own scheduler and would time its own steps
-        return "tensor parallelism (each rank would size drafts from the step times it measures)"
-    return None
-
-
-def _group_auto_budget(group, device: torch.device) -> int:
-    """``--bank-bytes auto`` for every rank of a group: the smallest rank's own automatic budget
-    (ranks sharing one host's RAM on a CPU split it)."""
-    own = auto_budget_bytes(device)
-    if device.type != "cuda":
-        own //= group.size
-    return group.min_over_ranks(own)

@@ -104,13 +104,23 @@ class Banked:
 @dataclass(frozen=True)
 class Failed:
     """A turn that ended without an answer. ``code``: ``invalid_request_error``,
-    ``context_length_exceeded``, ``kv_memory_exhausted`` (with the byte counts), ``cancelled`` or
-    ``internal_error``; the server maps it to an HTTP status."""
+    ``context_length_exceeded``, ``kv_memory_exhausted`` (with the byte counts), ``cancelled``,
+    ``queue_timeout``, ``tensor_parallel_down`` (``DOWN_CODE``) or ``internal_error``; the server
+    maps it to an HTTP status."""
 
     code: str
     message: str
     needed_bytes: int | None = None
     available_bytes: int | None = None
+
+    @classmethod
+    def group_down(cls, error: str | None) -> Failed:
+        """A turn ended (or refused) because a tensor-parallel rank died (HTTP 503)."""
+        msg = f"the tensor-parallel group is down ({error}); this server can no longer run turns: restart it"
+        return cls(DOWN_CODE, msg)
+
+
+DOWN_CODE = "tensor_parallel_down"  # the Failed code of turns ended by a dead rank
 
 
 TurnEvent = Admitted | GenEvent | Banked | Failed

@@ -63,8 +63,8 @@ class StepCost:
 
     def __init__(self, prior_row: float = PRIOR_ROW) -> None:
         self.prior_row = prior_row
-        # the step loop runs ahead (``Scheduler``): a turn's next window is launched before its
-        # verify window's tokens come back, and is lost when that window's draft is cut short
+        # the step being gathered runs ahead (``company``): a turn's next window is launched before
+        # its verify window's tokens come back, and is lost when that window's draft is cut short
         self.run_ahead = False
         self.plain = _Fit()
         self.verify = _Fit()
@@ -84,13 +84,13 @@ class StepCost:
         (self.verify if max(rows) > 1 else self.plain).add(n, seconds)
         self.observed += 1
 
-    def company(self, windows: int, rows: int) -> None:
+    def company(self, windows: int, rows: int, ahead: bool = False) -> None:
         """The step being gathered, as a decode turn is about to draft: ``windows`` windows and
         ``rows`` rows so far, the turn's own decode row included (the scheduler says, so the first
         step of a new batch is priced with its company, not the step before it: eight turns that
         each took themselves for alone drafted 54- and 84-row windows into the first steps of a
-        batch of 8 on the 2-core VM, 4-6x a plain step)."""
-        self.windows, self.rows = windows, rows
+        batch of 8 on the 2-core VM, 4-6x a plain step). ``ahead``: the scheduler runs ahead."""
+        self.windows, self.rows, self.run_ahead = windows, rows, ahead
 
     def priced(self) -> tuple[int, int, float]:
         """The step being gathered without this turn's draft: ``(others, n0, t0)``, the other

@@ -54,6 +54,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -81,6 +82,20 @@ class _Entry:
     @property
     def live(self) -> bool:
         return not (self.ended or self.turn.done)
+
+
+class StepHook(Protocol):
+    """Another party to every step (tensor parallelism's rank 0, ``parallel.control.Leader``):
+    told of each submitted turn and of each step before it runs."""
+
+    def latch(self, sched: Scheduler, request: TurnRequest) -> TurnRequest:
+        """The request the turn runs with (the hook may replace its cancel flag or seed)."""
+        ...
+
+    def announce(self, sched: Scheduler) -> bool:
+        """Before a step (``sched.digest()`` names the state it starts from); False: the step
+        must not run (the hook has failed every turn)."""
+        ...
 
 
 Pairs = Sequence[tuple[_Entry, Window | None]]  # turns of a stage, with their windows in it
@@ -138,11 +153,12 @@ class Scheduler:
         max_batch_tokens: int = 0,
         queue_timeout: float = 0.0,
         observe: Callable[[int, int, float], None] | None = None,
-        run_ahead: bool | None = None,
+        run_ahead: bool = False,
+        hook: StepHook | None = None,
     ) -> None:
         """``queue_timeout`` (s, 0 = none): a turn still waiting for admission after it fails with
         ``queue_timeout`` (HTTP 503). ``observe(windows, rows, seconds)`` hears of every step.
-        ``run_ahead`` (module docstring): None = as ``--run-ahead`` says."""
+        ``run_ahead``: see docs/SCHEDULER.md (``runtime.resolve`` decides ``--run-ahead auto``)."""
         self.engine = engine
         self.queue_timeout = queue_timeout
         self.observe = observe
@@ -159,11 +175,8 @@ class Scheduler:
         self.rows_per_step = 0.0
         self.masks = StepMasks()  # grammar masks of constrained turns' rows
         self.inflight: _Launched | None = None  # a step whose tokens are not taken yet (run-ahead)
-        if run_ahead is None:  # --run-ahead (auto: where decode steps replay CUDA graphs)
-            mode = engine.cfg.run_ahead
-            run_ahead = mode == "on" or (mode == "auto" and engine.graphs.status == "on")
         self.run_ahead = run_ahead
-        engine.speculation.cost.run_ahead = run_ahead  # what a rejected draft costs (governor.py)
+        self.hook = hook
         self.ahead_steps = 0  # steps launched before the previous one completed
         self._done_at = 0.0  # when the last step's tokens were taken
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
@@ -173,9 +186,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.inflight)
 
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
-        control = self.engine.control
-        if control is not None:  # rank 0 of a tensor-parallel group: the other ranks replay the turn
-            request = control.latch(self, request)
+        if self.hook is not None:  # rank 0 of a tensor-parallel group: the other ranks replay the turn
+            request = self.hook.latch(self, request)
         turn = Turn(self.engine, self.bank, request)
         self.waiting.append(_Entry(turn, emit, time.monotonic()))
         return turn
@@ -196,8 +208,7 @@ class Scheduler:
             self.snapshot = {**self.snapshot, "running": len(self.running), "waiting": len(self.waiting)}
 
     def _step(self) -> None:
-        control = self.engine.control
-        if control is not None and not control.announce(self):  # the other ranks run this step too
+        if self.hook is not None and not self.hook.announce(self):  # the other ranks run it too
             return  # the group is down: every turn was failed
         run, self.inflight = self.inflight, None
         if run is not None and any(e.turn.owns(w) and e.turn.needs_tokens(w) for e, w in run.work):
@@ -276,13 +287,24 @@ class Scheduler:
         cost = spec.cost  # what the drafts are priced with: this step's company
         rows = sum(len(w.tokens) for _, w in prefill) + len(decode)
         for e in decode:
-            cost.company(len(prefill) + len(decode), rows)
+            cost.company(len(prefill) + len(decode), rows, self.run_ahead)
             # a decode row, or drafts after it (where one can fit: ``room``, once for the company)
             if (w := window(e, 1 + max(budget, 0), spec.enabled and cost.room())) is not None:
                 budget -= len(w.tokens) - 1
                 rows += len(w.tokens) - 1
                 work.append((e, w))
         return work + prefill
+
+    def digest(self) -> int:
+        """A 62-bit digest of what every replica of this scheduler must agree on between steps
+        (tensor parallelism: ints only, whose ``hash`` is the same in every process)."""
+        s = self.bank.stats
+        turns = tuple(
+            (e.turn.cache.num_tokens if e.turn.cache is not None else -1, e.turn.stats.completion_tokens)
+            for e in self.running
+        )
+        facts = (self.steps, self.rows, len(self.bank), s.inserts, s.evictions, s.refusals, s.hits, turns)
+        return hash(facts) & ((1 << 62) - 1)
 
     def fail_all(self, failed: Failed) -> None:
         """End every waiting and running turn with ``failed`` (steps can no longer run)."""
@@ -486,10 +508,9 @@ def _constrained(work: list[tuple[_Entry, Window]], offsets: list[int]) -> list:
     ]
 
 
-def run_turn(
-    engine: Engine, bank: SessionBank, request: TurnRequest, interruptible: bool = False
-) -> Iterator[TurnEvent]:
-    """Drive one turn to its end on this thread, yielding its events as they happen.
+def run_turn(sched: Scheduler, request: TurnRequest, interruptible: bool = False) -> Iterator[TurnEvent]:
+    """Drive one turn to its end on ``sched`` (an idle one, on this thread), yielding its events
+    as they happen.
 
     With ``interruptible``, Ctrl-C (KeyboardInterrupt) cancels the turn instead of ending the
     program: the answer stops, and what was computed is still sealed and banked. On rank 0 of a
@@ -497,9 +518,8 @@ def run_turn(
     ranks would wait in its collectives).
     """
     events: list[TurnEvent] = []
-    sched = Scheduler(engine, bank, max_running=1)
     sched.submit(request, events.append)
-    with _sigint_cancels(request) if engine.control is not None else contextlib.nullcontext():
+    with _sigint_cancels(request) if sched.hook is not None else contextlib.nullcontext():
         while sched.busy:
             try:
                 sched.step()

@@ -19,7 +19,7 @@ restore takes only what every rank found intact (``DiskTier.agree``).
 
 Wire format (gloo control group, rank 0 broadcasts, the others receive in order): a header
 ``int64[5] = (seq, kind, scheduler key, payload bytes, digest)`` and, when the payload is not
-empty, the pickled ``Inputs``. ``digest`` is rank 0's ``state_digest`` of the scheduler before
+empty, the pickled ``Inputs``. ``digest`` is rank 0's ``Scheduler.digest()`` before
 the step; a rank whose own differs has diverged and exits rather than compute wrong rows. Rank 0
 sends a heartbeat every ``HEARTBEAT_S`` while idle, so a silent rank 0 is told from an idle one.
 """
@@ -44,16 +44,18 @@ from turnkv.engine.history import history_from_spec, history_spec
 from turnkv.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from turnkv.engine.engine import Engine
+    from collections.abc import Callable
+
+    from turnkv.bank.session_bank import SessionBank
     from turnkv.engine.scheduler import Scheduler
     from turnkv.parallel.group import Group
+    from turnkv.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 STEP, HEARTBEAT, STOP = 1, 2, 3
 HEADER = 5
 HEARTBEAT_S = 1.0
-DOWN_CODE = "tensor_parallel_down"  # the Failed code of turns ended by a dead rank (HTTP 503)
 
 
 class Diverged(RuntimeError):
@@ -85,21 +87,8 @@ class Inputs:
         return bool(self.banks or self.schedulers or self.turns or self.cancels or self.drops)
 
 
-def state_digest(sched: Scheduler) -> int:
-    """A 62-bit digest of what every rank's scheduler must agree on between steps (ints only:
-    ``hash`` of ints and tuples of ints is the same in every process)."""
-    bank = sched.bank
-    s = bank.stats
-    turns = tuple(
-        (e.turn.cache.num_tokens if e.turn.cache is not None else -1, e.turn.stats.completion_tokens)
-        for e in sched.running
-    )
-    facts = (sched.steps, sched.rows, len(bank), s.inserts, s.evictions, s.refusals, s.hits, turns)
-    return hash(facts) & ((1 << 62) - 1)
-
-
 class Leader:
-    """Rank 0's side (``Engine.control``): the scheduler calls ``latch`` on submit and
+    """Rank 0's side, the schedulers' ``StepHook`` (``runtime.build``): ``latch`` on submit and
     ``announce`` before each step; a thread sends heartbeats while nothing else is sent."""
 
     def __init__(self, group: Group) -> None:
@@ -144,12 +133,12 @@ class Leader:
                 inputs.turns = self._new.pop(skey, [])
                 inputs.cancels = self._take_cancels()
                 try:
-                    self._send(STEP, skey, inputs, state_digest(sched))
+                    self._send(STEP, skey, inputs, sched.digest())
                 except Exception as exc:
                     self.group.down(f"sending a step to the other ranks failed: {type(exc).__name__}: {exc}")
         if health.ok:
             return True
-        sched.fail_all(Failed(DOWN_CODE, down_message(health.error)))
+        sched.fail_all(Failed.group_down(health.error))
         return False
 
     def stop(self) -> None:
@@ -240,14 +229,15 @@ def message_cost_us(group: Group, rounds: int = 200) -> float:
     return max(timed(True) - timed(False), 0.0) * 1e6
 
 
-def down_message(error: str | None) -> str:
-    return f"the tensor-parallel group is down ({error}); this server can no longer run turns: restart it"
-
-
-def follow(engine: Engine, group: Group) -> None:
-    """The loop of every rank but 0: apply rank 0's inputs, run the same step, until STOP."""
-    from turnkv.engine.scheduler import Scheduler
-
+def follow(
+    group: Group,
+    new_bank: Callable[[int, bool], SessionBank],
+    new_scheduler: Callable[[SessionBank, int, int], Scheduler],
+    tokenizer: Tokenizer,
+) -> None:
+    """The loop of every rank but 0: apply rank 0's inputs, run the same step, until STOP.
+    ``new_bank(budget bytes, disk)`` and ``new_scheduler(bank, max_running, max_batch_tokens)``
+    make what rank 0 announces (``runtime.follow``)."""
     banks: dict[int, object] = {}
     scheds: dict[int, Scheduler] = {}
     turns: dict[int, weakref.ref] = {}
@@ -267,9 +257,9 @@ def follow(engine: Engine, group: Group) -> None:
         for what, key in inputs.drops:
             (banks if what == "bank" else scheds).pop(key, None)
         for key, budget, disk in inputs.banks:
-            banks[key] = engine.new_bank(budget, disk=disk)
+            banks[key] = new_bank(budget, disk)
         for key, bank_key, max_running, max_batch_tokens in inputs.schedulers:
-            scheds[key] = Scheduler(engine, banks[bank_key], max_running, max_batch_tokens)
+            scheds[key] = new_scheduler(banks[bank_key], max_running, max_batch_tokens)
         if kind == STOP:
             for bank in banks.values():  # the queued block writes, as rank 0's server does
                 if getattr(bank, "tier", None) is not None:
@@ -279,11 +269,11 @@ def follow(engine: Engine, group: Group) -> None:
         if kind == HEARTBEAT:
             continue
         sched = scheds[skey]
-        mine = state_digest(sched)
+        mine = sched.digest()
         if mine != digest:
             raise Diverged(f"rank {group.rank} diverged from rank 0 before step {sched.steps + 1}")
         for t in inputs.turns:
-            history = history_from_spec(t.history, engine.tokenizer)
+            history = history_from_spec(t.history, tokenizer)
             req = TurnRequest(t.prompt, t.params, t.max_tokens, t.namespace, t.session, history)
             turns[t.key] = weakref.ref(req)
             sched.submit(req, _drop)

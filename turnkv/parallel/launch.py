@@ -172,11 +172,9 @@ def _leave(group: Group, code: int) -> NoReturn:
 
 
 def _follow(cfg: EngineConfig, group: Group) -> int:
-    from turnkv.engine.engine import Engine
-    from turnkv.parallel.control import follow
+    from turnkv.runtime import follow
 
-    engine = Engine.from_config(cfg, progress=False)
-    follow(engine, group)
+    follow(cfg)  # this rank's shard, replaying rank 0's steps (the group is ``current_group()``)
     return 0
 
 

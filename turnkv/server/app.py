@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: routes, SSE streaming, API keys, errors.
 
-``create_app(engine, cfg)`` builds the FastAPI app around one engine (``turnkv.server.run`` serves
+``create_app(rt)`` builds the FastAPI app around one runtime (``turnkv.runtime``; ``turnkv.server.run`` serves
 it under uvicorn). A handler reads the body under ``--max-body-bytes``, validates it, renders and
 tokenizes the prompt in a worker thread (``server.prompts``), then submits token ids to the one
 :class:`EngineWorker` (one thread running the scheduler: many turns per step) and awaits its
@@ -32,11 +32,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
-from turnkv.config import EngineConfig
 from turnkv.engine.events import Admitted, Failed, TurnRequest
 from turnkv.engine.grammar import Grammars
-from turnkv.engine.scheduler import Scheduler
-from turnkv.parallel.control import DOWN_CODE, down_message
+from turnkv.runtime import Runtime
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
 from turnkv.server.dashboard import register_dashboard
@@ -79,14 +77,12 @@ class _Stream:
 class Server:
     """The state behind the routes: engine, bank, worker, metrics, keys."""
 
-    def __init__(self, engine, cfg: EngineConfig, bank: SessionBank | None = None) -> None:
-        self.engine = engine
-        self.cfg = cfg
-        self.bank = bank if bank is not None else engine.new_bank(cfg.bank_bytes, disk=True)
-        # no queue timeout under tensor parallelism: it is decided by rank 0's clock and the other
-        # ranks would go on admitting the turn it dropped (their schedulers would diverge)
-        timeout = cfg.queue_timeout if engine.tp is None else 0.0
-        scheduler = Scheduler(engine, self.bank, cfg.max_running, cfg.max_batch_tokens, timeout)
+    def __init__(self, rt: Runtime, bank: SessionBank | None = None) -> None:
+        engine = self.engine = rt.engine
+        self.cfg = cfg = rt.cfg
+        self.effective = rt.effective
+        self.bank = bank if bank is not None else rt.bank
+        scheduler = rt.scheduler(self.bank)
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
         scheduler.observe = self.metrics.step
         self.worker = EngineWorker(scheduler)
@@ -100,9 +96,7 @@ class Server:
         # tensor parallelism: a rank that dies ends the turns in flight and refuses new ones (503)
         self.group = engine.tp.group if engine.tp is not None else None
         if self.group is not None:
-            self.group.on_down.append(
-                lambda reason: self.worker.abort(Failed(DOWN_CODE, down_message(reason)))
-            )
+            self.group.on_down.append(lambda reason: self.worker.abort(Failed.group_down(reason)))
         self.grammars = Grammars(engine.tokenizer, self.vocab_size)  # llguidance loads on first use
 
     # -- request helpers ----------------------------------------------------------------------
@@ -132,12 +126,9 @@ class Server:
         else:
             st = Structure(response_grammar(req.response_format, self.grammars))
             ids, history = self.prompts.completion(req.single_prompt())
-        if st.grammar is not None and self.engine.tp is not None:
-            # every rank samples from the gathered logits itself; the grammar's state is not sent
+        if st.grammar is not None and self.effective.grammars_off is not None:
             raise bad_request(
-                "response_format and forced tool calls (tool_choice required or a named function) "
-                f"are not supported under --tensor-parallel {self.engine.tp.size}; serve on one GPU "
-                "for constrained decoding",
+                self.effective.grammars_off,
                 param="tool_choice" if chat and st.plan is not None else "response_format",
             )
         return ids, history, st
@@ -166,7 +157,7 @@ class Server:
     async def start(self, turn: TurnRequest, request: Request) -> tuple[_Stream, Admitted]:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
         if self.group is not None and not self.group.health.ok:
-            raise failed_error(Failed(DOWN_CODE, down_message(self.group.health.error)))
+            raise failed_error(Failed.group_down(self.group.health.error))
         stream = _Stream(asyncio.get_running_loop())
         self.worker.submit(turn, stream.emit)
         first = await self._next(stream, turn, request)
@@ -206,9 +197,10 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def create_app(engine, cfg: EngineConfig, bank: SessionBank | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; ``bank`` defaults to one of ``cfg.bank_bytes``."""
-    srv = Server(engine, cfg, bank)
+def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
+    """The FastAPI app serving ``rt`` (``runtime.build``); ``bank`` defaults to ``rt.bank``."""
+    srv = Server(rt, bank)
+    cfg = rt.cfg
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

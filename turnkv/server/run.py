@@ -69,13 +69,14 @@ def uvicorn_config(app, cfg: EngineConfig, **kw) -> uvicorn.Config:
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
     from turnkv.bank.disk import disk_dir, rank_dir
-    from turnkv.engine.engine import Engine
+    from turnkv.runtime import build
     from turnkv.server.app import Server, create_app
 
     sock = bind_socket(cfg.host, cfg.port)
     try:
-        engine = Engine.from_config(cfg)
-        app = create_app(engine, cfg)
+        rt = build(cfg, "serve")
+        engine = rt.engine
+        app = create_app(rt)
         srv: Server = app.state.server
         server = _Uvicorn(uvicorn_config(app, cfg), srv, cfg.shutdown_timeout)
         port = sock.getsockname()[1]

@@ -1,0 +1,231 @@
+"""The composition root: every command, server, bench and tensor-parallel rank is assembled here.
+
+``build(cfg, role)`` loads the model into an ``Engine``, resolves every ``auto`` flag and every
+consequence of tensor parallelism once into ``Effective``, and wires the parts below it: the
+session bank (over the disk tier where the role keeps conversations), the scheduler, and, on
+rank 0 of a driven group, the leader that replays each step on the other ranks (a ``StepHook``).
+Nothing below this module decides what tensor parallelism turns off, and ``engine/`` never
+imports ``parallel/``.
+
+    rt = build(cfg, "serve")          # engine, effective flags, bank over the disk tier, hook
+    sched = rt.scheduler()            # limits from cfg, run-ahead and hook from ``rt``
+    for ev in rt.run_turn(request):   # one turn on this thread (generate, chat, benches)
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from turnkv.bank.budget import auto_budget_bytes
+from turnkv.bank.session_bank import SessionBank
+from turnkv.config import EngineConfig, parse_size
+from turnkv.engine.engine import Engine
+from turnkv.engine.events import TurnEvent, TurnRequest
+from turnkv.engine.scheduler import Scheduler, StepHook, run_turn
+from turnkv.kv.segments import unique_bytes
+
+Role = Literal["serve", "chat", "generate", "bench", "follower"]
+KEEPS = ("serve",)  # roles whose bank sits over the disk tier (unless --no-disk)
+
+
+@dataclass(frozen=True)
+class Effective:
+    """What the flags mean on this engine, decided once (``resolve``); ``None`` reasons: allowed."""
+
+    run_ahead: bool  # --run-ahead (auto: where decode steps replay CUDA graphs)
+    speculation_off: str | None  # why --speculate auto drafts nothing
+    queue_timeout: float  # s; 0 = none
+    grammars_off: str | None  # why constrained decoding (response_format, forced calls) is refused
+    weights: str  # how the matrices are held: what the loader was asked for
+    tensor_parallel: int  # ranks of the group (1: one process)
+
+
+def speculation_off(tensor_parallel: int) -> str | None:
+    """Why context-copy speculation drafts nothing (None: ``auto`` drafts)."""
+    if tensor_parallel > 1:  # every rank runs its own scheduler and would time its own steps
+        return "tensor parallelism (each rank would size drafts from the step times it measures)"
+    return None
+
+
+def run_ahead(cfg: EngineConfig, engine: Engine) -> bool:
+    """``--run-ahead``: ``auto`` is on where decode steps replay CUDA graphs (docs/SCHEDULER.md)."""
+    return cfg.run_ahead == "on" or (cfg.run_ahead == "auto" and engine.graphs.status == "on")
+
+
+def resolve(cfg: EngineConfig, engine: Engine) -> Effective:
+    tp = engine.tp.size if engine.tp is not None else 1
+    grammars = None
+    if tp > 1:  # every rank samples from the gathered logits itself; a grammar's state is not sent
+        grammars = (
+            "response_format and forced tool calls (tool_choice required or a named function) are not "
+            f"supported under --tensor-parallel {tp}; serve on one GPU for constrained decoding"
+        )
+    return Effective(
+        run_ahead=run_ahead(cfg, engine),
+        speculation_off=speculation_off(tp),
+        # rank 0's clock would decide it, and the other ranks would go on admitting the dropped turn
+        queue_timeout=cfg.queue_timeout if tp == 1 else 0.0,
+        grammars_off=grammars,
+        weights=_weights(cfg),
+        tensor_parallel=tp,
+    )
+
+
+def _weights(cfg: EngineConfig) -> str:
+    return cfg.weights if cfg.tensor_parallel <= 1 else "dequant"  # packed weights are not cut per rank
+
+
+def load_engine(cfg: EngineConfig, progress: bool = True) -> Engine:
+    """The model of ``cfg`` on its device (under ``--tensor-parallel``: this rank's shard)."""
+    from turnkv.models.load import build_random_model, load_model
+
+    group = None
+    if cfg.tensor_parallel > 1:
+        from turnkv.parallel.group import current_group
+
+        group = current_group()
+        if group is None or group.size != cfg.tensor_parallel:
+            raise ValueError(
+                f"--tensor-parallel {cfg.tensor_parallel} needs a process group of that size: "
+                "start it through the turnkv command (or torchrun with as many processes)"
+            )
+        cfg = replace(cfg, device=str(group.device))
+    if cfg.model.startswith("random:"):
+        loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, group=group)
+    else:
+        weights = _weights(cfg)
+        loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, group=group)
+    return Engine(loaded, cfg, speculation_off=speculation_off(cfg.tensor_parallel))
+
+
+def new_bank(
+    engine: Engine, budget: str | int | None = None, disk: bool = False, auto: int | None = None
+) -> SessionBank:
+    """A session bank of ``budget`` bytes (default ``--bank-bytes``; ``auto``: ``auto`` bytes, or
+    ``auto_budget_bytes`` of one process) for ``engine``'s caches; with ``disk``, over the disk
+    tier in ``--disk-dir`` unless ``--no-disk``."""
+    cfg = engine.cfg
+    budget = cfg.bank_bytes if budget is None else budget
+    if budget == "auto":
+        size = auto if auto is not None else auto_budget_bytes(engine.shape.device)
+    else:
+        size = parse_size(budget)
+    return SessionBank(
+        budget_bytes=size,
+        bytes_per_row=engine.shape.bytes_per_row,
+        measure=lambda held: unique_bytes(*held),
+        copy_on_restore=engine.layout.copies_on_restore,
+        session_ttl_s=cfg.session_ttl,
+        session_share=cfg.session_share,
+        tier=_open_tier(engine) if disk and not cfg.no_disk else None,
+    )
+
+
+def _auto_budget(engine: Engine) -> int:
+    """``--bank-bytes auto``; under tensor parallelism the smallest rank's, so that every rank's
+    bank decides alike (ranks sharing one host's RAM on a CPU split it): a collective, so every
+    rank computes it once, in ``build``."""
+    device = engine.shape.device
+    own = auto_budget_bytes(device)
+    if engine.tp is None:
+        return own
+    if device.type != "cuda":
+        own //= engine.tp.group.size
+    return engine.tp.group.min_over_ranks(own)
+
+
+def _open_tier(engine: Engine):
+    """The disk tier in ``--disk-dir``: under tensor parallelism one per rank, in a directory of
+    its own (its KV heads' shard of every block), whose restores every rank agrees on
+    (``DiskTier.agree``). A rank that cannot open its directory fails: the others' banks would
+    otherwise decide without it (docs/PARALLEL.md)."""
+    from turnkv.bank.disk import open_tier, rank_dir
+
+    cfg, fingerprint, shape = engine.cfg, engine.info.fingerprint, engine.shape
+    budget = parse_size(cfg.disk_bytes)
+    if engine.tp is None:
+        return open_tier(cfg.disk_dir, fingerprint, shape, budget)
+    group = engine.tp.group
+    where = rank_dir(cfg.disk_dir, group.size, group.rank)
+    tier = open_tier(where, fingerprint, shape, budget, agree=group.agree_min)
+    if tier is None:
+        raise RuntimeError(
+            f"rank {group.rank} cannot use its KV disk cache {where} (see the warning above); "
+            "fix --disk-dir or serve with --no-disk"
+        )
+    return tier
+
+
+@dataclass
+class Runtime:
+    """The assembled parts of one process (``build``)."""
+
+    cfg: EngineConfig
+    engine: Engine
+    effective: Effective
+    bank: SessionBank | None  # None for a follower (rank 0 tells it which banks to make)
+    hook: StepHook | None  # rank 0 of a driven tensor-parallel group: the other ranks replay steps
+    auto_bank_bytes: int  # what ``--bank-bytes auto`` means here (``_auto_budget``)
+
+    def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
+        return new_bank(self.engine, budget, disk, self.auto_bank_bytes)
+
+    def scheduler(
+        self,
+        bank: SessionBank | None = None,
+        max_running: int | None = None,
+        max_batch_tokens: int | None = None,
+        run_ahead: bool | None = None,
+    ) -> Scheduler:
+        """A scheduler over ``bank`` (default: this runtime's), limits as ``cfg`` says unless given."""
+        cfg, eff = self.cfg, self.effective
+        return Scheduler(
+            self.engine,
+            bank if bank is not None else self.bank,
+            cfg.max_running if max_running is None else max_running,
+            cfg.max_batch_tokens if max_batch_tokens is None else max_batch_tokens,
+            eff.queue_timeout,
+            run_ahead=eff.run_ahead if run_ahead is None else run_ahead,
+            hook=self.hook,
+        )
+
+    def run_turn(
+        self, request: TurnRequest, bank: SessionBank | None = None, interruptible: bool = False
+    ) -> Iterator[TurnEvent]:
+        """Drive one turn to its end on this thread (``scheduler.run_turn``)."""
+        sched = self.scheduler(bank, max_running=1)
+        return run_turn(sched, request, interruptible)
+
+
+def build(
+    cfg: EngineConfig, role: Role = "serve", engine: Engine | None = None, progress: bool = True
+) -> Runtime:
+    """Assemble ``role``'s parts (``engine``: reuse a loaded one, as tests and benches do)."""
+    engine = engine if engine is not None else load_engine(cfg, progress)
+    hook = None
+    group = engine.tp.group if engine.tp is not None else None
+    if group is not None and group.driven and group.leader:
+        from turnkv.parallel.control import Leader
+
+        group.driver = group.driver or Leader(group)  # one leader per group, whatever it serves
+        hook = group.driver
+    auto = _auto_budget(engine)
+    bank = None if role == "follower" else new_bank(engine, cfg.bank_bytes, role in KEEPS, auto)
+    return Runtime(cfg, engine, resolve(cfg, engine), bank, hook, auto)
+
+
+def follow(cfg: EngineConfig) -> None:
+    """A rank other than 0: load this rank's shard and replay rank 0's steps until it stops."""
+    from turnkv.parallel.control import follow as replay
+    from turnkv.parallel.group import current_group
+
+    rt = build(cfg, "follower", progress=False)
+    group = current_group()
+
+    def scheduler(bank: SessionBank, max_running: int, max_batch_tokens: int) -> Scheduler:
+        return rt.scheduler(bank, max_running, max_batch_tokens)
+
+    replay(group, rt.new_bank, scheduler, rt.engine.tokenizer)
