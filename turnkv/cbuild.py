@@ -23,8 +23,8 @@ from pathlib import Path
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
 # -fopenmp links libgomp.so.1, which the loader resolves to the copy torch already loaded (same
 # soname): a kernel's parallel loops run on torch's thread team, awake from the last op. Work
-# split over a Python pool instead contended with that team's spinning threads (8 conversations'
-# attention at 1K keys on the 2-core VM: 50.3 ms a step on a pool, 46.6 ms on one thread).
+# split over a Python pool instead contended with that team's spinning threads, slower than one
+# thread (docs/BENCHMARKS.md, 'CPU decode attention in C').
 OPENMP = ("-fopenmp",)
 
 

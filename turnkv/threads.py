@@ -4,14 +4,13 @@
 torch lazily); ``set_threads()`` after. Both leave alone anything the user set explicitly.
 
 Why a short spin: a decode step is ~120 small parallel regions (the int4 matmuls). Threads that
-spin between them keep the team awake; threads that wait passively pay a wake-up in each. On the
-quiet 2-core VM (default model, packed, 2 threads): 40 tok/s passive, 60-67 spinning
-(``GOMP_SPINCOUNT`` 30000 or libgomp's 300000 alike). A spinning team collapses when another
-process is busy on a core (19.5 tok/s, and 0.5 at load average 9-10): that is what the engine's
-thread governor handles (``turnkv/engine/cpu_threads.py`` measures steps and falls back to one
-thread, 51-53 tok/s there). The spin is finite, so a worker left idle by one-thread steps sleeps
-within about a millisecond instead of competing for the busy core (``OMP_WAIT_POLICY=ACTIVE``
-spins forever: 30 tok/s with the neighbour even on one thread). Figures: docs/BENCHMARKS.md.
+spin between them keep the team awake (``GOMP_SPINCOUNT`` 30000 decodes as fast as libgomp's
+300000); threads that wait passively pay a wake-up in each. A spinning team collapses when
+another process is busy on a core: that is what the engine's thread governor handles
+(``turnkv/engine/cpu_threads.py`` measures steps and falls back to one thread). The spin is
+finite, so a worker left idle by one-thread steps sleeps within about a millisecond instead of
+competing for the busy core (``OMP_WAIT_POLICY=ACTIVE`` spins forever, slow beside a neighbour
+even on one thread). Figures: docs/BENCHMARKS.md (issue 11).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SPLIT_MIN_KEYS = 256  # keys x rows x KV heads of a step from which its items go to several threads
 ROW_BLOCK = 32  # rows of a window per work item (a decode or verify window is one block)
 # The C's arithmetic, named: part of the KV cache fingerprint (``load.cache_fingerprint``), so the
-# disk tier never hands a turn rows that another attention (torch's flash kernel for prefill
-# chunks, before this kernel took every window) computed. Change it whenever the C's sums change.
+# disk tier never hands a turn rows that another attention computed. Change it whenever the C's
+# sums change.
 ARITHMETIC = "c-attention-all-windows"
 _VIEW_FIELDS = 9  # k_ptr, v_ptr, k strides (layer, head, row), v strides (layer, head, row), rows
 
@@ -115,17 +115,15 @@ class NativeStep:
         self.items = np.asarray(items, dtype=np.int64).reshape(-1, 4)
         self._keys = max(ws + m for _, _, ws, m in windows)
         self._rows = min(ROW_BLOCK, max(m for _, _, _, m in windows))
-        # item slices for ``threads`` OpenMP threads, cut at equal shares of the keys read (on the
-        # 2-core VM, SmolLM2 at 1K keys: one conversation 68.5 -> 80.6 tok/s split over 2 threads,
-        # eight 152 -> 219; at 48 keys the same within noise, 88-96 tok/s); one slice below
-        # SPLIT_MIN_KEYS
+        # item slices for ``threads`` OpenMP threads, cut at equal shares of the keys read; one
+        # slice below SPLIT_MIN_KEYS, where splitting gains nothing (docs/BENCHMARKS.md)
         total = sum(work)
         parts = min(threads, len(items)) if total >= SPLIT_MIN_KEYS else 1
         ends = np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left") + 1
         self.cuts = np.asarray(sorted({0, len(items), *(int(e) for e in ends)}), dtype=np.int64)
         self.parts = len(self.cuts) - 1
         self._scratch: torch.Tensor | None = None
-        # the tables' addresses, read once: each ``.ctypes`` is a new object (~1 us, twice a layer)
+        # the tables' addresses, read once: each ``.ctypes`` is a new object, twice a layer
         self._ptrs = tuple(a.ctypes.data for a in (self.wins, self.views, self.items, self.cuts))
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:

@@ -2,9 +2,8 @@
 
 ``decide`` answers once per model load whether multi-segment attention may use the fused Triton
 kernel: never on an unsupported shape or device, and only after the kernel ran at the model's own
-head_dim, GQA group and dtype (1, 4 and 32 query rows and a prefill window; one view, several
-views including an empty and a one-row one, and thirteen views, i.e. two segment groups) and matched the
-fp32 reference (``reference.py``) within ``tolerance``. Any failure keeps the ``lse`` route and
+head_dim, GQA group and dtype (``model_shapes``, ``run_step_probe``) and matched the fp32
+reference (``reference.py``) within ``tolerance``. Any failure keeps the ``lse`` route and
 says why in the ``Verdict``. Triton is imported lazily, so this module imports on any machine.
 
 Tolerance (per element): ``|out - ref| <= u * (|ref| + A) + 2**-16 * A``, where ``u`` is the unit

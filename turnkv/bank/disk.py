@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 QUEUE_BLOCKS = 256  # blocks waiting for the writer at most (each keeps its segments alive)
 # readers verifying blocks in parallel (hashing and numpy copies run without the GIL); SHA-256 of
-# one block is one core's work (1.3-1.8 GB/s), so a restore scales with the cores up to here
+# one block is one core's work, so a restore scales with the cores up to here
 LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
 DISK_KEYS = (
     "blocks",
@@ -359,11 +359,10 @@ class DiskTier:
         snapshot from the job (tensor parallelism: the bank then counts nothing for it).
 
         On CUDA the copies run on a stream of their own, ordered after the kernels that made the
-        rows; the engine thread only launches them and the writer waits for ``copied``. Made on
-        the engine thread's stream and waited for, they took 13-19 ms for two blocks of the 8B
-        shape on each of two H200 ranks (docs/PARALLEL.md): a stall of every running turn at
-        each turn's end. The device rows stay referenced until the copies are done, so their
-        memory is not reused under them (for the milliseconds of the copy, no bank counts it)."""
+        rows; the engine thread only launches them and the writer waits for ``copied`` (made on
+        the engine thread's stream and waited for, they stalled every running turn at each
+        turn's end: docs/PARALLEL.md). The device rows stay referenced until the copies are done,
+        so their memory is not reused under them (for the copy's duration, no bank counts it)."""
         snapshot = job.snapshot
         assert snapshot is not None
         job.snapshot = None
@@ -526,7 +525,7 @@ def rank_dir(directory: str | os.PathLike | None, size: int, rank: int | str) ->
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
     """A copy of device rows ``t`` into pinned host memory, started on the current stream (torch
-    caches pinned blocks; a pageable copy ran at ~1.5 GB/s on the H200 box)."""
+    caches pinned blocks; a pageable copy is far slower: docs/PARALLEL.md)."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host

@@ -14,8 +14,8 @@ sorted JSON) and then the bytes of ``k``, ``v`` and ``tokens``, so no field can 
 the file's own content implies and the checksum matches; anything else raises :class:`BlockError`.
 
 SHA-256 rather than a CRC: a block read back is either the exact bytes written or refused, with no
-practical chance of a collision; it costs 1.3-1.8 GB/s per core here (2-core EPYC, 64 MiB buffer),
-and the tier hashes blocks on several threads.
+practical chance of a collision; hashing bounds a restore (docs/BENCHMARKS.md, 'Disk tier'), so
+the tier hashes blocks on several threads.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for CPU tensors of one shape and dtype, by numpy: one thread, no GIL.
 
     Disk threads copy many blocks at once; torch's copy would start its OpenMP pool from each of
-    them, which measured 0.29-0.39 GB/s against 14 GB/s this way on the busy 2-core EPYC."""
+    them, which is many times slower (docs/BENCHMARKS.md)."""
     np.copyto(_bytes(dst), _bytes(src))
 
 

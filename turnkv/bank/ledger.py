@@ -2,9 +2,9 @@
 
 A segment held by several entries (a shared system prompt, forks, every snapshot of one
 conversation) counts once while any entry holds it; ``add`` and ``remove`` cost O(the entry's
-segments), so the bank's eviction loop, ``unique_bytes`` and ``/health`` no longer re-measure every
-entry at every decision (they did: O(evictions x all refs) per admission). ``check`` recounts
-from scratch, the integrity check tests and ``SessionBank.check_integrity`` run.
+segments), so the bank's eviction loop, ``unique_bytes`` and ``/health`` never re-measure every
+entry at a decision. ``check`` recounts from scratch (the tests and
+``SessionBank.check_integrity``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ for ``ttl_s`` seconds after the session's last turn and within ``share`` of the 
 
 Protection only orders eviction (unprotected idle entries go first); it never refuses a turn:
 admission evicts protected entries too, least recently used first, when that is the only way to
-make room (``SessionBank.admit``). Without a time-to-live and a cap, two idle sessions on a small
-budget made every later turn of the same size a 507 for as long as the server ran.
+make room (``SessionBank.admit``). The time-to-live and the cap keep idle sessions on a small
+budget from making every later turn a 507 for as long as the server runs.
 """
 
 from __future__ import annotations

@@ -7,22 +7,17 @@ earlier turn's prompt and answer, plus this answer so far) and proposes the toke
 them. The turn feeds its current token and the draft as one verify window (at most
 ``MAX_WINDOW_ROWS`` rows); the target model's logits for every row come back from one forward.
 
-Acceptance (``Turn._verify``) walks the window's rows in order and draws each row's token exactly
-as a non-speculative step would (``argmax`` when greedy, else the turn's ``Sampler`` with its own
-generator); it stops at the first row whose token differs from the draft's next token, and that
-token is the correction (or, after a fully accepted draft, the bonus token). For the point-mass
-proposal ``q = delta(d)`` this *is* speculative sampling: ``d`` is accepted with probability
-``p(d)``, and a rejected row's token is distributed as ``p`` with ``d`` removed and renormalised
-(a sample of ``p`` conditioned on not being ``d``). Because every emitted token consumes exactly
-one draw of the turn's generator, in order, a seeded request emits the same tokens with
-speculation on or off, whatever the draft lengths were (up to logits that differ by rounding
-between a one-row and a many-row forward).
+Acceptance (``Turn._verify``) draws each row's token exactly as a plain step would and stops at
+the first that differs from the draft's next token (the correction, or after a fully accepted
+draft the bonus token). For the point-mass proposal ``q = delta(d)`` this *is* speculative
+sampling: ``d`` is kept with probability ``p(d)``, and a rejected row's token is a sample of ``p``
+conditioned on not being ``d``. Every emitted token consumes exactly one draw of the turn's
+generator, in order, so a seeded request emits the same tokens with speculation on or off,
+whatever the draft lengths were (up to logits that differ by rounding between a one-row and a
+many-row forward).
 
-``Governor`` (one per turn, ``governor.py``) sizes each draft: the length that maximises the expected tokens per
-second of the whole step under the engine's measured step costs (``StepCost``: what a step of
-``N`` rows costs with and without a verify window; a verify window's extra rows cost every turn in
-the step) and the turn's recent acceptance, and it pauses with exponential backoff while drafts
-keep failing, so free text pays almost nothing.
+``Governor`` (``governor.py``, one per turn) sizes each draft for the most tokens per second of
+the whole step and pauses while drafts keep failing, so free text pays almost nothing.
 """
 
 from __future__ import annotations
@@ -50,11 +45,9 @@ class ContextIndex:
     and proposes what followed the longest match (the most recent among equals); where that runs
     into the newest tokens, the copy overlaps itself (a repeating loop is drafted as repeating).
 
-    Cost (``bench/speculation.py`` measures it each run; 2-core EPYC VM under load, 2026-11-30):
-    building over a 32K-token conversation takes 8.6 ms (0.26 us per token, vectorised; once per
-    turn), a ``push`` plus a ``draft`` per decode step 9-20 us (one torch thread; up to 43 us with
-    two contending) -- against 60-150 ms for a CPU decode step of the default model here and
-    14-28 ms for an 8B shape's decode step on the H200 (docs/BENCHMARKS.md: 35-70 tok/s).
+    Building is vectorised (once per turn); a ``push`` plus a ``draft`` per decode step costs
+    microseconds, small beside any decode step (``bench/speculation.py`` measures both each run;
+    docs/BENCHMARKS.md).
     """
 
     def __init__(self, tokens: Sequence[int] = ()) -> None:
@@ -151,9 +144,9 @@ class TurnDrafts:
     Per decode step in which a draft can fit at all (``StepCost.room``, asked once per company
     by the scheduler) a turn asks ``may_draft`` (it counts the step) and only then ``draft``; its
     tokens are ``push``-ed into a list that the index takes in when it is next searched. So a
-    turn in a full batch, where no draft fits, costs a list append a step: on the H200 a batch
-    of 8 of the default model decodes in ~1.1 ms steps, and keeping the index current (0.7 us a
-    token on the 2-core VM) and asking the governor in full (~5 us) cost its turns ~0.5 %."""
+    turn in a full batch, where no draft fits, costs a list append a step: on a GPU a small
+    model's batched steps are short enough that indexing every token and asking the governor in
+    full each step would show (docs/BENCHMARKS.md)."""
 
     def __init__(self, stats: SpeculationStats, cost: StepCost, prompt: Sequence[int]) -> None:
         self.stats = stats

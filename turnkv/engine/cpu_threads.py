@@ -2,11 +2,9 @@
 
 Why measured and not fixed: OpenMP threads that spin between parallel regions keep a decode step's
 ~120 small int4 matmuls cheap on several cores, and threads that wait passively pay a wake-up in
-every one of them. On the 2-core VM (default model, packed, one conversation): 2 threads decode at
-40 tok/s waiting passively, 60-67 spinning, 53 on one thread. But with another process busy on
-one core, a spinning team waits for its partner's time slice: 2 spinning threads fell to 19.5
-tok/s, one thread kept 51-53 (docs/BENCHMARKS.md, issue 11). No fixed count is right on both
-machines, and a neighbour can come and go while the server runs.
+every one of them. But with another process busy on one core, a spinning team waits for its
+partner's time slice and falls far below one thread (docs/BENCHMARKS.md, issue 11). No fixed
+count is right on both machines, and a neighbour can come and go while the server runs.
 
 So the governor measures decode steps (every window one row: frequent, alike from one step to
 the next, and the most sensitive to a team's wake-ups): it runs ``probes`` of them at each
@@ -15,10 +13,8 @@ whose best step is twice another's is dropped at once), and probes again after `
 steps, or as soon as the recent median of the kept count is ``drift`` times what the probe
 measured (a neighbour arrived). Candidates: the cores available, half of them, and one. Other
 steps take the kept count without being timed, because their times do not compare: prefill
-chunks differ in size, and a verify window of drafts costs more than a decode row (2-core VM: 32
-ms for 6 rows, 44 for 11, against 13 for one). Prefill suffers the same contention (default
-model, 2K-token prefill: 536 tok/s on 2 spinning threads and 344 on one when quiet, 132 and 361
-beside a busy process).
+chunks differ in size, and a verify window of drafts costs more than a decode row. Prefill
+suffers the same contention.
 
 Switching counts between steps must not change a row's bits, or cached and uncached answers
 could part: ``tests/test_cpu_threads.py`` pins a prefill step's and a decode step's logits
@@ -135,8 +131,8 @@ class ThreadGovernor:
 
     def _drop_losers(self) -> None:
         """Stop probing a count whose best step is ``cut`` times another's best: beside a busy
-        process one step of a spinning team took 100-355 ms where one thread took 18 (2-core VM),
-        so each such probe step costs the server what ten steps would."""
+        process a spinning team's step can take many times one thread's, so each such probe step
+        costs the server what many steps would (docs/BENCHMARKS.md, issue 11)."""
         best = {n: min(v) for n, v in self.samples.items()}
         fastest = min(best.values())
         losers = {n for n, b in best.items() if b > self.cut * fastest}

@@ -3,7 +3,7 @@
 ``StepCost`` fits the engine's measured step times (plain steps and steps with a verify window)
 and knows the step being gathered (``company``); ``Governor`` (one per turn) sizes each draft
 from the turn's recent acceptance and those costs, counting what a longer step costs the other
-turns in it, and pauses with backoff while drafts keep failing (``context_copy``'s module doc).
+turns in it, and pauses with backoff while drafts keep failing.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ class StepCost:
     yet: relative units, a step of one row costs 1). A verify step never costs less than a plain
     step of as many rows (a fit over a few wide windows, extrapolated down, can fall to zero).
     The prior is the device's: ``PRIOR_ROW`` (1/64: a GPU's rows are nearly free) or
-    ``PRIOR_ROW_CPU`` (the default model on the 2-core VM, C matmul with int8 activations, 512
-    keys: 8.9 ms a one-row step, 18.0 ms eight rows, ~1.3 ms each row more).
+    ``PRIOR_ROW_CPU`` (the default model's rows on a small CPU; docs/BENCHMARKS.md).
     """
 
     PRIOR_ROW = 1 / 64
@@ -63,7 +62,7 @@ class StepCost:
 
     def __init__(self, prior_row: float = PRIOR_ROW) -> None:
         self.prior_row = prior_row
-        # the step being gathered runs ahead (``company``): a turn's next window is launched before
+        # the step being gathered runs ahead (``company``, docs/SCHEDULER.md): a turn's next window is launched before
         # its verify window's tokens come back, and is lost when that window's draft is cut short
         self.run_ahead = False
         self.plain = _Fit()
@@ -86,10 +85,10 @@ class StepCost:
 
     def company(self, windows: int, rows: int, ahead: bool = False) -> None:
         """The step being gathered, as a decode turn is about to draft: ``windows`` windows and
-        ``rows`` rows so far, the turn's own decode row included (the scheduler says, so the first
-        step of a new batch is priced with its company, not the step before it: eight turns that
-        each took themselves for alone drafted 54- and 84-row windows into the first steps of a
-        batch of 8 on the 2-core VM, 4-6x a plain step). ``ahead``: the scheduler runs ahead."""
+        ``rows`` rows so far, the turn's own decode row included. The scheduler says, so the first
+        step of a new batch is priced with its company, not the step before it (turns that took
+        themselves for alone drafted wide windows there: docs/BENCHMARKS.md, 'CPU matmuls in C').
+        ``ahead``: the scheduler runs ahead."""
         self.windows, self.rows, self.run_ahead = windows, rows, ahead
 
     def priced(self) -> tuple[int, int, float]:
@@ -127,9 +126,8 @@ class StepCost:
 
 # -- the governor -----------------------------------------------------------------------------
 # Acceptance by match length: how long the newest tokens' earlier match is predicts how long the
-# copy goes on. Measured with SmolLM2-135M greedy on edit / list / free-text prompts (accepted per
-# drafted-and-judged token): match 2-3 tokens 0.80 / 0.62 / 0.36, 4-7 0.91 / 0.54 / 0.60, 8+ 0.97 /
-# 0.67 / 0. A fresh turn starts from these priors (worth PRIOR_WEIGHT windows) and learns its own.
+# copy goes on (measured per bucket: docs/BENCHMARKS.md). A fresh turn starts from these priors
+# (worth PRIOR_WEIGHT windows) and learns its own.
 MATCH_BUCKETS = (4, 8)  # match lengths [2, 4), [4, 8), [8, ...)
 ALPHA_PRIOR = (0.5, 0.7, 0.85)
 PRIOR_WEIGHT = 2.0
@@ -138,9 +136,9 @@ RECOVER = 0.97  # per step a bucket is not drafted, its estimate moves this much
 MAX_PAUSE = 64  # longest pause (decode steps) after drafts kept failing
 FAIRNESS = 3.0  # in a batch, the other turns' lost time counts this many times
 # ... and no draft may lengthen a step that other windows share by more than this share: each
-# of them gains nothing from it. On the 2-core VM's CPU a row costs ~5 % of an 8-row step, and
-# the gain rule alone let turns draft 10-token windows beside the others: in a batch of 8 the
-# slowest turn decoded at 0.90-0.95x its speed without speculation (bench/speculation.py).
+# of them gains nothing from it. Where a row is dear (a CPU), the gain rule alone let turns draft
+# long windows beside the others and slowed a batch's slowest turn (docs/BENCHMARKS.md, 'CPU
+# matmuls in C').
 OTHERS_LOSS = 0.02
 
 
@@ -224,7 +222,7 @@ class Governor:
         """Whether any draft can pay this step: one token at the most hopeful bucket's ``alpha``.
         The gain's sign is that of ``(e(k) - 1) t0 - weight (t(k) - t0)``, concave in ``k`` (``e``
         is, ``t`` is convex) and 0 at ``k = 0``, so no longer draft pays if one token does not;
-        then the index is not even searched (in a full CPU batch: 8 turns a step, ~6 us each).
+        then the index is not even searched (in a full batch every turn asks every step).
         Run ahead, a turn's own yield per step time is ``e(k) / (2 - a^k)``, which exceeds 1 for
         any ``k`` exactly when ``a > 1/2`` (at ``a = 1/2`` it is 1 for every ``k``), so where steps
         barely grow with ``k`` one token still decides."""

@@ -6,8 +6,8 @@ the same logits draw the same tokens whatever else the server is doing.
 
 Exact at the limits, for any parameters the invariants allow: a temperature that rounds to 0 in
 fp32 (below ~1.4e-45) is greedy; logits are shifted by their maximum before the division, so a
-tiny temperature sends every other logit to ``-inf`` rather than the maximum to ``inf`` (which made
-``softmax`` NaN); top-p always keeps the most likely token, however small ``top_p`` is.
+tiny temperature sends every other logit to ``-inf`` rather than the maximum to ``inf`` (which
+would make ``softmax`` NaN); top-p always keeps the most likely token, however small ``top_p`` is.
 
 ``apply_logit_bias`` is a separate step on a logits row (OpenAI's ``logit_bias``), so a batched
 sampler can apply it per row before its own sampling.
@@ -96,9 +96,10 @@ class Sampler:
 
     ``draw_rows`` keeps the tokens on the device, so the scheduler draws a step's sampled one-row
     windows there before anything reaches the host (and launches the next step from them:
-    run-ahead); ``draw`` is one row of it. A sample is the exponential race: ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` is distributed as
-    ``p``, one draw of ``V`` exponentials per token -- the same draws whichever path asks, so a
-    seed gives the same tokens with or without run-ahead and speculation."""
+    run-ahead, docs/SCHEDULER.md); ``draw`` is one row of it. A sample is the exponential race:
+    ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` is distributed as ``p``, one draw of ``V``
+    exponentials per token -- the same draws whichever path asks, so a seed gives the same tokens
+    with or without run-ahead and speculation."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params

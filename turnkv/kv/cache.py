@@ -42,8 +42,8 @@ class KVShape:
 
     @property
     def bytes_per_row(self) -> int:
-        # dtype.itemsize: ``torch.empty((), dtype).element_size()`` cost ~3 us per call, and the
-        # bank and the caches ask for this ~200 times a step at 64 conversations
+        # dtype.itemsize, not ``torch.empty((), dtype).element_size()``: the bank and the caches
+        # ask for this hundreds of times a step
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
@@ -51,12 +51,11 @@ def kv_dtype(choice: str, compute: torch.dtype, device: torch.device) -> torch.d
     """The dtype KV rows are stored in, for ``--kv-dtype choice`` and the model's compute dtype.
 
     ``auto`` is the compute dtype, except bfloat16 where a CPU computes in float32: decode reads
-    every KV row once per token, so at 2K context on the default model fp32 rows are ~92 MB a token
-    (more than its packed weights); bf16 halves that (attention over 30 layers of 2048 rows, one
-    thread, 2-core VM: 18.6 -> 12.2 ms a token) and the bank holds twice the rows. K and V are
-    computed in fp32, rounded once when stored and read back as fp32, so a row's bits are the same
-    whichever step reads it (cached == uncached still holds). float16 rows cost more than fp32
-    here (21.4 ms: torch's CPU upcast from float16 is slow), so auto does not take them.
+    every KV row once per token (at long contexts more bytes than the packed weights), so bf16
+    halves what a token reads and the bank holds twice the rows. K and V are computed in fp32,
+    rounded once when stored and read back as fp32, so a row's bits are the same whichever step
+    reads it (cached == uncached still holds). float16 rows read slower than fp32 on a CPU
+    (torch's upcast from float16), so auto does not take them (docs/BENCHMARKS.md, issue 11).
 
     Only a CPU may store another dtype than it computes in: the CUDA kernels read K/V in q's dtype.
     """
@@ -107,8 +106,7 @@ class KVWindow:
     @functools.cached_property
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's rows of every layer ``[L, Hkv, rows, D]`` in the last view, sliced once per
-        step: a write then indexes one layer (a select, ~0.5 us on a CPU) instead of a select and
-        two slices (~3 us), twice a layer."""
+        step: a write then indexes one layer instead of slicing twice a layer."""
         tk, tv = self.views[-1]
         t = tk.shape[2]
         return tk[:, :, t - self.rows :], tv[:, :, t - self.rows :]
@@ -181,8 +179,8 @@ class Layout(Protocol):
 def common_prefix_len(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
     """Length of the common prefix of ``a`` and ``b[start_b:]``.
 
-    Compares runs of ``_RUN`` tokens as slices (C speed) and walks only the run that differs: an
-    element-by-element loop took 0.6 ms per 8K-token sequence on the H200 box, at every banked turn.
+    Compares runs of ``_RUN`` tokens as slices (C speed) and walks only the run that differs: it
+    runs over the whole history at every banked turn.
     """
     n = min(len(a), len(b) - start_b)
     i = 0

@@ -13,8 +13,7 @@ Merge policy (``MergePolicy.next_merge``; applied after every seal, pure over th
 
 So a conversation never holds more than ``soft_limit`` (default ``SOFT_SEGMENTS`` = 8) sealed
 segments, and its views (segments + tail) never exceed ``MAX_SEGMENTS``, the fused kernel's
-per-launch limit, across any number of turns. Measured with random turns of 1-3000 rows: 3 after
-12 turns, a median of 4 and at most 7 over 200 turns, each row copied about 6 times in all.
+per-launch limit, across any number of turns (counts over random turns: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@
 Packed GGUF weights (``quant.QuantWeight``) run here wherever the C builds: one call per matrix
 for all rows of a step (decode, verify and prefill windows alike: it beats dequantizing for
 oneDNN's bf16 GEMM at every window size measured, ``quant.WIDE_ROWS``), its columns cut over
-torch's OpenMP threads. The C unpacks a 32-value block once for up to 10 rows (torch's kernel unpacks it
-again per 4), quantizes each row's activations to int8 per group of 32 (``quantize``: what
-llama.cpp does for these formats) and with AVX512-VNNI multiplies four values of 16 columns per
-instruction (AVX2: byte pairs, then pairs of pairs), in exact integer sums. Scales and zeros stay
-fp16 (the GGUF's own numbers) and the output fp32; the error against the GGUF's values is the
-activations' rounding (random rows and weights: 0.3-0.7 % of the largest output;
-``quant_check.error_bound`` bounds it), as in llama.cpp. Speed: ``bench/cpu_matmul.py``,
-``docs/BENCHMARKS.md``.
+torch's OpenMP threads. The C unpacks a 32-value block once for up to 10 rows (torch's kernel
+unpacks it again per 4), quantizes each row's activations to int8 per group of 32 (``quantize``:
+what llama.cpp does for these formats) and with AVX512-VNNI multiplies four values of 16 columns
+per instruction (AVX2: byte pairs, then pairs of pairs), in exact integer sums. Scales and zeros
+stay fp16 (the GGUF's own numbers) and the output fp32; the error against the GGUF's values is
+the activations' rounding (``quant_check.error_bound`` bounds it), as in llama.cpp. Speed:
+``bench/cpu_matmul.py``, ``docs/BENCHMARKS.md``.
 
 A row's bits do not depend on the other rows of the call (see the C file's header), so a
 conversation's logits are the same alone and in company.
@@ -36,8 +35,8 @@ PLANE_BYTES = 320  # per tile, group and plane: 16 fp16 scales, 16 fp16 zeros, 2
 Q8_BYTES = 576  # the int8 form, per tile and group: 16 fp16 scales, 16 int16 column sums, 512 values
 QMAX = 127  # activations are quantized to -127..127 per row and group of 32
 # The C's rounding, named: part of the KV cache fingerprint (``load.cache_fingerprint``), so the
-# disk tier never hands this kernel rows that an earlier one (bf16 activations) computed. Change
-# it whenever the C's arithmetic changes.
+# disk tier never hands this kernel rows that another matmul's rounding computed. Change it
+# whenever the C's arithmetic changes.
 ARITHMETIC = "int8-activations"
 
 

@@ -137,7 +137,7 @@ def pack_gguf(
         if needs_mm:
             # The checks test the kernel, the packed layout and the block mapping, which depend on
             # the matrix's part types and shape, not on its values: one matrix of each kind
-            # (5 of the default model's 121; checking all cost ~15 s of CPU at load, measured).
+            # (checking every matrix would cost seconds of CPU at load).
             kind = (tuple(p[2].type_name for p in parts), tuple(r.shape[0] for r in raws), cols)
             if owner is not model:  # layers; the head's windows are narrow (logits of a few rows)
                 layout = kinds_layout.get(kind)
@@ -225,8 +225,8 @@ def _restore(model, packable: dict, cached: tuple[dict, dict], path) -> PackRepo
 
 
 def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS: packing frees ~100 MB of int32 temporaries that glibc
-    otherwise keeps (measured: resident memory after the default model's load 475 -> 287 MiB)."""
+    """Hand freed heap pages back to the OS: packing frees int32 temporaries that glibc
+    otherwise keeps resident."""
     try:
         import ctypes
 

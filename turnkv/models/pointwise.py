@@ -1,11 +1,11 @@
 """The model's pointwise ops: RMSNorm and SiLU-gated products, one kernel each.
 
 ``rms_norm`` (statistics and the weight's product in fp32, one rounding) is torch's ``F.rms_norm``
-with the weight, or on CUDA a Triton kernel of one program per row (torch's took 6.3 us per
-call on the H200 at batch 1; 65 calls a step). ``silu_mul`` takes the gate|up matmul's output ``[N, 2I]`` and returns
-``silu(gate) * up`` ``[N, I]``: on CUDA one Triton kernel (rounded where torch rounds), which
-replaces torch's two kernels and its intermediate; elsewhere the torch expression. Measured on the
-H200 at llama3-8b decode (batch 1): the unfused forms were ~100 extra launches per step.
+with the weight, or on CUDA a Triton kernel of one program per row (torch's kernel is
+latency-bound at batch 1, and a step calls it twice a layer). ``silu_mul`` takes the gate|up
+matmul's output ``[N, 2I]`` and returns ``silu(gate) * up`` ``[N, I]``: on CUDA one Triton kernel
+(rounded where torch rounds) instead of torch's two kernels and their intermediate; elsewhere the
+torch expression. Timings: docs/BENCHMARKS.md (issue 8).
 
 On a CPU, fp32 rows take ``_cpu_rms_norm``: torch's ``F.rms_norm`` there is a composite of ~10
 ops (pow, mean, add, rsqrt, two muls, and a 0-dim copy for each Python scalar), each a dispatch
@@ -45,9 +45,8 @@ def rms_norm(
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` through the short methods: on the 2-core VM (one thread, torch 2.13)
-    ``.float()`` of a bf16 ``[1, 576]`` row takes 1.3 us against 2.2 us for ``.to(torch.float32)``
-    (the general method's argument parsing); same copy, same bits. No dispatch when already so."""
+    """``t.to(dtype)`` through the short methods (``.float()``, ``.bfloat16()``), which skip the
+    general method's argument parsing; same copy, same bits. No dispatch when already so."""
     if t.dtype == dtype:
         return t
     if dtype == torch.float32:
@@ -61,12 +60,11 @@ def _eps_tensor(eps: float) -> torch.Tensor:
 
 
 def _cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp32 as five ops without Python-scalar operands.
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp32 as five ops without Python-scalar operands
+    (fewer dispatches than ``F.rms_norm``).
 
-    Measured on the 2-core VM (one thread, ``[1, 576]``, torch 2.13): 6.3 us against 9.6-12.6 us
-    for ``F.rms_norm``; with the cast to bf16 8.6 against 12.8 us. Each row's bits are its own
-    (``vector_norm`` reduces within the row; checked alone against inside 2-1024 rows, on 1 and
-    2 threads), as speculation's exactness needs of every row-wise op."""
+    Each row's bits are its own (``vector_norm`` reduces within the row; checked alone against
+    inside 2-1024 rows, on 1 and 2 threads), as speculation's exactness needs of every row-wise op."""
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]: sqrt(sum x^2)
     r = torch.addcmul(_eps_tensor(eps), n, n, value=1.0 / x.shape[-1]).rsqrt_()
     return torch.mul(x, r).mul_(weight)
@@ -77,5 +75,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernels = _kernels() if gate_up.is_cuda else None
     if kernels is not None:
         return kernels.silu_mul(gate_up)
-    gate, up = gate_up.tensor_split(2, dim=-1)  # 1.4 us against chunk's 2.2 (2-core VM, [1, 3072])
+    gate, up = gate_up.tensor_split(2, dim=-1)  # cheaper than chunk on a CPU row
     return F.silu(gate) * up

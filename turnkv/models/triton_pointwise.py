@@ -35,8 +35,8 @@ def _rms_norm_kernel(X, W, Out, n_cols, sxm, som, eps, BLOCK: tl.constexpr, INTE
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of ``x`` ``[N, H]`` times ``weight`` ``[H]``: fp32 inside, one rounding
-    (as ``F.rms_norm`` with a weight). One program per row: torch's kernel took 6.3 us a row on
-    the H200 at H 4096 and batch 1, latency-bound; this one loads the row once."""
+    (as ``F.rms_norm`` with a weight). One program per row that loads the row once: torch's
+    kernel is latency-bound at batch 1."""
     n, h = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -1,17 +1,9 @@
 """``GET /health``: the JSON document of docs/DESIGN.md, built from the engine, the bank and the config.
 
-Keys (all always present): ``status``, ``model``, ``device``, ``kv_layout``, ``attention``
-(``route``, ``verdict``, ``reason``, ``selfcheck``), ``segments`` (``seals``, ``merges``,
-``max_segments``, ``route_counts``), ``bank`` (``entries``, ``unique_bytes``, ``budget_bytes``,
-``hits``, ``misses``, ``evictions``, ``refusals``), ``disk`` (``enabled`` and the counters of
-``turnkv.bank.disk.DISK_KEYS``; zeros without a tier), ``speculation`` (``mode``, ``drafted``,
-``accepted``, ``windows``, ``acceptance``, ``tokens_per_forward``, ``by_window``: see
-``SpeculationStats.health``), ``scheduler`` (``running``, ``waiting``, ``steps``, ``step_ms``, ``rows_per_step``, ``graphs``, ``threads``),
-``tensor_parallel`` (``size``, ``status`` ``ok``/``down``, ``dead_ranks``, ``error``; while it is
-down, ``status`` is ``unavailable``), ``sampling_defaults`` (``temperature``, ``top_p``, ``top_k``,
-``max_tokens`` of a request that sets none, and ``source``: ``flag``, ``model`` or ``built-in``
-per field; ``models.generation``). Under tensor parallelism the ``bank`` bytes are rank 0's:
-every rank holds the same rows' ``1/size`` share of the KV heads.
+Every key is always present (the list: docs/SERVER.md, 'Routes'); ``disk`` is zeros without a
+tier, and while a tensor-parallel rank is down ``status`` is ``unavailable``. Under tensor
+parallelism the ``bank`` bytes are rank 0's: every rank holds the same rows' ``1/size`` share of
+the KV heads.
 """
 
 from __future__ import annotations

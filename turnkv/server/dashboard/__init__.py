@@ -4,12 +4,10 @@ The page, its scripts and its styles are files of this package (``static/``), se
 routes: no external asset, no CDN, no build step; it works with no network. The script polls
 ``/dashboard/state`` about once a second and redraws without reloading.
 
-Authentication: with ``--api-key`` the state (every figure) needs ``Authorization: Bearer KEY``,
-exactly as ``/v1`` does (401 in the OpenAI error shape otherwise). The page and its assets are the
-same static files for everyone and hold no data, so they are served without a key (a browser
-cannot send a bearer header when it navigates): the page asks for the key, keeps it in the tab's
-``sessionStorage`` and sends it as a bearer header. ``/dashboard#key=KEY`` fills it in (a URL
-fragment never reaches the server or its logs); the script removes it from the address bar.
+Authentication (docs/SERVER.md, 'Dashboard'): with ``--api-key`` the state needs the bearer key
+exactly as ``/v1`` does. The page and its assets hold no data, so they are served without a key
+(a browser cannot send a bearer header when it navigates); the page asks for the key and sends it
+itself, and ``/dashboard#key=KEY`` fills it in (a URL fragment never reaches the server).
 
 ``register_dashboard(app, srv)`` adds the routes and runs the history sampler in the app's
 lifespan (see ``history``).

@@ -114,8 +114,7 @@ class History:
         }
         pairs = list(zip(ring[:1] + ring[:-1], ring, strict=True))
         # rates over the rounded times the page gets, so rate x interval gives back each
-        # interval's tokens (over the exact times, 60 tokens in a 0.95 s interval came back as
-        # 60.5: the times' rounding, 1 %, times the tokens)
+        # interval's tokens (over the exact times, the times' rounding would scale them)
         spans = [max(tb - ta, 1e-9) for ta, tb in zip(t[:1] + t[:-1], t, strict=True)]
         for name in ("generated_tokens", "prefilled_tokens"):
             out[name.replace("_tokens", "_tok_s")] = [

@@ -1,25 +1,10 @@
 """``GET /dashboard/state``: one JSON document with everything the page draws.
 
-Keys (all always present):
-
-- ``schema`` (1), ``time`` (unix seconds), ``uptime_s``;
-- ``health``: exactly the ``/health`` document (built by the same function, ``server_health``), so
-  the bank, attention, segment, disk, speculation, queue and -- once the scheduler reports it --
-  ``scheduler`` figures on the page are ``/health``'s;
-- ``memory``: what ``/health`` lacks -- ``live_bytes`` (unique bytes of live turns beyond the bank,
-  as ``/metrics``' ``turnkv_kv_live_bytes``), ``logical_bytes`` (what private copies would cost),
-  ``bytes_per_row``, ``segments``, ``shared_segments``, ``shared_bytes``;
-- ``conversations`` (the ``MAX_CONVERSATIONS`` most recently used; ``conversations_total`` counts
-  all): ``id``, ``ns_hash``, ``rows``, ``own_bytes``, ``in_use``, ``protected``, ``segments`` (each
-  ``id``, ``rows``, ``segment_rows``, ``bytes``, ``shared``);
-- ``requests``: ``running`` and ``waiting`` (``/health.scheduler``'s), ``live`` turns (``ns_hash``, ``rows``, ``restored_rows``, ``priced_bytes``,
-  ``age_s``, ``rows_per_s``) and ``live_rows_per_s`` (their sum), ``generated_tokens`` / ``prefilled_tokens`` / ``answers`` (finished turns, as ``/metrics``
-  counts them), ``tokens_per_s``, ``prefill_tokens_per_s``, ``ttft_s`` (last minute), ``ttft_mean_s``;
-- ``history``: the last five minutes, one column per series (see ``History.series``);
-- ``features``: every on/off field of ``health`` classified (``key``, ``label``, ``tone``, ``text``,
-  ``why``; see ``features``), so the page colours them from one decision.
-
-No token ids, no text, no session ids, no raw namespaces (see ``bankview``).
+Its keys, all always present, are listed in docs/SERVER.md ('Dashboard'). ``health`` is exactly
+the ``/health`` document (built by the same function, ``server_health``), so every count on the
+page is ``/health``'s; ``memory``, ``conversations`` and ``requests`` add what ``/health`` lacks
+(``bankview``), ``history`` the last minutes (``history``), ``features`` the one classification
+the page colours from (``features``). No token ids, no text, no session ids, no raw namespaces.
 """
 
 from __future__ import annotations
