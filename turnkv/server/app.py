@@ -32,9 +32,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
+from turnkv.chat_format.grammar import Grammars
+from turnkv.chat_format.structured import Structure, chat_structure, response_grammar
 from turnkv.config import EngineConfig
 from turnkv.engine.events import Admitted, Failed, TurnRequest
-from turnkv.engine.grammar import Grammars
 from turnkv.engine.scheduler import Scheduler
 from turnkv.parallel.control import DOWN_CODE, down_message
 from turnkv.server.access import AccessLog
@@ -53,7 +54,6 @@ from turnkv.server.schemas import (
     bad_request,
     parse_body,
 )
-from turnkv.server.structured import Structure, chat_structure, response_grammar
 from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)

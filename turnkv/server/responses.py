@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.server.schemas import ApiError
-from turnkv.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 
 if TYPE_CHECKING:
+    from turnkv.chat_format.structured import ToolPlan
     from turnkv.server.app import Server, _Stream
-    from turnkv.server.structured import ToolPlan
 
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")

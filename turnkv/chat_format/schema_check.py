@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.engine.pattern_size import pattern_size
+from turnkv.chat_format.pattern_size import pattern_size
 
 DEPTH_MAX = 64  # schema levels (llguidance's own JSON parser stops at 128 JSON levels)
 PATTERN_MAX = 512  # characters a pattern's counted repetitions multiply out to
