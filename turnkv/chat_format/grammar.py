@@ -2,7 +2,7 @@
 
 The grammar library is llguidance (chosen by ``bench/grammar_libs.py`` over xgrammar and
 outlines-core, docs/BENCHMARKS.md "Structured output"): the cheapest mask per token at a 128K
-vocabulary, a schema compiled in about a millisecond, and a schema keyword it does not implement
+vocabulary, the fastest compile of a schema, and a schema keyword it does not implement
 is an error naming it rather than silently ignored (xgrammar 0.2.9 ignores ``not``, ``if``,
 ``uniqueItems`` and lets control characters into length-bounded strings); no dependencies.
 

@@ -1,7 +1,7 @@
 """Checks of a JSON schema before llguidance compiles it: schemas the library accepts and then fails
 on in the middle of a turn (a 500 at the first token, an empty answer, a lexer that runs out, masks
-that cost tens of milliseconds a step). Each problem is a ``SchemaProblem`` naming where it is in the
-schema (a JSON pointer: ``#/properties/a``).
+that stall every step: docs/BENCHMARKS.md "Structured output"). Each problem is a ``SchemaProblem``
+naming where it is in the schema (a JSON pointer: ``#/properties/a``).
 
 - ``x-guidance`` at the root: llguidance's own options (layout, ``lenient``). They would override
   the canonical layout (``grammar.CANONICAL``) that lets an answer re-render into its cached

@@ -1,6 +1,6 @@
 """What a request asks of the answer's shape: the grammar that constrains it, and how its text is
-read back as tool calls. Runs in the handler's thread pool (compiling a schema takes ~15 ms at
-the default model's vocabulary, ~65 ms at 128K; a repeated one is a cache hit).
+read back as tool calls. Runs in the handler's thread pool, where a schema is compiled (its cost:
+docs/BENCHMARKS.md "Structured output"; a repeated one is a cache hit).
 
 - ``response_format`` ``json_object`` / ``json_schema``: a JSON grammar (``grammar``).
 - ``tools``: rendered by the model's chat template; its format (``toolcalls.template_format``)
