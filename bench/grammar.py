@@ -37,10 +37,10 @@ import torch
 from grammar_vocab import default_tokenizer, synthetic
 from report import save
 
+from turnkv.chat_format.grammar import Grammars
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, TurnRequest
-from turnkv.engine.grammar import Grammars
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.models.load import load_model

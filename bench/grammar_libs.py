@@ -4,7 +4,7 @@ For each library and vocabulary (``grammar_vocab``: the default model's 49152 to
 the same JSON document is walked token by token under a JSON schema (and under "any JSON object",
 which outlines-core, a regex engine, cannot express): at each token the library fills the
 bitmask of allowed tokens (``fill``), the mask is applied to a logits row (``apply``: the same
-op for all three, turnkv's ``engine.grammar.apply_bitmask``, since the bitmask layout is the
+op for all three, turnkv's ``engine.masks.apply_bitmask``, since the bitmask layout is the
 same), and the token is consumed. Reported per token: fill and apply in microseconds (the best of ``--reps`` walks), and
 once per library and vocabulary: the tokenizer set-up (s) and the schema's compile time (ms).
 
@@ -24,7 +24,7 @@ import torch
 from grammar_vocab import vocabularies
 from report import save
 
-from turnkv.engine.grammar import apply_bitmask
+from turnkv.engine.masks import apply_bitmask
 
 SCHEMA = {
     "type": "object",

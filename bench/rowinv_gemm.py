@@ -52,7 +52,7 @@ import report
 from decode import copy_bandwidth  # the copy rate decode.py and gemv.py measure their roofs by
 from gemv import captured
 
-from turnkv.attention.triton_segments import INTERPRET, downcast
+from turnkv.kernels.triton_common import INTERPRET, downcast
 
 BLOCK_M = 16  # the row tile, for every M: what makes a row's bits independent of M
 SMS = 132  # H200 multiprocessors: the split-K rule aims at a few programs per SM (a constant,

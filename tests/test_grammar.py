@@ -1,8 +1,8 @@
-"""Constrained decoding (turnkv/engine/grammar.py) on ``random:test`` through the scheduler: any
-schema within what the grammar library enforces yields output that parses and validates (random
-weights, sampled: the grammar alone makes it valid), masks stay on their own turn's row,
-``logit_bias`` still applies under a grammar, a schema the library cannot enforce is refused with
-the reason. No server: fast."""
+"""Constrained decoding (turnkv/chat_format/grammar.py compiles, turnkv/engine/masks.py masks) on
+``random:test`` through the scheduler: any schema within what the grammar library enforces yields
+output that parses and validates (random weights, sampled: the grammar alone makes it valid),
+masks stay on their own turn's row, ``logit_bias`` still applies under a grammar, a schema the
+library cannot enforce is refused with the reason. No server: fast."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from turnkv.chat_format.grammar import GrammarError, Grammars, Matcher, ToolCallShape
+from turnkv.chat_format.toolcalls import HERMES, parse
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
-from turnkv.engine.grammar import Constraint, GrammarError, Grammars, ToolCallShape
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
 from turnkv.runtime import load_engine, new_bank
-from turnkv.toolcalls import HERMES, parse
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_a_forced_tool_call_parses(engine, grammars):
             jsonschema.validate(json.loads(call.arguments), params)
 
 
-def allowed(con: Constraint, vocab: int) -> set[int]:
+def allowed(con: Matcher, vocab: int) -> set[int]:
     """The tokens ``con``'s grammar allows next."""
     words = (vocab + 31) // 32
     mask = torch.zeros(words, dtype=torch.int32)
@@ -314,7 +314,7 @@ def test_the_finer_slices_give_the_masks_of_a_plain_trie_walk(smol_tokenizer, sc
 
     import llguidance
 
-    from turnkv.engine.grammar import SLICES
+    from turnkv.chat_format.grammar import SLICES
 
     vocab = smol_tokenizer.vocab_size
     ll = Grammars(smol_tokenizer, vocab).ll_tokenizer()
@@ -379,7 +379,7 @@ def test_a_schema_that_would_fail_mid_turn_is_refused_when_compiled(grammars, sc
 def test_a_grammar_with_no_value_is_refused_when_compiled(grammars):
     import llguidance
 
-    from turnkv.engine.grammar_probe import token_lengths, walk_start
+    from turnkv.chat_format.grammar_probe import token_lengths, walk_start
 
     ll = grammars.ll_tokenizer()
     lengths = token_lengths(ll, grammars.vocab_size, grammars.tokenizer.eos_token_ids)

@@ -15,8 +15,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
 
-from turnkv.engine.grammar import apply_bitmask  # noqa: E402
 from turnkv.engine.mask_kernel import BLOCK, mask_logits  # noqa: E402
+from turnkv.engine.masks import apply_bitmask  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 

@@ -196,7 +196,7 @@ def test_a_stop_string_and_a_rebase_end_the_answer_at_the_same_token(engine):
 
 def test_turns_under_a_grammar_run_ahead_and_answer_alike(engine):
     pytest.importorskip("llguidance")  # a project dependency; absent on the bare GPU machine
-    from turnkv.engine.grammar import Grammars
+    from turnkv.chat_format.grammar import Grammars
 
     grammars = Grammars(engine.tokenizer, engine.loaded.config.vocab_size)
     schema = {
@@ -296,7 +296,7 @@ def test_masks_that_break_after_the_next_step_was_staged_fail_only_that_steps_tu
     of the step in flight fail (their staged windows are dropped with them, nothing banked, no
     lease left), a turn that was only in the staged step runs on, and the loop serves afterwards."""
     pytest.importorskip("llguidance")
-    from turnkv.engine.grammar import Grammars
+    from turnkv.chat_format.grammar import Grammars
 
     grammar = Grammars(engine.tokenizer, engine.loaded.config.vocab_size).json_schema({"type": "object"})
     run = Run(engine, ahead=True)

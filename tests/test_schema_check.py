@@ -1,14 +1,15 @@
-"""What a JSON schema must be before it is compiled (turnkv/engine/schema_check.py) and how deep a
-history's tool-call arguments may nest (turnkv/toolcalls.py ``json_depth``): pure functions, no
-model. The schemas refused here are the ones llguidance accepts and then fails on mid-turn."""
+"""What a JSON schema must be before it is compiled (turnkv/chat_format/schema_check.py) and how
+deep a history's tool-call arguments may nest (turnkv/chat_format/toolcalls.py ``json_depth``): pure
+functions, no model. The schemas refused here are the ones llguidance accepts and then fails on
+mid-turn."""
 
 from __future__ import annotations
 
 import pytest
 
-from turnkv.engine.pattern_size import pattern_size
-from turnkv.engine.schema_check import DEPTH_MAX, LITERAL_MAX, PATTERN_MAX, SchemaProblem, check
-from turnkv.toolcalls import json_depth
+from turnkv.chat_format.pattern_size import pattern_size
+from turnkv.chat_format.schema_check import DEPTH_MAX, LITERAL_MAX, PATTERN_MAX, SchemaProblem, check
+from turnkv.chat_format.toolcalls import json_depth
 
 NODE = {  # a linked list that may end: finite values exist
     "type": "object",

@@ -13,7 +13,7 @@ import pytest
 from test_server import MODEL, Live
 from tool_models import tool_model
 
-from turnkv.server.structured import FORCED_CALLS_MAX
+from turnkv.chat_format.structured import FORCED_CALLS_MAX
 
 pytestmark = pytest.mark.slow
 

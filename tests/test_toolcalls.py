@@ -1,6 +1,6 @@
-"""Reading tool calls (turnkv/toolcalls.py): the parser against the format's own rendering, a
-stream cut anywhere equals the whole answer, template detection, messages as templates take them.
-No model: fast."""
+"""Reading tool calls (turnkv/chat_format/toolcalls.py): the parser against the format's own
+rendering, a stream cut anywhere equals the whole answer, template detection, messages as templates
+take them. No model: fast."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tool_models import LLAMA31, QWEN3, QWEN25
 
-from turnkv.tokenizer import CHATML_TEMPLATE
-from turnkv.toolcalls import (
+from turnkv.chat_format.toolcalls import (
     HERMES,
     LLAMA3_JSON,
     CallArgs,
@@ -24,6 +23,7 @@ from turnkv.toolcalls import (
     template_format,
     template_message,
 )
+from turnkv.tokenizer import CHATML_TEMPLATE
 
 names = st.from_regex(r"[a-zA-Z0-9_-]{1,12}", fullmatch=True)
 scalars = st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=8)

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import asdict
 
 from turnkv.bank.session_bank import SessionBank
+from turnkv.chat_format.history import ChatHistory
 from turnkv.engine.events import Failed, GenEvent, TurnRequest, TurnStats
-from turnkv.engine.history import ChatHistory
 from turnkv.engine.sampling import SamplingParams
 from turnkv.runtime import Runtime
 

@@ -33,7 +33,6 @@ Triton is imported at module import; import this module only where triton is kno
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -41,27 +40,15 @@ import triton
 import triton.language as tl
 
 from turnkv.attention.segment_table import TableMeta, key_bucket, pack, padded_batch, upload
+from turnkv.kernels.triton_common import INTERPRET, downcast
 from turnkv.limits import MAX_GQA, MAX_SEGMENTS, SUPPORTED_HEAD_DIMS
 
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def downcast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 -> dtype, rounding to nearest even. The CPU interpreter truncates fp32 -> bf16, so there
-    the bits are rounded first (the cast is then exact); compiled code rounds in the cvt itself."""
-    if INTERP:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit

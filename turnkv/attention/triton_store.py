@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from turnkv.attention.segment_table import FIELDS, TableMeta
-from turnkv.attention.triton_segments import INTERPRET, downcast
+from turnkv.kernels.triton_common import INTERPRET, downcast
 
 _BLOCK_ELEMS = 4096  # elements per RoPE program: rows x heads x head_dim
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from turnkv.engine.grammar import Grammar
+from turnkv.engine.masks import TurnGrammar
 from turnkv.engine.sampling import SamplingParams
 
 
@@ -26,7 +26,7 @@ class TurnRequest:
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus
     the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
-    ``grammar`` (optional, ``engine.grammar.Grammar``) constrains every answer token: the step
+    ``grammar`` (optional, compiled by ``chat_format.grammar``) constrains every answer token: the step
     masks the turn's logits row before any choice, the answer ends when the grammar is complete
     (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
     """
@@ -38,7 +38,7 @@ class TurnRequest:
     session: str | None = None
     render_history: Callable[[str], list[int]] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-    grammar: Grammar | None = None
+    grammar: TurnGrammar | None = None
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 ``StepMasks`` uploads one int32 buffer per step: ``C`` bitmasks of ``W = ceil(V / 32)`` words, then
 the ``C`` logit rows they belong to. One program per (constrained row, block of the vocabulary)
-writes -inf where the token's bit is 0 and reads nothing of the logits. Measured alone on the
-H200 (32 rows, a 128256 vocabulary): 28 us, against 44 us for the five elementwise torch ops over
-an expanded ``[C, W, 32]`` tensor that it replaces, and one launch instead of five.
-``grammar.apply_bitmask`` is the reference (and the path off CUDA).
+writes -inf where the token's bit is 0 and reads nothing of the logits: one launch instead of the
+five elementwise torch ops over an expanded ``[C, W, 32]`` tensor, and cheaper (docs/BENCHMARKS.md
+"Structured output").
+``masks.apply_bitmask`` is the reference (and the path off CUDA).
 """
 
 from __future__ import annotations

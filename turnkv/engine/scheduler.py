@@ -61,7 +61,7 @@ import torch
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Banked, Failed, TurnEvent, TurnRequest, WindowOutput
-from turnkv.engine.grammar import StepMasks
+from turnkv.engine.masks import StepMasks
 from turnkv.engine.sampling import draw_rows, on_device
 from turnkv.engine.step import Staged, StepResult, Window
 from turnkv.engine.turn import Turn

@@ -35,7 +35,7 @@ from turnkv.engine.events import (
     TurnStats,
     WindowOutput,
 )
-from turnkv.engine.grammar import Constraint
+from turnkv.engine.masks import Constraint
 from turnkv.engine.sampling import Sampler
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
@@ -290,7 +290,7 @@ class Turn:
     @property
     def _fast_greedy(self) -> bool:
         """The step's batched argmax is the greedy token unless a logit_bias changes the row (a
-        constrained row was masked before that argmax, see engine/grammar.py). Read from the
+        constrained row was masked before that argmax, see engine/masks.py). Read from the
         sampler, which decided both once: ``SamplingParams.greedy`` builds a tensor per call."""
         return self.sampler.greedy and self.sampler.bias is None
 

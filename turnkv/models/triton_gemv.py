@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from turnkv.attention.triton_segments import INTERPRET, downcast
+from turnkv.kernels.triton_common import INTERPRET, downcast
 
 MAX_ROWS = 32  # rows of x this kernel takes: a verify window (limits.MAX_WINDOW_ROWS)
 WIDE_N = 12288  # outputs at least this wide take the wide tile (``pick``)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from turnkv.attention.triton_segments import INTERPRET, downcast
+from turnkv.kernels.triton_common import INTERPRET, downcast
 
 
 @triton.jit

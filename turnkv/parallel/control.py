@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from turnkv.chat_format.history import history_from_spec, history_spec
 from turnkv.engine.events import Failed, TurnRequest
-from turnkv.engine.history import history_from_spec, history_spec
 from turnkv.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:

@@ -4,9 +4,9 @@
 it under uvicorn). A handler reads the body under ``--max-body-bytes``, validates it, renders and
 tokenizes the prompt in a worker thread (``server.prompts``), then submits token ids to the one
 :class:`EngineWorker` (one thread running the scheduler: many turns per step) and awaits its
-events. The first event
-decides the status (200, or 400/507 before any work); a client that goes away sets the turn's
-cancel flag, and the worker still seals and banks what it computed.
+events through a ``TurnStream`` (``server.stream``), which ``server.responses`` turns into a body
+or SSE chunks. The first event decides the status (200, or 400/507 before any work); a client
+that goes away sets the turn's cancel flag, and the worker still seals and banks what it computed.
 
 Before a handler runs, ``server.guard`` checks the Host (``--allowed-hosts``), and the JSON routes
 check the Content-Type and the key before reading the body; ``server.openapi`` describes the
@@ -32,8 +32,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
-from turnkv.engine.events import Admitted, Failed, TurnRequest
-from turnkv.engine.grammar import Grammars
+from turnkv.chat_format.grammar import Grammars
+from turnkv.chat_format.structured import Structure, chat_structure, response_grammar
+from turnkv.engine.events import Failed, TurnRequest
 from turnkv.runtime import Runtime
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
@@ -43,7 +44,7 @@ from turnkv.server.health import server_health
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.openapi import CHAT_ROUTE, COMPLETIONS_ROUTE, KEYED, ModelCard, ModelList, document, errors
 from turnkv.server.prompts import Prompts
-from turnkv.server.responses import failed_error, respond, route_label
+from turnkv.server.responses import respond, route_label
 from turnkv.server.schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -51,27 +52,12 @@ from turnkv.server.schemas import (
     bad_request,
     parse_body,
 )
-from turnkv.server.structured import Structure, chat_structure, response_grammar
+from turnkv.server.stream import TurnStream, failed_error
 from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-
-
-class _Stream:
-    """Worker events for one request, carried into the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[object] = asyncio.Queue()
-
-    def emit(self, item: object) -> None:  # called on the worker thread
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    async def next(self) -> object:
-        return await self.queue.get()
 
 
 class Server:
@@ -154,47 +140,11 @@ class Server:
             "sampling_defaults": self.engine.sampling_defaults.doc(),
         }
 
-    async def start(self, turn: TurnRequest, request: Request) -> tuple[_Stream, Admitted]:
-        """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
+    def stream(self, turn: TurnRequest, request: Request) -> TurnStream:
+        """The event stream of ``turn`` for ``request``; a 503 while the tensor-parallel group is down."""
         if self.group is not None and not self.group.health.ok:
             raise failed_error(Failed.group_down(self.group.health.error))
-        stream = _Stream(asyncio.get_running_loop())
-        self.worker.submit(turn, stream.emit)
-        first = await self._next(stream, turn, request)
-        if isinstance(first, Failed):
-            raise failed_error(first)
-        assert isinstance(first, Admitted), first
-        return stream, first
-
-    async def _next(self, stream: _Stream, turn: TurnRequest, request: Request) -> object:
-        """The next worker event; cancels the turn if the client disconnects while we wait."""
-        get = asyncio.ensure_future(stream.next())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            turn.cancel.set()
-            get.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if get in done:
-            return get.result()
-        turn.cancel.set()
-        return await get
-
-    def finished(self, route: str, stats) -> None:
-        self.metrics.request(route, 200)
-        if stats is not None:
-            self.metrics.turn(stats)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone away (the ASGI server sends ``http.disconnect``)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+        return TurnStream(self.worker.submit, turn, request)
 
 
 def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
@@ -289,7 +239,11 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
             render_history=history,
             grammar=st.grammar,
         )
-        return await respond(srv, request, turn, req, chat=chat, tools=st.plan)
+        info = srv.engine.info
+        stream = srv.stream(turn, request)
+        return await respond(
+            stream, req, srv.metrics, info.model_name, info.fingerprint, chat=chat, tools=st.plan
+        )
 
     @app.post("/v1/chat/completions", **CHAT_ROUTE)
     async def _chat(request: Request) -> Response:

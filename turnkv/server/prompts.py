@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from turnkv.engine.history import ChatHistory, TextHistory
+from turnkv.chat_format.history import ChatHistory, TextHistory
 from turnkv.engine.turn import prompt_too_long
 from turnkv.server.schemas import ApiError, bad_request
 
 if TYPE_CHECKING:
-    from turnkv.server.structured import ToolPlan
+    from turnkv.chat_format.structured import ToolPlan
 
 BOUND_MIN_BYTES = 64 << 10  # texts shorter than this are just tokenized (well under a millisecond)
 BOUND_MARGIN_BYTES = 4  # decoding one token alone may drop a leading space some decoders add in context

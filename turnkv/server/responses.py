@@ -11,6 +11,9 @@ When the answer is read as tool calls (``tools``, a ``ToolPlan``), ``message.too
 stream sends, per call, one ``delta.tool_calls`` chunk with its ``index``, ``id``, ``type`` and
 ``function.name`` (``arguments: ""``), then chunks of ``function.arguments`` fragments, as the
 OpenAI API does; the fragments join into the same arguments as the whole answer's.
+
+``respond`` reads the turn's events from its ``TurnStream`` (``server.stream``) and counts the
+answer in ``Metrics``; it never sees the server.
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
-from turnkv.server.schemas import ApiError
-from turnkv.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
+from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
+from turnkv.engine.events import Admitted, Failed, GenEvent
+from turnkv.server.stream import TurnStream, failed_error
 
 if TYPE_CHECKING:
-    from turnkv.server.app import Server, _Stream
-    from turnkv.server.structured import ToolPlan
+    from turnkv.chat_format.structured import ToolPlan
+    from turnkv.server.metrics import Metrics
 
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -53,38 +56,6 @@ def note_usage(request: Request, admitted: Admitted, completion: int, finish: st
         "completion": completion,
         "finish": finish,
     }
-
-
-# what a turn's failure code answers with
-STATUS = {
-    "invalid_request_error": 400,
-    "context_length_exceeded": 400,
-    "kv_memory_exhausted": 507,
-    "cancelled": 499,
-    "queue_timeout": 503,
-    "tensor_parallel_down": 503,  # a rank of the group died: restart the server
-    "internal_error": 500,
-}
-
-
-RETRY_AFTER_S = 5  # what a 503 (a turn that waited past --queue-timeout) tells the client
-
-
-def failed_error(f: Failed) -> ApiError:
-    status = STATUS.get(f.code, 500)
-    if status == 507:
-        return ApiError(
-            507,
-            f.message,
-            "server_error",
-            code=f.code,
-            needed_bytes=f.needed_bytes,
-            available_bytes=f.available_bytes,
-        )
-    type_ = "invalid_request_error" if status < 500 else "server_error"
-    code = None if f.code == "invalid_request_error" else f.code
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return ApiError(status, f.message, type_, code=code, headers=headers)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -137,38 +108,50 @@ def delta_of(piece: Piece) -> dict:
     return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
 
 
+def _finished(metrics: Metrics, route: str, stats) -> None:
+    metrics.request(route, 200)
+    if stats is not None:
+        metrics.turn(stats)
+
+
 async def respond(
-    srv: Server, request: Request, turn: TurnRequest, req, chat: bool, tools: ToolPlan | None = None
+    stream: TurnStream,
+    req,
+    metrics: Metrics,
+    model: str,
+    fingerprint: str,
+    chat: bool,
+    tools: ToolPlan | None = None,
 ) -> Response:
-    stream, admitted = await srv.start(turn, request)
+    """The response to ``req`` (a parsed body), answered by ``model`` (``system_fingerprint``:
+    ``fingerprint``) from the turn of ``stream``: a whole body, or SSE chunks as it generates."""
+    admitted = await stream.start()
+    request = stream.request
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
-        "model": srv.engine.info.model_name,
-        "system_fingerprint": srv.engine.info.fingerprint,
+        "model": model,
+        "system_fingerprint": fingerprint,
     }
     route = route_label(request)
     if req.stream:
         return StreamingResponse(
-            _sse_events(srv, stream, turn, request, base, admitted, chat, req.include_usage(), route, tools),
+            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     pieces: list[str] = []
-    while True:
-        ev = await srv._next(stream, turn, request)
+    async for ev in stream:  # ends at the answer's last event
         if isinstance(ev, Failed):
             raise failed_error(ev)
         if isinstance(ev, GenEvent):
             pieces.append(ev.text)
-            if ev.finish_reason is not None:
-                final = ev
-                break
+            final = ev
     text = "".join(pieces)
     stats = final.stats
-    srv.finished(route, stats)
+    _finished(metrics, route, stats)
     note_usage(request, admitted, stats.completion_tokens, final.finish_reason)
     usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
     if chat:
@@ -187,10 +170,8 @@ async def respond(
 
 
 async def _sse_events(
-    srv: Server,
-    stream: _Stream,
-    turn: TurnRequest,
-    request: Request,
+    stream: TurnStream,
+    metrics: Metrics,
     base: dict,
     admitted: Admitted,
     chat: bool,
@@ -198,6 +179,7 @@ async def _sse_events(
     route: str,
     tools: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
+    request = stream.request
     extra = {"usage": None} if include_usage else {}
     parser = ToolCallParser(tools.fmt, tools.max_calls) if tools is not None else None
 
@@ -224,11 +206,10 @@ async def _sse_events(
     try:
         if chat:
             yield _sse(chunk("", None, role=True))
-        while True:
-            ev = await srv._next(stream, turn, request)
+        async for ev in stream:  # ends at the answer's last event
             if isinstance(ev, Failed):
                 err = failed_error(ev)
-                srv.metrics.request(route, err.status)
+                metrics.request(route, err.status)
                 yield _sse(err.body())
                 break
             if not isinstance(ev, GenEvent):
@@ -241,7 +222,7 @@ async def _sse_events(
             finish = finish_reason(ev.finish_reason, len(parser.calls) if parser is not None else 0)
             yield _sse(chunk(None if chat else "", finish))
             stats = ev.stats
-            srv.finished(route, stats)
+            _finished(metrics, route, stats)
             note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)
             if include_usage:
                 usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
@@ -251,6 +232,6 @@ async def _sse_events(
     finally:
         # the client went away (the response task was cancelled) or we are done: either way the
         # worker must stop generating for nobody; it still banks what it computed
-        turn.cancel.set()
+        stream.cancel()
         if getattr(request.state, "usage", None) is None:
             note_usage(request, admitted, tokens, "cancelled")

@@ -11,7 +11,7 @@ naming the field (``refused``: raised from a validator, it leaves pydantic as it
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
 ``models.generation``'s).
 ``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are parsed here and
-honoured by ``server.structured`` (grammars, the model's tool-call format).
+honoured by ``chat_format.structured`` (grammars, the model's tool-call format).
 
 Every 4xx/5xx body has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}``; a 507
 adds ``needed_bytes`` and ``available_bytes`` inside ``error``.
@@ -23,9 +23,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from turnkv.chat_format.toolcalls import NAME, template_message
 from turnkv.engine.sampling import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams
 from turnkv.models.generation import SamplingDefaults
-from turnkv.toolcalls import NAME, template_message
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
@@ -115,7 +115,7 @@ class ChatMessage(_Body):
 
     def template(self) -> dict:
         """This message as the chat template takes it (``developer`` is a system message; tool
-        calls with their arguments as objects, see ``toolcalls.template_message``)."""
+        calls with their arguments as objects, see ``chat_format.toolcalls.template_message``)."""
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": self.text(),

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from turnkv.chat_format.toolcalls import FORMATS, parse, template_message
 from turnkv.kv.cache import common_prefix_len
 from turnkv.tokenizer import Tokenizer
-from turnkv.toolcalls import FORMATS, parse, template_message
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class ChatHistory:
     tokenizer: Tokenizer = field(repr=False, compare=False)
     messages: list[dict]
     tools: list[dict] | None = None
-    tool_format: str | None = None  # a key of turnkv.toolcalls.FORMATS; None: the answer is content
+    tool_format: str | None = None  # a key of toolcalls.FORMATS; None: the answer is content
     max_calls: int | None = None
 
     def __call__(self, answer: str) -> list[int]:
@@ -96,7 +96,7 @@ def history_spec(history: object) -> tuple[str, object] | None:
         return ("text", history.text)
     raise TypeError(
         f"render_history {type(history).__name__} cannot be replayed on other ranks "
-        "(use turnkv.engine.history.ChatHistory or TextHistory)"
+        "(use turnkv.chat_format.history.ChatHistory or TextHistory)"
     )
 
 

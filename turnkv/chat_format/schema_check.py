@@ -1,7 +1,7 @@
 """Checks of a JSON schema before llguidance compiles it: schemas the library accepts and then fails
 on in the middle of a turn (a 500 at the first token, an empty answer, a lexer that runs out, masks
-that cost tens of milliseconds a step). Each problem is a ``SchemaProblem`` naming where it is in the
-schema (a JSON pointer: ``#/properties/a``).
+that stall every step: docs/BENCHMARKS.md "Structured output"). Each problem is a ``SchemaProblem``
+naming where it is in the schema (a JSON pointer: ``#/properties/a``).
 
 - ``x-guidance`` at the root: llguidance's own options (layout, ``lenient``). They would override
   the canonical layout (``grammar.CANONICAL``) that lets an answer re-render into its cached
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnkv.engine.pattern_size import pattern_size
+from turnkv.chat_format.pattern_size import pattern_size
 
 DEPTH_MAX = 64  # schema levels (llguidance's own JSON parser stops at 128 JSON levels)
 PATTERN_MAX = 512  # characters a pattern's counted repetitions multiply out to

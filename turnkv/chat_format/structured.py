@@ -1,8 +1,8 @@
 """What a request asks of the answer's shape: the grammar that constrains it, and how its text is
-read back as tool calls. Runs in the handler's thread pool (compiling a schema takes ~15 ms at
-the default model's vocabulary, ~65 ms at 128K; a repeated one is a cache hit).
+read back as tool calls. Runs in the handler's thread pool, where a schema is compiled (its cost:
+docs/BENCHMARKS.md "Structured output"; a repeated one is a cache hit).
 
-- ``response_format`` ``json_object`` / ``json_schema``: a JSON grammar (``engine.grammar``).
+- ``response_format`` ``json_object`` / ``json_schema``: a JSON grammar (``grammar``).
 - ``tools``: rendered by the model's chat template; its format (``toolcalls.template_format``)
   says how calls look. ``tool_choice`` ``auto`` (the default): the answer is parsed, plain content
   when the model calls nothing; ``required``: a grammar forces one call of the tools (up to
@@ -13,7 +13,7 @@ the default model's vocabulary, ~65 ms at 128K; a repeated one is a cache hit).
   nothing is parsed.
 
 Every problem is an ``ApiError`` 400 naming its field, decided here, before the turn runs: a schema
-is checked and its grammar's first steps walked when it is compiled (``engine.grammar``), and the
+is checked and its grammar's first steps walked when it is compiled (``grammar``), and the
 history's tool-call arguments may nest at most ``ARGUMENTS_DEPTH_MAX`` deep (``check_history``).
 """
 
@@ -21,9 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from turnkv.engine.grammar import Grammar, GrammarError, Grammars, ToolCallShape
+from turnkv.chat_format.grammar import Grammar, GrammarError, Grammars, ToolCallShape
+from turnkv.chat_format.toolcalls import (
+    ARGUMENTS_DEPTH_MAX,
+    ToolFormat,
+    ToolsUnsupported,
+    json_depth,
+    template_format,
+)
 from turnkv.server.schemas import ChatCompletionRequest, NamedToolChoice, ResponseFormat, bad_request
-from turnkv.toolcalls import ARGUMENTS_DEPTH_MAX, ToolFormat, ToolsUnsupported, json_depth, template_format
 
 # the most calls a forced ``required`` turn may write with ``parallel_tool_calls``: a model that
 # repeats its call ends the turn there instead of at max_tokens

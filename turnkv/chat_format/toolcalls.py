@@ -108,7 +108,7 @@ def _template_call(call: dict) -> dict:
     return {**call, "function": fn}
 
 
-ARGUMENTS_DEPTH_MAX = 128  # nesting of a call's arguments (requests deeper are refused: server.structured)
+ARGUMENTS_DEPTH_MAX = 128  # nesting of a call's arguments (deeper: refused, chat_format.structured)
 _BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
 
 
