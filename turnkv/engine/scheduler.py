@@ -177,6 +177,7 @@ class Scheduler:
         self.inflight: _Launched | None = None  # a step whose tokens are not taken yet (run-ahead)
         self.run_ahead = run_ahead
         self.hook = hook
+        self.ctx = engine.turn_context()  # what its turns may use of the engine
         self.ahead_steps = 0  # steps launched before the previous one completed
         self._done_at = 0.0  # when the last step's tokens were taken
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
@@ -188,7 +189,7 @@ class Scheduler:
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
         if self.hook is not None:  # rank 0 of a tensor-parallel group: the other ranks replay the turn
             request = self.hook.latch(self, request)
-        turn = Turn(self.engine, self.bank, request)
+        turn = Turn(self.ctx, self.bank, request)
         self.waiting.append(_Entry(turn, emit, time.monotonic()))
         return turn
 
