@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.chat_format.grammar import Grammars
-from turnkv.chat_format.structured import Structure, chat_structure, response_grammar
+from turnkv.chat_format.structured import Structure
 from turnkv.engine.events import Failed, TurnRequest
 from turnkv.runtime import Runtime
 from turnkv.server.access import AccessLog
@@ -53,6 +53,7 @@ from turnkv.server.schemas import (
     parse_body,
 )
 from turnkv.server.stream import TurnStream, failed_error
+from turnkv.server.structured import request_structure
 from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,10 @@ class Server:
     def prepare(self, req, chat: bool) -> tuple[list[int], object, Structure]:
         """Prompt ids, history renderer and answer structure (grammar, tools) of a parsed body;
         runs in the handler's thread pool (rendering, tokenizing, compiling a grammar)."""
+        st = request_structure(req, self.grammars, self.engine.tokenizer.chat_template)
         if chat:
-            st = chat_structure(req, self.grammars, self.engine.tokenizer.chat_template)
             ids, history = self.prompts.chat(req.template_messages(), st.tools, st.plan)
         else:
-            st = Structure(response_grammar(req.response_format, self.grammars))
             ids, history = self.prompts.completion(req.single_prompt())
         if st.grammar is not None and self.effective.grammars_off is not None:
             raise bad_request(

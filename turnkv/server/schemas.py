@@ -11,7 +11,8 @@ naming the field (``refused``: raised from a validator, it leaves pydantic as it
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
 ``models.generation``'s).
 ``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are parsed here and
-honoured by ``chat_format.structured`` (grammars, the model's tool-call format).
+honoured by ``chat_format.structured`` (grammars, the model's tool-call format), which
+``server.structured`` hands them to.
 
 Every 4xx/5xx body has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}``; a 507
 adds ``needed_bytes`` and ``available_bytes`` inside ``error``.
