@@ -80,11 +80,15 @@ def _weights(cfg: EngineConfig) -> str:
 
 def load_engine(cfg: EngineConfig, progress: bool = True) -> Engine:
     """The model of ``cfg`` on its device (under ``--tensor-parallel``: this rank's shard)."""
+    from functools import partial
+
+    from turnkv.models.llama import LlamaModel
     from turnkv.models.load import build_random_model, load_model
 
-    group = None
+    empty, init = LlamaModel, LlamaModel.init_random
     if cfg.tensor_parallel > 1:
-        from turnkv.parallel.group import current_group
+        from turnkv.parallel.group import current_group, shard_model
+        from turnkv.parallel.shard import init_random_shard
 
         group = current_group()
         if group is None or group.size != cfg.tensor_parallel:
@@ -93,11 +97,13 @@ def load_engine(cfg: EngineConfig, progress: bool = True) -> Engine:
                 "start it through the turnkv command (or torchrun with as many processes)"
             )
         cfg = replace(cfg, device=str(group.device))
+        empty, init = partial(shard_model, group=group), init_random_shard  # this rank's shard
     if cfg.model.startswith("random:"):
-        loaded = build_random_model(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, group=group)
+        shape = cfg.model.split(":", 1)[1]
+        loaded = build_random_model(shape, cfg.device, cfg.dtype, empty=empty, init=init)
     else:
         weights = _weights(cfg)
-        loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, group=group)
+        loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, empty=empty)
     return Engine(loaded, cfg, speculation_off=speculation_off(cfg.tensor_parallel))
 
 

@@ -13,9 +13,9 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,8 +30,12 @@ from turnkv.models.gguf_pack import pack_gguf
 from turnkv.models.llama import LlamaModel
 from turnkv.tokenizer import Tokenizer, byte_level
 
-if TYPE_CHECKING:
-    from turnkv.parallel.group import Group
+# The empty model a loader fills, from the checkpoint's config: ``LlamaModel`` itself, or, where
+# the caller runs tensor parallelism, this rank's shard (``partial(parallel.group.shard_model,
+# group=group)``); the loaders never know which.
+EmptyModel = Callable[[ModelConfig, torch.device, torch.dtype], LlamaModel]
+# Random weights (model, seed) in place: ``LlamaModel.init_random``, or ``parallel.shard.init_random_shard``.
+RandomInit = Callable[[LlamaModel, int], None]
 
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -234,10 +238,12 @@ def load_model(
     dtype: str = "auto",
     progress: bool = True,
     weights: str = "auto",
-    group: Group | None = None,
+    empty: EmptyModel = LlamaModel,
+    init: RandomInit = LlamaModel.init_random,
 ) -> LoadedModel:
-    """Load ``spec``: ``default``, a HF folder, a ``.gguf`` file or ``random:<shape>``; with a
-    tensor-parallel ``group``, only this rank's shard of it (``turnkv.parallel``).
+    """Load ``spec``: ``default``, a HF folder, a ``.gguf`` file or ``random:<shape>`` into the
+    model ``empty`` builds (a tensor-parallel caller's: only this rank's shard of it), random
+    weights by ``init``.
 
     ``weights`` (GGUF only): ``auto`` keeps Q4_0/Q4_1/Q8_0 matrices packed on CPU where the
     load-time self-check passes, ``packed`` insists (a ModelLoadError says why it cannot),
@@ -246,8 +252,6 @@ def load_model(
     """
     if weights not in quant.WEIGHT_MODES:
         raise ModelLoadError(f"unknown weights mode {weights!r} (use {', '.join(quant.WEIGHT_MODES)})")
-    if group is not None:
-        weights = "dequant"
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if weights == "packed" and (spec.startswith("random:") or Path(spec).is_dir()):
@@ -255,9 +259,9 @@ def load_model(
             "--weights packed needs a GGUF file with Q4_0/Q4_1/Q8_0 tensors (use --weights auto or dequant)"
         )
     if spec.startswith("random:"):
-        return build_random_model(spec.split(":", 1)[1], dev, dt, group=group)
+        return build_random_model(spec.split(":", 1)[1], dev, dt, empty=empty, init=init)
     if spec in ("", "default"):
-        loaded = _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights, group)
+        loaded = _load_gguf(default_model_path(), dev, dt, progress, DEFAULT_NAME, weights, empty)
         return replace(loaded, sampling=loaded.sampling.over(generation.DEFAULT_MODEL_CARD))
     path = Path(spec).expanduser()
     if not path.exists():
@@ -265,44 +269,34 @@ def load_model(
             f"model path {spec!r} does not exist (expected 'default', a Hugging Face folder or a .gguf file)"
         )
     if path.is_dir():
-        return _load_hf(path, dev, dt, progress, group)
+        return _load_hf(path, dev, dt, progress, empty)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dev, dt, progress, path.stem, weights, group)
+        return _load_gguf(path, dev, dt, progress, path.stem, weights, empty)
     raise ModelLoadError(f"{spec!r} is neither a folder with config.json nor a .gguf file")
 
 
 def build_random_model(
-    shape: str, device="auto", dtype="auto", seed: int = 0, group: Group | None = None
+    shape: str,
+    device="auto",
+    dtype="auto",
+    seed: int = 0,
+    empty: EmptyModel = LlamaModel,
+    init: RandomInit = LlamaModel.init_random,
 ) -> LoadedModel:
     """Random weights (std 0.02, norms 1) of a named shape, allocated directly on ``device`` in
-    ``dtype``; with a tensor-parallel ``group``, this rank's part of the same weights."""
+    ``dtype``; a shard's ``empty`` and ``init`` give this rank's part of the same weights."""
     if shape not in SHAPES:
         raise ModelLoadError(f"unknown shape {shape!r} (supported: {', '.join(SHAPES)})")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = SHAPES[shape]
-    if group is None:
-        model = LlamaModel(cfg, dev, dt)
-        model.init_random(seed)
-    else:
-        from turnkv.parallel.shard import init_random_shard
-
-        model = _new_model(cfg, dev, dt, group)
-        init_random_shard(model, model.tp.plan, seed)
+    model = empty(cfg, dev, dt)
+    init(model, seed)
     tok = byte_level()
     # The byte tokenizer's specials stand in for the real ones, so stop ids agree with it.
     cfg = replace(cfg, bos_token_id=tok.bos_token_id, eos_token_ids=tuple(sorted(tok.eos_token_ids)))
     fp = hashlib.sha256(f"random:{shape}:{seed}:{dt}".encode()).hexdigest()[:24]
     return LoadedModel(model, tok, cfg, f"random:{shape}", fp, dev, dt)
-
-
-def _new_model(cfg: ModelConfig, dev: torch.device, dt: torch.dtype, group: Group | None) -> LlamaModel:
-    """The empty model to fill: the whole of ``cfg``, or this rank's shard of it."""
-    if group is None:
-        return LlamaModel(cfg, dev, dt)
-    from turnkv.parallel.group import shard_model
-
-    return shard_model(cfg, dev, dt, group)
 
 
 def _fill(model: LlamaModel, items, desc: str, progress: bool, done: frozenset[str] = frozenset()) -> None:
@@ -343,7 +337,7 @@ def _load_gguf(
     progress: bool,
     name: str,
     weights: str = "auto",
-    group: Group | None = None,
+    empty: EmptyModel = LlamaModel,
 ) -> LoadedModel:
     fp = file_fingerprint(path)
     try:
@@ -355,7 +349,9 @@ def _load_gguf(
             f"{path.name} is not a readable GGUF file ({type(exc).__name__}: {exc})"
         ) from exc
     cfg = header.config
-    model = _new_model(cfg, dev, dt, group)
+    model = empty(cfg, dev, dt)
+    if model.tp is not None:
+        weights = "dequant"  # packed weights are not cut per rank
     data = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable arrays
     entries = [e for e in header.tensors if e.name != gg.ROPE_FREQS]
     for e in header.tensors:
@@ -453,7 +449,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 
 
 def _load_hf(
-    folder: Path, dev: torch.device, dt: torch.dtype, progress: bool, group: Group | None = None
+    folder: Path, dev: torch.device, dt: torch.dtype, progress: bool, empty: EmptyModel = LlamaModel
 ) -> LoadedModel:
     from safetensors import safe_open
 
@@ -484,7 +480,7 @@ def _load_hf(
     for f in files:
         file_fingerprint(f, h)
     fp = h.hexdigest()[:24]
-    model = _new_model(cfg, dev, dt, group)
+    model = empty(cfg, dev, dt)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     items = [
         (name, f.get_slice(name).get_shape(), lambda dst, f=f, n=name: dst.copy_(f.get_tensor(n)))

@@ -2,7 +2,9 @@
 
 ``init_group`` joins the group (``torch.distributed``: NCCL between GPUs, gloo on CPU) and makes
 a second, gloo-only group for the control messages of ``control.py`` (host data never goes
-through NCCL). ``current_group()`` is what ``runtime.load_engine`` and the loaders ask for.
+through NCCL). ``current_group()`` is what ``runtime.load_engine`` asks for; it hands the
+loaders ``partial(shard_model, group=group)`` as the empty model to fill (``models`` never
+imports ``parallel``).
 
 ``TensorParallel`` is what ``LlamaModel.tp`` holds: the shard plan and the three collectives of
 a step -- an all-reduce after the vocabulary-split embedding, one after each row-parallel layer

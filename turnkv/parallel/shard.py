@@ -157,10 +157,12 @@ def _whole(cfg: ModelConfig, dtype: torch.dtype):
     return LlamaModel(cfg, "meta", dtype)
 
 
-def init_random_shard(model, plan: ShardPlan, seed: int = 0, std: float = 0.02) -> None:
-    """Fill a shard model with this rank's part of exactly the weights ``LlamaModel.init_random``
-    gives the whole model: each full parameter is drawn in the same order from the same generator
-    on this rank's device, cut, and dropped (one full parameter in memory at a time)."""
+def init_random_shard(model, seed: int = 0, std: float = 0.02) -> None:
+    """Fill a shard model (``parallel.group.shard_model``: its ``tp.plan``) with this rank's part
+    of exactly the weights ``LlamaModel.init_random`` gives the whole model: each full parameter
+    is drawn in the same order from the same generator on this rank's device, cut, and dropped
+    (one full parameter in memory at a time)."""
+    plan: ShardPlan = model.tp.plan
     whole = _whole(plan.full, model.dtype)
     mine = dict(model.named_parameters())
     gen = torch.Generator(device=model.device).manual_seed(seed)
