@@ -29,7 +29,7 @@ def drive(engine: Engine, turn: Turn, cancel_after: int | None = None) -> list:
         if w is not None:
             res = engine.run_step([w])
             layers = engine.shape.num_layers
-            out = WindowOutput(res.logits, res.logits.argmax(-1).tolist(), res.plan.labels[0], layers)
+            out = WindowOutput(res.logits.argmax(-1).tolist(), res.plan.labels[0], layers)  # greedy
         events += turn.advance(out)
         if (
             cancel_after is not None
