@@ -37,6 +37,7 @@ from report import OUT, save
 
 from turnkv.bank.disk import DiskTier
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
@@ -106,7 +107,7 @@ def restore_timed(engine: Engine, tier: DiskTier, ids: list[int]) -> dict:
     bank = SessionBank(NO_LIMIT, engine.shape.bytes_per_row, lambda held: unique_bytes(*held), tier=tier)
     sync(engine)
     t0 = time.perf_counter()
-    lease = bank.admit("bench", ids, 1)
+    lease = bank.admit("bench", ids, Reservation(1))
     sync(engine)
     t_load = time.perf_counter() - t0
     cache = engine.restore(lease.snapshot) if lease.snapshot is not None else engine.new_cache()

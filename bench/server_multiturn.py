@@ -54,6 +54,7 @@ from report import save
 
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig, parse_size
+from turnkv.engine.admission import activation_bytes
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
@@ -317,7 +318,7 @@ def main() -> None:
         parse_size(args.bank_bytes)
         if args.bank_bytes
         else int(1.2 * final_rows * first.shape.bytes_per_row)
-        + first.activation_bytes(first.prefill_chunk, final_rows)
+        + activation_bytes(first.footprint, first.prefill_chunk, final_rows)
     )
     note = " (random weights: speed and memory only)" if args.shape else ""
     print(
@@ -373,7 +374,7 @@ def run_clients(args: argparse.Namespace) -> None:
         parse_size(args.bank_bytes)
         if args.bank_bytes
         else int(1.3 * args.clients * per_client * engine.shape.bytes_per_row)
-        + 2 * engine.activation_bytes(args.max_batch_tokens, per_client)
+        + 2 * activation_bytes(engine.footprint, args.max_batch_tokens, per_client)
     )
     info = engine.info
     print(

@@ -8,6 +8,7 @@ import itertools
 import torch
 
 from turnkv.bank.disk import DiskTier
+from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
@@ -52,7 +53,7 @@ def turn(engine: Engine, bank: SessionBank, ns: str, ids: list[int], max_tokens:
 
 def first_logits(engine: Engine, bank: SessionBank | None, ns: str, ids: list[int]):
     """Logits of the prompt's last row, restoring what the bank (and its tier) holds: ``([V], cached)``."""
-    lease = bank.admit(ns, ids, 1) if bank is not None else None
+    lease = bank.admit(ns, ids, Reservation(1)) if bank is not None else None
     snap = lease.snapshot if lease is not None else None
     cache = engine.restore(snap) if snap is not None else engine.new_cache()
     cached = lease.cached if lease is not None else 0

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnkv.bank.budget import auto_budget_bytes
+from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import Refused, SessionBank, TokenIndex
 from turnkv.kv.cache import KVShape
 from turnkv.kv.contiguous import ContiguousLayout
@@ -109,7 +110,7 @@ def test_follow_up_fork_regenerate_and_edit_restore_without_copying():
         "edit turn 1": ([1, 2, 50], 2),
     }
     for name, (prompt, cached) in cases.items():
-        lease = bank.admit("ns", prompt, reserve_rows=4)
+        lease = bank.admit("ns", prompt, Reservation(4))
         assert lease.cached == cached, name
         assert lease.snapshot.tokens == tuple(prompt[:cached]), name
         assert {s.id for s in lease.snapshot.segments()} <= banked, name
@@ -127,7 +128,7 @@ def test_restored_views_alias_the_banked_rows():
     bank = _bank()
     cache = _conversation(layout, [1, 2, 3], [4, 5, 6])
     bank.insert("ns", cache.snapshot())
-    lease = bank.admit("ns", [1, 2, 3, 4, 9], reserve_rows=1)
+    lease = bank.admit("ns", [1, 2, 3, 4, 9], Reservation(1))
     live = layout.restore(lease.snapshot)
     views = [(k[0], v[0]) for k, v in live.views()]
     banked = [(k[0], v[0]) for k, v in cache.views()]
@@ -143,7 +144,7 @@ def test_namespaces_are_isolated():
     bank.insert("alice", _conversation(layout, [1, 2, 3, 4]).snapshot())
     assert bank.lookup("alice", [1, 2, 3, 4, 5])[0] == 4
     assert bank.lookup("bob", [1, 2, 3, 4, 5]) == (0, None)
-    lease = bank.admit("bob", [1, 2, 3, 4, 5], reserve_rows=1)
+    lease = bank.admit("bob", [1, 2, 3, 4, 5], Reservation(1))
     assert lease.cached == 0 and lease.snapshot is None
     assert bank.stats.misses == 1
 
@@ -182,9 +183,9 @@ def test_lru_eviction_spares_entries_in_use():
     for s in snaps:
         bank.insert("ns", s)
     assert len(bank) == 3
-    old = bank.admit("ns", [*snaps[0].tokens, 7], reserve_rows=1)  # pins entry 0, now most recent
+    old = bank.admit("ns", [*snaps[0].tokens, 7], Reservation(1))  # pins entry 0, now most recent
     # 3 x 10 rows banked; 12 more rows need the room of one entry: the LRU idle one is entry 1
-    lease = bank.admit("ns", [999] * 11, reserve_rows=1)
+    lease = bank.admit("ns", [999] * 11, Reservation(1))
     assert bank.stats.evictions == 1
     assert bank.lookup("ns", snaps[0].tokens)[0] == 10
     assert bank.lookup("ns", snaps[1].tokens)[0] == 0
@@ -202,7 +203,7 @@ def test_a_shared_prefix_is_held_but_does_not_pin_the_rest_of_the_entry():
     _append(branch, list(range(100, 110)), seed=1)  # 30 shared rows + 10 of its own (no merge)
     bank.insert("ns", branch.snapshot())
     # a new conversation sharing only the 30 system rows: 15 more rows need 5 freed
-    lease = bank.admit("ns", [*system, *range(500, 505)], reserve_rows=10)
+    lease = bank.admit("ns", [*system, *range(500, 505)], Reservation(10))
     assert lease.cached == 30 and not lease.pinned
     assert bank.stats.evictions == 1 and len(bank) == 0  # the branch went ...
     assert bank.unique_bytes(live=True) == 30 * ROW  # ... but the restored prefix is still held
@@ -220,11 +221,11 @@ def test_refusal_evicts_nothing_and_a_small_turn_then_fits():
     for s in snaps:
         bank.insert("ns", s)
     with pytest.raises(Refused) as err:
-        bank.admit("ns", list(range(500, 540)), reserve_rows=10)
+        bank.admit("ns", list(range(500, 540)), Reservation(10))
     assert err.value.needed_bytes == 50 * ROW
     assert err.value.available_bytes == 30 * ROW  # every idle entry could go, and still too little
     assert len(bank) == 2 and bank.stats.evictions == 0 and bank.stats.refusals == 1
-    lease = bank.admit("ns", [*snaps[1].tokens, 1, 2], reserve_rows=4)  # 6 rows: fits beside both
+    lease = bank.admit("ns", [*snaps[1].tokens, 1, 2], Reservation(4))  # 6 rows: fits beside both
     assert lease.cached == 10 and bank.stats.evictions == 0
     bank.finish(lease)
     assert bank.lookup("ns", snaps[0].tokens)[0] == 10
@@ -237,14 +238,14 @@ def test_session_newest_entry_is_protected():
     bank.insert("ns", first, session="s1")
     other = _conversation(layout, list(range(100, 110))).snapshot()
     bank.insert("ns", other)  # more recent than s1's entry, but not protected
-    lease = bank.admit("ns", list(range(200, 209)), reserve_rows=1)  # needs 10 rows of 5 free
+    lease = bank.admit("ns", list(range(200, 209)), Reservation(1))  # needs 10 rows of 5 free
     assert bank.lookup("ns", first.tokens)[0] == 10
     assert bank.lookup("ns", other.tokens)[0] == 0
     bank.finish(lease)
     # a newer entry of the same session moves the protection; the old one becomes evictable
     newer = _conversation(layout, list(range(300, 305))).snapshot()
     bank.insert("ns", newer, session="s1")
-    lease = bank.admit("ns", list(range(400, 414)), reserve_rows=1)
+    lease = bank.admit("ns", list(range(400, 414)), Reservation(1))
     assert bank.lookup("ns", first.tokens)[0] == 0
     assert bank.lookup("ns", newer.tokens)[0] == 5
     bank.finish(lease)
@@ -255,7 +256,7 @@ def test_finish_banks_the_turn_and_counts_the_live_cache():
     bank = _bank()
     cache = _conversation(layout, list(range(10)))
     bank.insert("ns", cache.snapshot())
-    lease = bank.admit("ns", [*range(10), 10, 11], reserve_rows=3)
+    lease = bank.admit("ns", [*range(10), 10, 11], Reservation(3))
     live = layout.restore(lease.snapshot)
     lease.attach(live)
     live.presize(100)
@@ -286,8 +287,8 @@ def test_contiguous_restore_copy_is_priced_and_entries_do_not_share():
     assert seg.unique_bytes() == (20 + 2 + 1) * ROW  # the forks share the 20 rows
     assert con.unique_bytes() == (22 + 21) * ROW  # every snapshot is its own copy
     prompt = [*range(20), 70, 71]
-    a = seg.admit("ns", prompt, reserve_rows=5)
-    b = con.admit("ns", prompt, reserve_rows=5)
+    a = seg.admit("ns", prompt, Reservation(5))
+    b = con.admit("ns", prompt, Reservation(5))
     assert a.cached == b.cached == 20
     assert a.needed_bytes == (2 + 5) * ROW
     assert b.needed_bytes == (2 + 5 + 20) * ROW
@@ -295,9 +296,7 @@ def test_contiguous_restore_copy_is_priced_and_entries_do_not_share():
 
 def test_activation_bytes_are_priced():
     bank = _bank()
-    lease = bank.admit(
-        "ns", [1, 2, 3], reserve_rows=2, activation_bytes=lambda rows, hist: 1000 * rows + hist
-    )
+    lease = bank.admit("ns", [1, 2, 3], Reservation(2, activation=lambda rows, hist: 1000 * rows + hist))
     assert lease.needed_bytes == 5 * ROW + 3000
 
 
@@ -320,7 +319,7 @@ def test_the_running_byte_count_equals_a_full_re_measure_through_turns_and_evict
         convs.append((cache, base))
     for c, (_, base) in enumerate(convs):
         prompt = [*base, 900 + c, 901]
-        lease = bank.admit("ns", prompt, reserve_rows=4)  # early ones were evicted: a miss
+        lease = bank.admit("ns", prompt, Reservation(4))  # early ones were evicted: a miss
         live = layout.restore(lease.snapshot) if lease.snapshot is not None else layout.new()
         lease.attach(live)
         live.trim(lease.cached)

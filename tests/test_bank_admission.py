@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_bank import ROW, SHAPE, _append, _conversation
 
+from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
 from turnkv.kv.segments import SegmentedLayout, unique_bytes
 
@@ -43,7 +44,7 @@ def test_a_three_token_hit_does_not_pin_an_idle_517_row_conversation():
     a = _conversation(layout, [*CHATML, *range(100, 614)])  # one 517-row segment
     bank.insert("ns", a.snapshot())
     b_prompt = [*CHATML, *range(1000, 1444)]  # 447 tokens
-    lease = bank.admit("ns", b_prompt, reserve_rows=200)  # 444 + 200 rows do not fit beside 517
+    lease = bank.admit("ns", b_prompt, Reservation(200))  # 444 + 200 rows do not fit beside 517
     assert lease.cached == 3 and lease.copied_rows == 3
     assert bank.stats.evictions == 1 and len(bank) == 0  # A went
     a_seg = {s.id for s in a.snapshot().segments()}
@@ -59,7 +60,7 @@ def test_a_hit_is_restored_by_reference_while_there_is_room():
     bank = _bank(10_000)
     a = _conversation(layout, [*CHATML, *range(100, 614)])
     bank.insert("ns", a.snapshot())
-    lease = bank.admit("ns", [*CHATML, *range(1000, 1444)], reserve_rows=200)
+    lease = bank.admit("ns", [*CHATML, *range(1000, 1444)], Reservation(200))
     assert lease.cached == 3 and lease.copied_rows == 0 and bank.stats.evictions == 0
     assert {s.id for s in lease.snapshot.segments()} <= {s.id for s in a.snapshot().segments()}
     bank.finish(lease)
@@ -73,7 +74,7 @@ def test_a_long_hit_keeps_its_reference_and_evicts_others_first():
     bank.insert("ns", other.snapshot())
     bank.insert("ns", a.snapshot())
     # continues 590 of A's 600 rows (more than half): referenced, the other entry is evicted
-    lease = bank.admit("ns", [*range(590), 7, 7, 7], reserve_rows=350)
+    lease = bank.admit("ns", [*range(590), 7, 7, 7], Reservation(350))
     assert lease.cached == 590 and lease.copied_rows == 0
     assert bank.lookup("ns", list(range(600)))[0] == 600
     assert bank.lookup("ns", list(range(5000, 5400)))[0] == 0
@@ -119,7 +120,7 @@ def test_refused_exactly_when_evicting_everything_would_not_make_room(case):
     bank.budget_bytes = budget_rows * ROW
     fits = (len(prompt) + reserve) * ROW <= bank.budget_bytes
     try:
-        lease = bank.admit("ns", prompt, reserve_rows=reserve)
+        lease = bank.admit("ns", prompt, Reservation(reserve))
     except Refused as e:
         assert not fits, (len(prompt), reserve, budget_rows)
         assert e.needed_bytes > e.available_bytes
@@ -146,7 +147,7 @@ def test_idle_protected_sessions_never_refuse_a_turn_that_fits_without_them():
         snap = _conversation(layout, [ord(s) * 1000 + i for i in range(400)]).snapshot()
         bank.insert("ns", snap, session=s)
     assert len(bank.protected()) == 2
-    lease = bank.admit("ns", list(range(300)), reserve_rows=100)  # 400 rows: one entry must go
+    lease = bank.admit("ns", list(range(300)), Reservation(100))  # 400 rows: one entry must go
     assert bank.stats.evictions == 1 and bank.stats.protected_evictions == 1
     bank.finish(lease)
 
@@ -161,13 +162,13 @@ def test_session_protection_expires_after_its_ttl():
     newer = _conversation(layout, list(range(100, 120))).snapshot()
     bank.insert("ns", newer)
     assert bank.protected() == {1}
-    lease = bank.admit("ns", list(range(200, 225)), reserve_rows=5)  # needs one entry's room
+    lease = bank.admit("ns", list(range(200, 225)), Reservation(5))  # needs one entry's room
     assert bank.lookup("ns", protected.tokens)[0] == 20  # protected: the newer entry went
     bank.finish(lease)
     bank.insert("ns", newer)
     clock.t = 61  # the session's last turn was 61 s ago
     assert bank.protected() == set()
-    lease = bank.admit("ns", list(range(300, 325)), reserve_rows=5)
+    lease = bank.admit("ns", list(range(300, 325)), Reservation(5))
     assert bank.lookup("ns", protected.tokens)[0] == 0  # now plain LRU: the older entry goes
     assert bank.lookup("ns", newer.tokens)[0] == 20
     bank.finish(lease)
@@ -192,7 +193,7 @@ def test_a_turn_of_the_same_session_touches_its_protection():
     snap = _conversation(layout, list(range(20))).snapshot()
     bank.insert("ns", snap, session="s")
     clock.t = 50
-    bank.finish(bank.admit("ns", [*range(20), 5], reserve_rows=1, session="s"))
+    bank.finish(bank.admit("ns", [*range(20), 5], Reservation(1), session="s"))
     clock.t = 100  # 50 s after the session's last turn
     assert len(bank.protected()) == 1
 
@@ -202,13 +203,13 @@ def test_a_turn_of_the_same_session_touches_its_protection():
 
 def test_a_shrinkable_reservation_takes_what_the_budget_can_hold():
     bank = _bank(100)
-    lease = bank.admit("ns", list(range(30)), reserve_rows=4096, min_reserve_rows=1)
+    lease = bank.admit("ns", list(range(30)), Reservation(4096, least=1))
     assert lease.reserve_rows == 70 and lease.needed_bytes == 100 * ROW
     bank.finish(lease)
     with pytest.raises(Refused):
-        bank.admit("ns", list(range(30)), reserve_rows=4096)  # an explicit reservation never shrinks
+        bank.admit("ns", list(range(30)), Reservation(4096))  # an explicit reservation never shrinks
     with pytest.raises(Refused):
-        bank.admit("ns", list(range(100)), reserve_rows=4096, min_reserve_rows=1)  # no room for one
+        bank.admit("ns", list(range(100)), Reservation(4096, least=1))  # no room for one
 
 
 class WritingTier:
@@ -241,11 +242,11 @@ def test_admission_waits_for_the_disk_tiers_queued_writes_rather_than_refuse():
     bank = _bank(1100)
     bank.tier = WritingTier(a)
     bank.insert("ns", a)
-    lease = bank.admit("ns", [*CHATML, *range(1000, 1444)], reserve_rows=200)
+    lease = bank.admit("ns", [*CHATML, *range(1000, 1444)], Reservation(200))
     assert bank.tier.flushes == 1 and lease.copied_rows == 3 and bank.stats.refusals == 0
     bank.finish(lease)
     with pytest.raises(Refused):  # nothing to wait for: refused at once
-        bank.admit("ns", list(range(2000, 3200)), reserve_rows=1)
+        bank.admit("ns", list(range(2000, 3200)), Reservation(1))
     assert bank.tier.flushes == 1 and bank.stats.refusals == 1
 
 
@@ -253,14 +254,14 @@ def test_a_turn_that_fits_once_the_running_turns_finish_waits():
     """With many turns per step, eight clients arriving together on a 64M bank got 507 while the
     first one ran; a turn that fits once the live turns finish now waits (the scheduler retries)."""
     bank = _bank(100)
-    running = bank.admit("ns", list(range(50)), reserve_rows=20)
+    running = bank.admit("ns", list(range(50)), Reservation(20))
     with pytest.raises(MustWait):
-        bank.admit("ns", list(range(100, 150)), reserve_rows=20, wait=True)
+        bank.admit("ns", list(range(100, 150)), Reservation(20), wait=True)
     assert bank.stats.refusals == 0
     with pytest.raises(Refused):  # a caller that cannot wait gets the 507
-        bank.admit("ns", list(range(100, 150)), reserve_rows=20)
+        bank.admit("ns", list(range(100, 150)), Reservation(20))
     with pytest.raises(Refused) as e:  # too large even alone: refused, not told to wait
-        bank.admit("ns", list(range(100, 250)), reserve_rows=20, wait=True)
+        bank.admit("ns", list(range(100, 250)), Reservation(20), wait=True)
     assert not isinstance(e.value, MustWait)
     bank.finish(running)
-    bank.finish(bank.admit("ns", list(range(100, 150)), reserve_rows=20, wait=True))
+    bank.finish(bank.admit("ns", list(range(100, 150)), Reservation(20), wait=True))

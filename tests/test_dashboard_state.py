@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from turnkv.attention.route import Verdict
+from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.context_copy import Speculation
 from turnkv.kv.cache import KVShape
@@ -85,7 +86,7 @@ def test_conversations_are_lists_of_segments_with_sharing_marked(banked):
 def test_a_live_turn_shares_what_it_restored_and_shows_its_progress(banked):
     bank, (_, _, c), (*_, s4) = banked
     clock = LiveClock()
-    lease = bank.admit("key:abc", [*range(300, 307), 999], reserve_rows=4)
+    lease = bank.admit("key:abc", [*range(300, 307), 999], Reservation(4))
     assert lease.cached == 7 and lease.entry_id == c
     v = bank_view(bank, clock, now=10.0)
     (conv_c,) = [x for x in v["conversations"] if x["id"] == c]

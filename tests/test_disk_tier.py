@@ -17,6 +17,7 @@ from disk_helpers import GIB, bank_over, first_logits, prompt, synthetic, tiny_e
 
 from turnkv.bank.disk import DiskTier
 from turnkv.bank.disk_blocks import BLOCK_TOKENS as B
+from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import Refused, SessionBank
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
@@ -56,7 +57,7 @@ def test_loaded_rows_are_the_banked_rows_bit_for_bit(engine, tmp_path):
     [entry] = a.entries()
     a.tier.close()
     b = bank_over(engine, tmp_path)
-    lease = b.admit("ns", list(entry.tokens), 1)
+    lease = b.admit("ns", list(entry.tokens), Reservation(1))
     assert lease.cached == 512
     for got, want in zip(lease.snapshot.read_rows(0, 512), entry.snapshot.read_rows(0, 512), strict=True):
         assert torch.equal(got, want)
@@ -75,7 +76,7 @@ def test_a_short_memory_hit_is_extended_from_disk(engine, tmp_path):
     [short] = memory_only.entries()
     b = bank_over(engine, tmp_path)
     b.insert("ns", short.snapshot)  # memory holds 300 rows, the disk 1024
-    lease = b.admit("ns", long, 1)
+    lease = b.admit("ns", long, Reservation(1))
     assert lease.cached == 4 * B  # memory's 300 rows cut to 256, then blocks 1-3 from disk
     first = lease.snapshot.refs[0]
     assert first.segment is short.snapshot.refs[0].segment and first.n == B  # memory rows: no copy
@@ -226,14 +227,16 @@ def test_admission_prices_the_loaded_rows(engine, tmp_path):
     # 600 rows do not fit 300 rows of budget, whether they are loaded or computed
     for t in (tier, None):
         with pytest.raises(Refused) as err:
-            SessionBank(300 * row, row, lambda h: unique_bytes(*h), tier=t).admit("ns", tokens, 1)
+            SessionBank(300 * row, row, lambda h: unique_bytes(*h), tier=t).admit(
+                "ns", tokens, Reservation(1)
+            )
     assert err.value.needed_bytes == (len(tokens) + 1) * row  # without the tier: all rows new
     small = SessionBank(300 * row, row, lambda h: unique_bytes(*h), tier=tier)
     with pytest.raises(Refused) as err:
-        small.admit("ns", tokens, 1)
+        small.admit("ns", tokens, Reservation(1))
     assert (err.value.needed_bytes, err.value.available_bytes) == ((len(tokens) - 512 + 1) * row, 0)
     roomy = SessionBank(700 * row, row, lambda h: unique_bytes(*h), tier=tier)
-    lease = roomy.admit("ns", tokens, 1)
+    lease = roomy.admit("ns", tokens, Reservation(1))
     assert lease.cached == 512 and roomy.unique_bytes(live=True) == 512 * row
     roomy.finish(lease, None)
     tier.close()

@@ -24,6 +24,7 @@ import httpx
 import pytest
 from test_server import Live
 
+import turnkv.engine.admission as admission
 import turnkv.engine.chooser as chooser_mod
 import turnkv.engine.turn as turn_mod
 from turnkv.bank.disk_blocks import BLOCK_TOKENS as B
@@ -100,10 +101,10 @@ class Fault:
 
 
 FAULTS = [
-    Fault("context check", lambda s: (turn_mod, "_check_context")),
+    Fault("context check", lambda s: (admission, "check_context")),
     Fault("bank lookup", lambda s: (s.server.bank, "lookup")),
-    Fault("admission price", lambda s: (s.engine, "activation_bytes")),
-    Fault("new cache", lambda s: (s.engine, "new_cache")),
+    Fault("admission price", lambda s: (admission, "activation_bytes")),
+    Fault("new cache", lambda s: (s.engine.layout, "new")),
     Fault("disk has", lambda s: (s.server.bank.tier.store, "has"), tier=True, error=sqlite3.DatabaseError),
     Fault(
         "disk get",

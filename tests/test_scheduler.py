@@ -8,6 +8,7 @@ import time
 import pytest
 
 from turnkv.config import EngineConfig
+from turnkv.engine.admission import activation_bytes
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
@@ -90,7 +91,9 @@ def test_max_running_caps_the_running_set_and_nobody_starves(engine):
 
 
 def test_a_turn_that_fits_once_others_finish_waits_then_runs(engine):
-    one = 140 * engine.shape.bytes_per_row + engine.activation_bytes(40, 0)  # 40 prompt + 100 answer
+    one = 140 * engine.shape.bytes_per_row + activation_bytes(
+        engine.footprint, 40, 0
+    )  # 40 prompt + 100 answer
     budget = one + 70 * engine.shape.bytes_per_row  # room for one turn, not two
     sched = Scheduler(engine, new_bank(engine, budget), max_running=8, max_batch_tokens=64)
     log = Log(sched)
@@ -115,7 +118,7 @@ def test_a_turn_that_can_never_fit_is_refused_at_once_with_the_numbers(engine):
 
 
 def test_a_waiting_turn_past_the_queue_timeout_fails_with_queue_timeout(engine):
-    budget = 210 * engine.shape.bytes_per_row + engine.activation_bytes(40, 0)  # one turn, not two
+    budget = 210 * engine.shape.bytes_per_row + activation_bytes(engine.footprint, 40, 0)  # one turn, not two
     sched = Scheduler(
         engine, new_bank(engine, budget), max_running=8, max_batch_tokens=64, queue_timeout=0.05
     )

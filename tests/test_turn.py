@@ -45,7 +45,9 @@ PROMPT = [256, *range(40, 90)]  # 51 tokens: four prefill windows of 16 rows and
 def test_begin_steps_finish_in_order_and_bank_the_turn(engine, monkeypatch):
     monkeypatch.setattr(engine.speculation, "enabled", False)  # one row per decode step
     bank = new_bank(engine, "64M")
-    turn = Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=5))
+    turn = Turn(
+        engine.turn_context(), bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=5)
+    )
     events = drive(engine, turn)
     assert isinstance(events[0], Admitted) and events[0].cached_tokens == 0
     gens = [e for e in events if isinstance(e, GenEvent)]
@@ -61,11 +63,14 @@ def test_begin_steps_finish_in_order_and_bank_the_turn(engine, monkeypatch):
 def test_a_follow_up_restores_the_banked_rows(engine):
     bank = new_bank(engine, "64M")
     first = drive(
-        engine, Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=3))
+        engine,
+        Turn(engine.turn_context(), bank, TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=3)),
     )
     answer = [e.token_id for e in first if isinstance(e, GenEvent) and e.token_id is not None]
     follow = [*PROMPT, *answer[:-1], 300, 301, 302]
-    events = drive(engine, Turn(engine, bank, TurnRequest(follow, SamplingParams(), max_tokens=2)))
+    events = drive(
+        engine, Turn(engine.turn_context(), bank, TurnRequest(follow, SamplingParams(), max_tokens=2))
+    )
     assert isinstance(events[0], Admitted), events[0]
     assert events[0].cached_tokens == len(PROMPT) + len(answer) - 1
     last = [e for e in events if isinstance(e, GenEvent)][-1]
@@ -80,7 +85,7 @@ def test_rebase_banks_the_rows_of_the_re_rendered_history(engine):
         return [*PROMPT, *answer.encode(), *tail]
 
     req = TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=4, render_history=render)
-    events = drive(engine, Turn(engine, bank, req))
+    events = drive(engine, Turn(engine.turn_context(), bank, req))
     banked = events[-1]
     text = "".join(e.text for e in events if isinstance(e, GenEvent))
     want = render(text)
@@ -92,7 +97,7 @@ def test_rebase_banks_the_rows_of_the_re_rendered_history(engine):
 def test_cancel_stops_the_answer_and_still_banks_what_was_computed(engine):
     bank = new_bank(engine, "64M")
     req = TurnRequest(PROMPT, SamplingParams(ignore_eos=True), max_tokens=50, render_history=lambda a: PROMPT)
-    events = drive(engine, Turn(engine, bank, req), cancel_after=3)
+    events = drive(engine, Turn(engine.turn_context(), bank, req), cancel_after=3)
     last = [e for e in events if isinstance(e, GenEvent)][-1]
     n = last.stats.completion_tokens  # 3, or more where a verify window's tokens crossed 3
     assert last.finish_reason == "cancelled" and 3 <= n <= 3 + last.stats.accepted
@@ -102,14 +107,14 @@ def test_cancel_stops_the_answer_and_still_banks_what_was_computed(engine):
 
 def test_context_and_memory_refusals_do_nothing(engine):
     bank = new_bank(engine, "64M")
-    too_long = Turn(engine, bank, TurnRequest([256] * 4096, SamplingParams()))
+    too_long = Turn(engine.turn_context(), bank, TurnRequest([256] * 4096, SamplingParams()))
     [failed] = too_long.begin()
     assert isinstance(failed, Failed) and failed.code == "context_length_exceeded" and too_long.done
-    over = Turn(engine, bank, TurnRequest(PROMPT, SamplingParams(), max_tokens=4050))
+    over = Turn(engine.turn_context(), bank, TurnRequest(PROMPT, SamplingParams(), max_tokens=4050))
     [failed] = over.begin()
     assert failed.code == "context_length_exceeded" and "4101 tokens" in failed.message
     tiny = new_bank(engine, 64 * 1024)  # 64 KiB: not even the prompt's rows
-    [refused] = Turn(engine, tiny, TurnRequest(PROMPT, SamplingParams(), max_tokens=8)).begin()
+    [refused] = Turn(engine.turn_context(), tiny, TurnRequest(PROMPT, SamplingParams(), max_tokens=8)).begin()
     assert refused.code == "kv_memory_exhausted" and refused.needed_bytes > refused.available_bytes
     assert bank.stats.refusals == 0 and tiny.stats.refusals == 1
 
@@ -156,3 +161,55 @@ def test_sampled_turns_draw_their_own_stream(engine):
         sched.step()
     assert tokens(a) == alone  # the same seed draws the same tokens beside another sampled turn
     torch.manual_seed(0)  # the global generator plays no part
+
+
+def test_a_turn_runs_on_its_context_alone_without_a_model():
+    """``Turn`` sees only its ``TurnContext``: a byte tokenizer, a KV layout and the limits drive
+    it end to end, the step's logits made up by the test (a one-hot row: the "model" answers
+    ``ANSWER``), and the bank holds the prompt plus the answer."""
+    from turnkv.bank.session_bank import SessionBank
+    from turnkv.engine.admission import Footprint
+    from turnkv.engine.context import TurnContext
+    from turnkv.engine.context_copy import SpeculationStats
+    from turnkv.kv import make_layout
+    from turnkv.kv.cache import KVShape
+    from turnkv.kv.segments import unique_bytes
+    from turnkv.limits import MAX_WINDOW_ROWS
+    from turnkv.tokenizer import byte_level
+
+    tok = byte_level()
+    shape = KVShape(1, 1, 8, torch.float32, torch.device("cpu"))
+    vocab = tok.vocab_size
+    ctx = TurnContext(
+        max_context=256,
+        vocab=vocab,
+        default_max_tokens=16,
+        prefill_chunk=8,
+        device=shape.device,
+        tokenizer=tok,
+        layout=make_layout("segmented", shape),
+        footprint=Footprint(8, 16, 1, 8, 4, vocab, 8, flash=False),
+        drafts=lambda prompt: None,
+        draft_stats=SpeculationStats("off", "off: a test"),
+        verify_rows=lambda start: MAX_WINDOW_ROWS,
+    )
+    bank = SessionBank(1 << 20, shape.bytes_per_row, lambda held: unique_bytes(*held))
+    answer = list(b"ok")
+    prompt = list(b"hello there")
+    turn = Turn(ctx, bank, TurnRequest(prompt, SamplingParams(ignore_eos=True), max_tokens=len(answer)))
+    events, windows = turn.begin(), []
+    while not turn.done:
+        w = turn.window(1000)
+        out = None
+        if w is not None:
+            windows.append(len(w.tokens))
+            n = sum(isinstance(e, GenEvent) and e.token_id is not None for e in events)
+            nxt = answer[min(n, len(answer) - 1)]
+            w.cache.open_window(len(w.tokens))  # the rows a forward would have written
+            out = WindowOutput([nxt] * w.logits, "test_q1", 1)  # the tokens a chooser would give
+        events += turn.advance(out)
+    text = "".join(e.text for e in events if isinstance(e, GenEvent))
+    assert isinstance(events[0], Admitted) and text == "ok"
+    assert windows == [8, 3, 1]  # two prefill chunks of at most prefill_chunk rows, one decode row
+    assert isinstance(events[-1], Banked) and events[-1].banked_tokens == len(prompt) + len(answer) - 1
+    assert len(bank) == 1 and bank.stats.misses == 1

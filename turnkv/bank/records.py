@@ -34,6 +34,18 @@ class LowerTier(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What a turn asks the bank for beyond its prompt (``engine.admission.reserve``): ``rows``
+    for the answer (the rebase ``slack`` included), shrinkable down to ``least`` rows to fit (None:
+    never), and ``activation(new_rows, history_rows)``: the transient bytes of its prefill."""
+
+    rows: int
+    least: int | None = None
+    slack: int = 0
+    activation: Callable[[int, int], int] | None = None
+
+
 class Refused(Exception):
     """A turn that cannot fit the budget even after evicting every evictable entry (HTTP 507).
 

@@ -60,6 +60,7 @@ from turnkv.bank.records import (  # the records are this module's public names 
     Measure,
     MustWait,
     Refused,
+    Reservation,
 )
 from turnkv.bank.sessions import SessionGuard
 from turnkv.bank.token_index import TokenIndex
@@ -166,25 +167,23 @@ class SessionBank:
         self,
         namespace: str,
         tokens: Sequence[int],
-        reserve_rows: int,
-        activation_bytes: Callable[[int, int], int] | None = None,
+        want: Reservation,
         session: str | None = None,
-        min_reserve_rows: int | None = None,
         wait: bool = False,
     ) -> Lease:
         """Price the turn, evict entries to make room, hold the hit; raise :class:`Refused`.
 
         The prompt's last row is always recomputed (its logits start the answer), so at most
-        ``len(tokens) - 1`` rows are restored. ``activation_bytes(new_rows, history_rows)`` is the
-        transient prefill memory. With ``min_reserve_rows`` the output reservation may shrink from
-        ``reserve_rows`` down to that many rows to fit (``Lease.reserve_rows`` says what was granted).
+        ``len(tokens) - 1`` rows are restored. ``want.activation(new_rows, history_rows)`` is the
+        transient prefill memory. With ``want.least`` the output reservation may shrink from
+        ``want.rows`` down to that many rows to fit (``Lease.reserve_rows`` says what was granted).
         See the module docstring for the order in which admission tries to fit. When only the rows
         the disk tier's queued writes still hold stand in the way, admission waits (at most
         ``TIER_WAIT_S``, the bank unlocked) for those writes and tries once more. With ``wait``, a
         turn that fits once the live turns have finished raises :class:`MustWait` instead (the
         scheduler keeps it queued; DESIGN: "if it would fit once running turns finish, it waits").
         """
-        args = (namespace, tokens, reserve_rows, activation_bytes, session, min_reserve_rows)
+        args = (namespace, tokens, want, session)
         with self._lock:
             self.stats.query_tokens += len(tokens)
         try:
@@ -206,10 +205,8 @@ class SessionBank:
         self,
         namespace: str,
         tokens: Sequence[int],
-        reserve_rows: int,
-        activation_bytes: Callable[[int, int], int] | None,
+        want: Reservation,
         session: str | None,
-        min_reserve_rows: int | None,
     ) -> Lease:
         with self._lock:
             self._sessions.touch(namespace, session)
@@ -225,12 +222,13 @@ class SessionBank:
             def price(copied: int) -> int:
                 new_rows = len(tokens) - cached
                 rows = new_rows + copied + (cached if self.copy_on_restore else 0)
-                act = activation_bytes(new_rows, cached) if activation_bytes is not None else 0
+                act = want.activation(new_rows, cached) if want.activation is not None else 0
                 return rows * self.bytes_per_row + act
 
             plans = self._plans(prefix, entry if whole else None, price)
             last = plans[-1]
-            least = reserve_rows if min_reserve_rows is None else min(min_reserve_rows, reserve_rows)
+            reserve_rows = want.rows
+            least = reserve_rows if want.least is None else min(want.least, reserve_rows)
             room = (self.budget_bytes - last.floor - last.fixed) // self.bytes_per_row
             if room < least:
                 e = Refused(last.fixed + least * self.bytes_per_row, max(self.budget_bytes - last.floor, 0))

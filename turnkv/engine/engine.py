@@ -19,6 +19,8 @@ import torch
 from turnkv.attention.route import Verdict
 from turnkv.attention.segment_table import key_bucket
 from turnkv.config import EngineConfig
+from turnkv.engine.admission import Footprint
+from turnkv.engine.context import TurnContext
 from turnkv.engine.context_copy import Speculation
 from turnkv.engine.cpu_threads import make_thread_policy
 from turnkv.engine.graphs import GraphStep, make_graphs
@@ -98,23 +100,36 @@ class Engine:
     def restore(self, snapshot: Snapshot) -> KVCache:
         return self.layout.restore(snapshot)
 
-    def activation_bytes(self, rows: int, history: int = 0) -> int:
-        """Transient memory of one prefill chunk of ``rows`` rows over ``history`` cached rows.
-
-        Counts the hidden states and MLP of the chunk and, for the portable route, the fp32 score
-        and probability matrices of the largest segment (bounded by the whole history); the fused
-        kernels keep scores in registers (flash) and need only their fp32 split partials.
-        """
+    @property
+    def footprint(self) -> Footprint:
+        """What one prefill chunk's activations are made of (``admission.activation_bytes``)."""
         mc = self.model.cfg  # this rank's shard: its heads and MLP rows
-        rows = min(rows, self.prefill_chunk)
-        item = self.shape.dtype.itemsize
-        hidden = rows * (6 * mc.hidden_size + 3 * mc.intermediate_size) * item
-        if self.backend.name == "fused":
-            scores = mc.num_heads * rows * (mc.head_dim + 1) * 4 * 2  # a few partials per row
-        else:
-            scores = 2 * mc.num_heads * rows * (history + rows) * 4
-        logits = self.loaded.config.vocab_size * 4  # gathered whole on every rank
-        return hidden + scores + logits
+        return Footprint(
+            mc.hidden_size,
+            mc.intermediate_size,
+            mc.num_heads,
+            mc.head_dim,
+            self.shape.dtype.itemsize,
+            self.loaded.config.vocab_size,
+            self.prefill_chunk,
+            flash=self.backend.name == "fused",
+        )
+
+    def turn_context(self) -> TurnContext:
+        """What a turn may use of this engine (``engine.context``), as it stands now."""
+        return TurnContext(
+            self.max_context,
+            self.loaded.config.vocab_size,
+            self.sampling_defaults.values.max_tokens,
+            self.prefill_chunk,
+            self.shape.device,
+            self.tokenizer,
+            self.layout,
+            self.footprint,
+            self.speculation.for_turn,
+            self.speculation.stats,
+            self.verify_rows,
+        )
 
     def counters(self) -> dict[str, int]:
         """``seals``, ``merges``, ``max_segments`` of the layout (``/health.segments``)."""

@@ -86,6 +86,7 @@ class Scheduler:
         self.running: list[Entry] = []
         self.pipeline = Pipeline(engine, run_ahead)
         self.hook = hook
+        self.ctx = engine.turn_context()  # what its turns may use of the engine
         self.snapshot: dict = self._info()  # what other threads read (replaced after each step)
 
     @property
@@ -95,7 +96,7 @@ class Scheduler:
     def submit(self, request: TurnRequest, emit: Emit) -> Turn:
         if self.hook is not None:  # rank 0 of a tensor-parallel group: the other ranks replay the turn
             request = self.hook.latch(self, request)
-        turn = Turn(self.engine, self.bank, request)
+        turn = Turn(self.ctx, self.bank, request)
         self.waiting.append(Entry(turn, emit, time.monotonic()))
         return turn
 

@@ -5,7 +5,7 @@ A ``Turn`` is the whole life of one request after its body became token ids. Who
 scheduler, for the server, ``turnkv chat`` and ``turnkv generate`` alike) asks it for a window each
 step and hands back what the step produced:
 
-    turn = Turn(engine, bank, request)
+    turn = Turn(ctx, bank, request)       # ctx: Engine.turn_context()
     events = turn.begin()                 # [Admitted] or [Failed]; the only admission decision
     while not turn.done:
         w = turn.window(budget)           # a prefill chunk, a decode row or the rebase rows
@@ -14,9 +14,9 @@ step and hands back what the step produced:
 
 Events, in order: ``Admitted`` or ``Failed`` (refused, nothing done), then ``GenEvent`` s (the last
 carries ``finish_reason`` and ``stats`` and comes once the turn is banked), then ``Banked`` (or
-``Failed`` if the turn broke). The
-context limit, the default ``max_tokens``, the admission price and the tail's size are each
-computed here once. A cancelled turn still seals and banks the rows it computed.
+``Failed`` if the turn broke). The context check and the price are ``admission.reserve``'s; the
+tail is sized here once, for what admission granted. A cancelled turn still seals and banks the
+rows it computed.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
+from turnkv.engine import admission
 from turnkv.engine.chooser import Where, where
 from turnkv.engine.events import (
     Admitted,
@@ -44,11 +45,8 @@ from turnkv.kv.cache import common_prefix_len
 from turnkv.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
-    from turnkv.engine.engine import Engine
+    from turnkv.engine.context import TurnContext
 
-# rows reserved past the answer for the rebase (the last answer token and the end-of-turn tokens
-# the template adds), so the tail need not regrow -- a copy -- to take them
-REBASE_SLACK_ROWS = 8
 REBASE_MAX_ROWS = 64  # at most this many rows are prefilled to match the re-rendered history
 
 
@@ -58,8 +56,8 @@ _PREFILL, _DECODE, _REBASE, _DONE = "prefill", "decode", "rebase", "done"
 class Turn:
     """The state of one turn (see the module docstring). Not thread-safe: one driver thread."""
 
-    def __init__(self, engine: Engine, bank: SessionBank, request: TurnRequest) -> None:
-        self.engine = engine
+    def __init__(self, ctx: TurnContext, bank: SessionBank, request: TurnRequest) -> None:
+        self.ctx = ctx
         self.bank = bank
         self.request = request
         self.phase = _PREFILL
@@ -88,27 +86,16 @@ class Turn:
     def begin(self) -> list[TurnEvent] | None:
         """Check the context, price and admit the turn, restore its cache; ``[Admitted]`` or
         ``[Failed]``, or None: it fits only once the running turns have finished (call again)."""
-        req, engine = self.request, self.engine
+        req, ctx = self.request, self.ctx
         ids = req.prompt
-        limit = engine.max_context
-        failed = _check_context(ids, req.max_tokens, limit, engine.loaded.config.vocab_size)
-        if failed is not None:
+        want = admission.reserve(req, ctx)
+        if isinstance(want, Failed):
             self.phase = _DONE
-            return [failed]
-        # without max_tokens: the engine's default (models/generation.py), fewer where the context or
-        # the bank budget cannot hold them (the answer then ends with finish_reason "length")
-        max_tokens = req.max_tokens or engine.sampling_defaults.values.max_tokens
-        if limit:
-            max_tokens = min(max_tokens, limit - len(ids))
+            return [want]
         self.params = req.params
-        self.max_tokens = max_tokens
-        slack = REBASE_SLACK_ROWS if req.render_history is not None else 0
+        slack = want.slack
         try:
-            # without an explicit max_tokens the reservation shrinks to what the budget can hold
-            least = 1 + slack if req.max_tokens is None else None
-            self.lease = self.bank.admit(
-                req.namespace, ids, max_tokens + slack, engine.activation_bytes, req.session, least, wait=True
-            )
+            self.lease = self.bank.admit(req.namespace, ids, want, req.session, wait=True)
         except MustWait:
             return None
         except Refused as e:
@@ -118,22 +105,22 @@ class Turn:
             return [Failed("kv_memory_exhausted", msg, e.needed_bytes, e.available_bytes)]
         lease = self.lease
         max_tokens = self.max_tokens = max(lease.reserve_rows - slack, 1)
-        self.cache = engine.restore(lease.snapshot) if lease.snapshot is not None else engine.new_cache()
+        self.cache = ctx.layout.restore(lease.snapshot) if lease.snapshot is not None else ctx.layout.new()
         lease.attach(self.cache)
         # the tail is sized once for everything admission priced
         self.cache.presize(len(ids) - lease.cached + max_tokens + slack)
         self.stats.cached_tokens = lease.cached
         self._pending = list(ids[lease.cached :])  # the last prompt row is always recomputed
         self.stats.prefilled_tokens = len(self._pending)
-        self.sampler = Sampler(self.params, engine.shape.device)
-        self.decoder = StreamDecoder(engine.tokenizer)
+        self.sampler = Sampler(self.params, ctx.device)
+        self.decoder = StreamDecoder(ctx.tokenizer)
         self.stops = StopMatcher(self.params.stop)
         self.constraint = req.grammar.start() if req.grammar is not None else None
         # a grammar ends the answer with a stop token once it is complete, ignore_eos or not
         ignore = self.params.ignore_eos and self.constraint is None
-        self.eos = set() if ignore else set(engine.tokenizer.eos_token_ids)
+        self.eos = set() if ignore else set(ctx.tokenizer.eos_token_ids)
         # a constrained turn never drafts: a verify window would need the mask of every draft row
-        self.drafts = engine.speculation.for_turn(ids) if self.constraint is None else None  # None: off
+        self.drafts = ctx.drafts(ids) if self.constraint is None else None  # None: off
         return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
 
     # -- steps ----------------------------------------------------------------------------------
@@ -280,7 +267,7 @@ class Turn:
         flight): at most ``budget`` (>= 1) and ``prefill_chunk`` rows; the prompt's last chunk
         asks for the logits of its last row."""
         rest = self._pending[skip:]
-        n = min(len(rest), max(1, budget), self.engine.prefill_chunk)
+        n = min(len(rest), max(1, budget), self.ctx.prefill_chunk)
         last = n == len(rest) and self.phase == _PREFILL
         return Window(self.cache, rest[:n], logits=int(last), ahead=skip)
 
@@ -291,7 +278,7 @@ class Turn:
         engine runs as one-row decode would from cache row ``start`` (``Engine.verify_rows``)."""
         if self.drafts is None or not self.drafts.may_draft():
             return [], 0
-        limit = min(limit, self.engine.verify_rows(start) - 1)
+        limit = min(limit, self.ctx.verify_rows(start) - 1)
         return self.drafts.draft(limit, after, lag)
 
     def _verify(self, w: Window, out: WindowOutput) -> list[TurnEvent]:
@@ -322,7 +309,7 @@ class Turn:
         if self.drafts is not None:
             self.drafts.verified(len(draft), accepted, n, self._matches[0])
         else:
-            self.engine.speculation.stats.window(0, 0, n)
+            self.ctx.draft_stats.window(0, 0, n)
         return events + self._end(finish, flushed) if finish else events
 
     def _take(self, tok: int) -> tuple[list[TurnEvent], str | None, bool]:
@@ -390,7 +377,7 @@ class Turn:
         if d < len(have):
             self.cache.trim(d)
         todo = list(rendered[d:])
-        limit = self.engine.max_context
+        limit = self.ctx.max_context
         # rows that replace trimmed ones (a template that re-renders the answer, e.g. a tool call
         # without the empty think block it was generated after) were priced already
         if len(todo) > REBASE_MAX_ROWS + len(have) - d or (limit and len(rendered) >= limit):
@@ -405,30 +392,3 @@ class Turn:
         eid = self.bank.finish(self.lease, snap)
         self.stats.route_counts = dict(self.routes)  # the rebase rows' calls included
         return [self._last, Banked(eid, snap.num_tokens, self.stats.rebase_rows)]
-
-
-def prompt_too_long(limit: int, prompt: int | str) -> str:
-    """The message of a prompt (``prompt`` tokens, or a bound on them) that leaves no room to answer."""
-    return (
-        f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt} "
-        f"tokens (at least one more is needed to answer). Shorten the messages."
-    )
-
-
-def _check_context(ids: list[int], max_tokens: int | None, limit: int, vocab: int) -> Failed | None:
-    """The one context check: ids in the vocabulary, the prompt plus one answer token (or the
-    explicit max_tokens) fit."""
-    if not ids:
-        return Failed("invalid_request_error", "the prompt is empty")
-    if min(ids) < 0 or max(ids) >= vocab:
-        return Failed("invalid_request_error", f"prompt token ids must be in [0, {vocab})")
-    if limit and len(ids) + 1 > limit:
-        return Failed("context_length_exceeded", prompt_too_long(limit, len(ids)))
-    if max_tokens is not None and limit and len(ids) + max_tokens > limit:
-        return Failed(
-            "context_length_exceeded",
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the "
-            f"completion). Reduce the length of the messages or the completion.",
-        )
-    return None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from turnkv.chat_format.history import ChatHistory, TextHistory
-from turnkv.engine.turn import prompt_too_long
+from turnkv.engine.admission import prompt_too_long
 from turnkv.server.schemas import ApiError, bad_request
 
 if TYPE_CHECKING:
