@@ -189,11 +189,11 @@ def _run(engine: Engine, variant: str, args, budget: int) -> dict:
         "follow_up_prompt": statistics.mean(t["prompt_tokens"] for t in follow) if follow else 0,
         "refusals_507": sum(t.get("failed") == "kv_memory_exhausted" for t in turns),
         "failed_other": sum("failed" in t and t["failed"] != "kv_memory_exhausted" for t in turns),
-        "steps": sched.steps,
-        "rows_per_step": round(sched.rows / max(sched.steps, 1), 1),
+        "steps": sched.pipeline.stats.steps,
+        "rows_per_step": round(sched.pipeline.stats.rows / max(sched.pipeline.stats.steps, 1), 1),
         "graph_replays": engine.graphs.replays,
-        "run_ahead": sched.run_ahead,
-        "ahead_steps": sched.ahead_steps,
+        "run_ahead": sched.pipeline.run_ahead,
+        "ahead_steps": sched.pipeline.stats.ahead_steps,
     }
 
 

@@ -151,7 +151,7 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, ahead_m
     for _ in range(min(args.warmup, args.gen // 4)):  # graph captures, contiguous first-use copies
         sched.step()
     cached = sum(e.turn.stats.cached_tokens for e in sched.running)
-    steps, waited0 = 0, sched.wait_s
+    steps, waited0 = 0, sched.pipeline.stats.wait_s
     gpu_ms = None
     # the loop is timed whole: with run-ahead (CUDA graphs) a step() launches one decode step and
     # takes the previous one's tokens, so per-call timing with a sync around it would undo it
@@ -166,7 +166,7 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, ahead_m
         sched.step()
         steps += 1
     t_all = time.perf_counter() - t0
-    host = t_all - (sched.wait_s - waited0)
+    host = t_all - (sched.pipeline.stats.wait_s - waited0)
     if device.type == "cuda" and sched.running:
         gpu_ms = profile_gpu_ms(sched, 4, args.profile_top)
     if device.type != "cuda" and args.profile_top and sched.running:
@@ -184,7 +184,7 @@ def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, ahead_m
     while sched.busy:
         sched.step()
     return {"steps": steps, "wall_s": t_all, "host_s": host, "gpu_ms": gpu_ms, "cached": cached,
-            "graph_replays": engine.graphs.replays, "run_ahead_steps": sched.ahead_steps}  # fmt: skip
+            "graph_replays": engine.graphs.replays, "run_ahead_steps": sched.pipeline.stats.ahead_steps}  # fmt: skip
 
 
 def profile_gpu_ms(sched: Scheduler, n: int, top: int = 0) -> float:

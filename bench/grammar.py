@@ -101,7 +101,7 @@ def run(
     sched = Scheduler(
         engine, new_bank(engine, "auto"), max_running=batch, run_ahead=run_ahead(engine.cfg, engine)
     )
-    sched.masks.prefetch = prefetch
+    sched.pipeline.masks.prefetch = prefetch
     failed: list[Failed] = []
     for i in range(batch):
         ids = tok.encode(f"{PROMPT} (list {rng.randrange(10**6)}, part {i})")
@@ -110,14 +110,14 @@ def run(
             TurnRequest(ids, params, max_tokens=warmup + gen, grammar=grammar),
             lambda e: isinstance(e, Failed) and failed.append(e),
         )
-    steps, wall, fill0, apply0 = 0, 0.0, sched.masks.fill_s, sched.masks.apply_s
+    steps, wall, fill0, apply0 = 0, 0.0, sched.pipeline.masks.fill_s, sched.pipeline.masks.apply_s
     decoded = 0
     while sched.busy:
         all_decode = len(sched.running) == batch and all(e.turn.phase == "decode" for e in sched.running)
         done_before = min((e.turn.stats.completion_tokens for e in sched.running), default=0)
         if all_decode and done_before >= warmup:
             if steps == 0:
-                fill0, apply0 = sched.masks.fill_s, sched.masks.apply_s
+                fill0, apply0 = sched.pipeline.masks.fill_s, sched.pipeline.masks.apply_s
             t0 = time.perf_counter()
             sched.step()
             wall += time.perf_counter() - t0
@@ -131,8 +131,8 @@ def run(
         "step_ms": wall / steps * 1e3,
         "tok_s": decoded / wall,
         "steps": steps,
-        "fill_ms": (sched.masks.fill_s - fill0) / steps * 1e3,
-        "apply_ms": (sched.masks.apply_s - apply0) / steps * 1e3,
+        "fill_ms": (sched.pipeline.masks.fill_s - fill0) / steps * 1e3,
+        "apply_ms": (sched.pipeline.masks.apply_s - apply0) / steps * 1e3,
     }
 
 

@@ -25,7 +25,7 @@ import pytest
 from test_server import Live
 
 import turnkv.engine.admission as admission
-import turnkv.engine.scheduler as scheduler_mod
+import turnkv.engine.chooser as chooser_mod
 import turnkv.engine.turn as turn_mod
 from turnkv.bank.disk_blocks import BLOCK_TOKENS as B
 from turnkv.engine.stops import StopMatcher
@@ -116,10 +116,12 @@ FAULTS = [
     Fault("window", lambda s: (turn_mod.Turn, "window")),
     Fault("stage", lambda s: (s.engine, "stage"), {"response_format": SCHEMA, "max_tokens": 40}),
     Fault("launch", lambda s: (s.engine, "run_step")),
-    Fault("finalize", lambda s: (s.server.worker.scheduler.masks, "apply"), {"response_format": SCHEMA}),
+    Fault(
+        "finalize", lambda s: (s.server.worker.scheduler.pipeline.masks, "apply"), {"response_format": SCHEMA}
+    ),
     Fault("complete", lambda s: (s.engine.speculation.cost, "observe")),
     # a sampled turn's rows are drawn on the device, in the step's finalize
-    Fault("sampler", lambda s: (scheduler_mod, "draw_rows"), {"temperature": 0.9, "seed": 5}),
+    Fault("sampler", lambda s: (chooser_mod, "draw_rows"), {"temperature": 0.9, "seed": 5}),
     Fault("detokenizer", lambda s: (StreamDecoder, "push")),
     Fault("stop strings", lambda s: (StopMatcher, "push"), {"stop": ["zz"]}),
     Fault("bank finish", lambda s: (s.server.bank, "finish"), leases=False),

@@ -156,7 +156,7 @@ def test_masks_touch_only_their_own_turn(engine, grammars):
     assert ["".join(texts[0]), "".join(texts[1])] == alone
     jsonschema.validate(json.loads("".join(texts[2])), schema)
     assert isinstance(json.loads("".join(texts[3])), dict)
-    assert sched.masks.rows >= 10  # the constrained turns' rows went through the step's masks
+    assert sched.pipeline.masks.rows >= 10  # the constrained turns' rows went through the step's masks
 
 
 def test_masks_filled_ahead_equal_masks_filled_in_the_step(engine, grammars, monkeypatch):
@@ -177,7 +177,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(engine, grammars, mon
 
     def run(prefetch: bool) -> tuple[list[str], int, int]:
         sched = Scheduler(engine, new_bank(engine), max_running=8)
-        monkeypatch.setattr(sched.masks, "prefetch", prefetch)
+        monkeypatch.setattr(sched.pipeline.masks, "prefetch", prefetch)
         texts: list[list[str]] = [[] for _ in range(7)]
         for i in range(6):
             params = SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=1.0, seed=i)
@@ -188,7 +188,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(engine, grammars, mon
         sched.submit(TurnRequest(tok.encode("free"), SamplingParams(temperature=0.0), 30), _collect(texts[6]))
         while sched.busy:
             sched.step()
-        return ["".join(t) for t in texts], sched.masks.rows, sched.masks.prefetched
+        return ["".join(t) for t in texts], sched.pipeline.masks.rows, sched.pipeline.masks.prefetched
 
     off, rows_off, ahead_off = run(False)
     on, rows_on, ahead_on = run(True)

@@ -103,7 +103,7 @@ def test_speculation_replays_verify_windows_and_keeps_the_greedy_text():
             while sched.busy:
                 sched.step()
             got.append(answer)
-        assert sched.run_ahead and engine.graphs.replays > 0
+        assert sched.pipeline.run_ahead and engine.graphs.replays > 0
     assert texts["on"] == texts["off"]
     stats = on.speculation.stats
     assert stats.status == "on" and stats.drafted > 0 and stats.windows > 0

@@ -104,7 +104,7 @@ def test_run_ahead_answers_and_banks_what_the_plain_loop_does(engine):
         run.drain()
 
     off, on = both(engine, script)
-    assert on.sched.ahead_steps > 0 and off.sched.ahead_steps == 0
+    assert on.sched.pipeline.stats.ahead_steps > 0 and off.sched.pipeline.stats.ahead_steps == 0
     for name in ("t0", "t1", "t2", "t3", "late"):
         assert on.answer(name) == off.answer(name), name
         assert on.banked(name) == off.banked(name)
@@ -160,7 +160,7 @@ def test_seeded_sampled_turns_run_ahead_and_draw_the_same_tokens(engine):
         run.drain()
 
     off, on = both(engine, script)
-    assert on.sched.ahead_steps > 0
+    assert on.sched.pipeline.stats.ahead_steps > 0
     for name in ("s0", "s1", "s2", "g"):
         assert on.answer(name) == off.answer(name), name
     assert len({t for t, _, _ in on.answer("s1") if t is not None}) > 1  # it did sample
@@ -222,7 +222,7 @@ def test_turns_under_a_grammar_run_ahead_and_answer_alike(engine):
     finally:
         del engine.run_staged
     # the steps after a constrained step in flight were built while its masks were being filled
-    assert staged and on.sched.ahead_steps > 0 and on.sched.masks.rows > 0
+    assert staged and on.sched.pipeline.stats.ahead_steps > 0 and on.sched.pipeline.masks.rows > 0
     for name in ("g0", "g1", "g2", "free"):
         assert on.answer(name) == off.answer(name), name
     for i in range(3):
@@ -254,7 +254,7 @@ def test_a_cancelled_turn_ends_cancelled_and_banks_the_rows_of_its_tokens(engine
 
 def test_run_ahead_is_on_only_where_decode_steps_replay_cuda_graphs(engine):
     sched = Scheduler(engine, new_bank(engine, "64M"))
-    assert not sched.run_ahead  # a CPU engine: graphs are off
+    assert not sched.pipeline.run_ahead  # a CPU engine: graphs are off
     assert sched.snapshot["run_ahead"] == {"enabled": False, "steps": 0}
 
 
@@ -302,7 +302,7 @@ def test_masks_that_break_after_the_next_step_was_staged_fail_only_that_steps_tu
     run = Run(engine, ahead=True)
     run.submit("g", TurnRequest(prompt(15, 3), SamplingParams(), 40, namespace="g", grammar=grammar))
     run.submit("f", TurnRequest(prompt(12, 5), SamplingParams(ignore_eos=True), 40, namespace="f"))
-    masks, apply, calls = run.sched.masks, run.sched.masks.apply, []
+    masks, apply, calls = run.sched.pipeline.masks, run.sched.pipeline.masks.apply, []
 
     def third_breaks(logits, rows):
         calls.append(len(rows))
@@ -372,7 +372,7 @@ def test_turns_that_draft_run_ahead_and_drop_windows_planned_after_a_rejected_dr
         sizes = [len(step) for step in steps[ahead]]
         assert sizes == sorted(sizes, reverse=True), (ahead, sizes)  # 2 windows, then 1 once one ended
     assert calls[False] == len(steps[False])  # every step() call ran a step
-    assert on.sched.ahead_steps > len(steps[True]) // 2  # most steps were launched ahead
+    assert on.sched.pipeline.stats.ahead_steps > len(steps[True]) // 2  # most steps were launched ahead
     # windows launched against windows a turn advanced through: the difference was dropped
     launched = sum(1 for step in steps[True] for _ in step)
     forwards = sum(e.stats.forwards for run in (on,) for evs in run.events.values() for e in evs

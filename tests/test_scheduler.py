@@ -33,7 +33,7 @@ class Log:
     def __init__(self, sched: Scheduler) -> None:
         self.events: dict[int, list] = {}
         self.steps: list[tuple[int, int]] = []
-        sched.observe = lambda windows, rows, seconds: self.steps.append((windows, rows))
+        sched.pipeline.observe = lambda windows, rows, seconds: self.steps.append((windows, rows))
 
     def emit(self, i: int):
         self.events[i] = []

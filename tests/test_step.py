@@ -81,7 +81,8 @@ def generate(engine: Engine, prompts: list[list[int]], together: bool, max_token
         while sched.busy:
             sched.step()
             steps += 1
-        assert sched.rows / sched.steps > 1.5  # decode rows of several turns shared steps
+        stats = sched.pipeline.stats
+        assert stats.rows / stats.steps > 1.5  # decode rows of several turns shared steps
     else:
         for i, p in enumerate(prompts):
             for ev in run_turn(

@@ -29,7 +29,7 @@ def drive(engine: Engine, turn: Turn, cancel_after: int | None = None) -> list:
         if w is not None:
             res = engine.run_step([w])
             layers = engine.shape.num_layers
-            out = WindowOutput(res.logits, res.logits.argmax(-1).tolist(), res.plan.labels[0], layers)
+            out = WindowOutput(res.logits.argmax(-1).tolist(), res.plan.labels[0], layers)  # greedy
         events += turn.advance(out)
         if (
             cancel_after is not None
@@ -205,10 +205,8 @@ def test_a_turn_runs_on_its_context_alone_without_a_model():
             windows.append(len(w.tokens))
             n = sum(isinstance(e, GenEvent) and e.token_id is not None for e in events)
             nxt = answer[min(n, len(answer) - 1)]
-            logits = torch.zeros(w.logits, vocab)
-            logits[:, nxt] = 1.0
             w.cache.open_window(len(w.tokens))  # the rows a forward would have written
-            out = WindowOutput(logits, [nxt] * w.logits, "test_q1", 1)
+            out = WindowOutput([nxt] * w.logits, "test_q1", 1)  # the tokens a chooser would give
         events += turn.advance(out)
     text = "".join(e.text for e in events if isinstance(e, GenEvent))
     assert isinstance(events[0], Admitted) and text == "ok"

@@ -7,9 +7,9 @@ earlier turn's prompt and answer, plus this answer so far) and proposes the toke
 them. The turn feeds its current token and the draft as one verify window (at most
 ``MAX_WINDOW_ROWS`` rows); the target model's logits for every row come back from one forward.
 
-Acceptance (``Turn._verify``) draws each row's token exactly as a plain step would and stops at
-the first that differs from the draft's next token (the correction, or after a fully accepted
-draft the bonus token). For the point-mass proposal ``q = delta(d)`` this *is* speculative
+Acceptance (``chooser.window_tokens``, then ``Turn._verify``) draws each row's token exactly as a
+plain step would and stops at the first that differs from the draft's next token (the correction,
+or after a fully accepted draft the bonus token). For the point-mass proposal ``q = delta(d)`` this *is* speculative
 sampling: ``d`` is kept with probability ``p(d)``, and a rejected row's token is a sample of ``p``
 conditioned on not being ``d``. Every emitted token consumes exactly one draw of the turn's
 generator, in order, so a seeded request emits the same tokens with speculation on or off,

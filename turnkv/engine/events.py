@@ -9,8 +9,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from turnkv.engine.masks import TurnGrammar
 from turnkv.engine.sampling import SamplingParams
 
@@ -66,15 +64,14 @@ class TurnStats:
 
 @dataclass
 class WindowOutput:
-    """What a step computed for one window: the logits of the rows it asked for and their argmax
-    (taken for the whole step in one batched op and one host transfer), and the route label of
-    its attention calls (``calls`` of them: one per layer)."""
+    """What a step hands one window's turn: the tokens chosen for the rows it asked logits for
+    (``chooser.window_tokens``: a verify window's as far as its drafts were kept, then the
+    correction or the bonus), and the route label of its attention calls (``calls`` of them: one
+    per layer)."""
 
-    logits: torch.Tensor  # [k, V] fp32, on the device
-    argmax: list[int]  # k token ids
+    tokens: list[int]
     route: str = ""
     calls: int = 0
-    drawn: bool = False  # ``argmax`` holds the turn's own draw for its one row (``Turn.draw``)
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,8 @@ class Sampler:
     """Draws one token id from a row of logits under one request's parameters, on the logits'
     device: a sampled request draws from its own ``torch.Generator`` on that device.
 
-    ``draw_rows`` keeps the tokens on the device, so the scheduler draws a step's sampled one-row
-    windows there before anything reaches the host (and launches the next step from them:
+    ``draw_rows`` keeps the tokens on the device, so the step's chooser draws its sampled one-row
+    windows there before anything reaches the host (the next step is launched from them:
     run-ahead, docs/SCHEDULER.md); ``draw`` is one row of it. A sample is the exponential race:
     ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` is distributed as ``p``, one draw of ``V``
     exponentials per token -- the same draws whichever path asks, so a seed gives the same tokens

@@ -10,7 +10,7 @@ step and hands back what the step produced:
     while not turn.done:
         w = turn.window(budget)           # a prefill chunk, a decode row or the rebase rows
         ...engine.run_step([w, ...]) ...  # with other turns' windows
-        events += turn.advance(out)       # w's logits rows and their argmax (None: w was not run)
+        events += turn.advance(out)       # the tokens chosen for w's logits rows (None: not run)
 
 Events, in order: ``Admitted`` or ``Failed`` (refused, nothing done), then ``GenEvent`` s (the last
 carries ``finish_reason`` and ``stats`` and comes once the turn is banked), then ``Banked`` (or
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
 from turnkv.engine import admission
+from turnkv.engine.chooser import Where, where
 from turnkv.engine.events import (
     Admitted,
     Banked,
@@ -149,31 +150,21 @@ class Turn:
         o = self._open
         return self.phase == _DECODE or (self.phase == _PREFILL and o is not None and o.logits == 1)
 
-    def needs_tokens(self, w: Window) -> bool:
-        """Whether the window after ``w`` (this turn's, launched) can only be chosen once ``w``'s
-        tokens are on the host: ``w`` verifies drafts of a sampled turn, whose rows are drawn
-        there one by one (``_verify``), so no row on the device holds its last token. The
-        scheduler then completes ``w``'s step before it plans the next, rather than leave this
-        turn out of it (``window_ahead``)."""
-        return (
-            self.drafts is not None and len(w.tokens) > 1 and self.phase == _DECODE and not self._fast_greedy
-        )
-
     def window_ahead(self, budget: int, feed: int, draft: bool = True) -> Window | None:
         """The window after ``_open``, which is in flight (launched, not yet advanced), or None
         when it cannot be known before that step's tokens come back (the turn then sits one step
         out). Known ahead: the next prompt chunk (at most ``budget`` rows), and the decode window
-        after a decode window or after the prompt's last chunk: its token is the step in flight's
-        argmax at logit row ``feed`` (chosen on the device: greedy, or drawn by ``drawer``),
-        never on the host, and its drafts follow the copy's guess of that token, after the drafts
-        in flight (``TurnDrafts.draft``'s ``after`` and ``lag``). Not known: the rebase rows
-        (rendered from the answer's text), a cancelled turn's decode row (a prompt goes on being
-        prefilled, as ``window`` does), the window after a sampled turn's verify window
-        (``needs_tokens``), and an answer with no room for the rows in flight and one more (so
-        the tail, pre-sized for the answer, never regrows -- a copy that would miss the rows in
-        flight). ``advance`` of the window in flight then makes this one the open window, or
-        drops it if the answer ended there or a draft in flight was rejected: it was planned
-        after rows that are not kept (its KV rows are never committed)."""
+        after a decode window or after the prompt's last chunk: its token is the one the step in
+        flight chose on the device at logit row ``feed`` (``chooser``), and its drafts follow the
+        copy's guess of that token, after the drafts in flight (``TurnDrafts.draft``'s ``after``
+        and ``lag``). Not known: the rebase rows (rendered from the answer's text), a cancelled
+        turn's decode row (a prompt goes on being prefilled, as ``window`` does), the window after
+        one whose tokens are chosen on the host (a sampled turn's verify window, ``Where.HOST``:
+        the pipeline completes its step first), and an answer with no room for the rows in flight
+        and one more (so the tail, pre-sized for the answer, never regrows -- a copy that would
+        miss the rows in flight). ``advance`` of the window in flight then makes this one the open
+        window, or drops it if the answer ended there or a draft in flight was rejected: it was
+        planned after rows that are not kept (its KV rows are never committed)."""
         o = self._open
         if o is None or self._ahead is not None:
             return None
@@ -185,7 +176,7 @@ class Turn:
             self._ahead = self._chunk(len(o.tokens), budget)
         elif (
             self.decodes_next()
-            and not self.needs_tokens(o)
+            and where(self.sampler, o) is not Where.HOST
             and room >= 0
             and not self.request.cancel.is_set()
         ):
@@ -198,24 +189,13 @@ class Turn:
             )
         return self._ahead
 
-    def drawer(self, w: Window) -> Sampler | None:
-        """The sampler that draws ``w``'s one logit row on the device (``sampling.draw_rows``, the
-        step's sampled rows together), or None when the step's argmax is its token (greedy without
-        a bias) or the window verifies drafts (its rows are drawn one by one as far as they
-        match). No row then goes to the host to be sampled."""
-        if w.logits != 1 or (len(w.tokens) > 1 and self.phase == _DECODE) or self._fast_greedy:
-            return None
-        return self.sampler
-
-    def take_early(self, w: Window, tok: int, drawn: bool) -> bool:
-        """Give the grammar ``tok``, the token of this turn's one-row decode window ``w`` (the
-        step's argmax row: drawn on the device or greedy), before ``advance`` takes it, so the next
-        step's mask can be filled while the turns take their tokens (``StepMasks.start``). True
-        when the grammar goes on (a mask will be wanted); False when it did nothing."""
+    def take_early(self, w: Window, tok: int) -> bool:
+        """Give the grammar ``tok``, the token chosen for this turn's one-row decode window ``w``,
+        before ``advance`` takes it, so the next step's mask can be filled while the turns take
+        their tokens (``StepMasks.start``). True when the grammar goes on (a mask will be wanted);
+        False when it did nothing."""
         con = self.constraint
         if con is None or self.phase != _DECODE or w is not self._open or len(w.tokens) != 1:
-            return False
-        if not (drawn or self._fast_greedy):  # the token is sampled on the host by advance
             return False
         con.accept(tok)  # a refusal raises here, and the step fails the turn as advance would
         self._taken = tok
@@ -228,7 +208,7 @@ class Turn:
 
     def advance(self, out: WindowOutput | None) -> list[TurnEvent]:
         """After the step that ran ``window``'s rows (``out``; None when ``window`` gave none):
-        commit them, sample the next token(s) from their logits (stop checks, text); may finish."""
+        commit them, take the tokens chosen for them (stop checks, text); may finish."""
         flying, rows = self._open, self.cache.num_tokens if self.cache is not None else 0
         events = self._advance(out)
         ahead, self._ahead = self._ahead, None
@@ -268,18 +248,11 @@ class Turn:
             return []
         self.stats.prefill_s = time.perf_counter() - self._t0
         self.phase = _DECODE
-        tok = out.argmax[-1] if out.drawn or self._fast_greedy else self.sampler(out.logits[-1])
+        tok = out.tokens[-1]
         if self.drafts is not None:
             self.drafts.push(tok)
         events, finish, flushed = self._take(tok)
         return events + self._end(finish, flushed) if finish else events
-
-    @property
-    def _fast_greedy(self) -> bool:
-        """The step's batched argmax is the greedy token unless a logit_bias changes the row (a
-        constrained row was masked before that argmax, see engine/masks.py). Read from the
-        sampler, which decided both once: ``SamplingParams.greedy`` builds a tensor per call."""
-        return self.sampler.greedy and self.sampler.bias is None
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
         """The step this turn was in broke: bank nothing of it (what was banked before stays)."""
@@ -309,16 +282,15 @@ class Turn:
         return self.drafts.draft(limit, after, lag)
 
     def _verify(self, w: Window, out: WindowOutput) -> list[TurnEvent]:
-        """A decode window ``[_next, d1..dk]``: each row's token is drawn as a plain decode step
-        would draw it (``context_copy``'s exact acceptance); the walk stops at the first token that
-        is not the next draft token (the correction; after a full match, the bonus) or at the end
-        of the answer. Only the rows up to that cut are committed (the rollback: no copy)."""
+        """A decode window ``[_next, d1..dk]``: each row's token was chosen as a plain decode step
+        would choose it (``chooser.window_tokens``: ``context_copy``'s exact acceptance); the walk
+        stops at the first token that is not the next draft token (the correction; after a full
+        match, the bonus) or at the end of the answer. Only the rows up to that cut are committed
+        (the rollback: no copy)."""
         draft = w.tokens[1:]
-        given = self._fast_greedy or out.drawn  # the step's tokens are this turn's own
         events: list[TurnEvent] = []
         finish, flushed, accepted, n = None, False, 0, 0
-        for i in range(len(draft) + 1):
-            tok = out.argmax[i] if given else self.sampler(out.logits[i])
+        for i, tok in enumerate(out.tokens):
             n += 1
             if self.drafts is not None:
                 self.drafts.push(tok)

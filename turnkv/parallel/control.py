@@ -271,7 +271,8 @@ def follow(
         sched = scheds[skey]
         mine = sched.digest()
         if mine != digest:
-            raise Diverged(f"rank {group.rank} diverged from rank 0 before step {sched.steps + 1}")
+            step = sched.pipeline.stats.steps + 1
+            raise Diverged(f"rank {group.rank} diverged from rank 0 before step {step}")
         for t in inputs.turns:
             history = history_from_spec(t.history, tokenizer)
             req = TurnRequest(t.prompt, t.params, t.max_tokens, t.namespace, t.session, history)

@@ -71,7 +71,7 @@ class Server:
         self.bank = bank if bank is not None else rt.bank
         scheduler = rt.scheduler(self.bank)
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
-        scheduler.observe = self.metrics.step
+        scheduler.pipeline.observe = self.metrics.step
         self.worker = EngineWorker(scheduler)
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
