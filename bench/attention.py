@@ -51,12 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report
 
 from turnkv.attention import triton_segments as ts
-from turnkv.attention.backend import PortableBackend
 from turnkv.attention.fused import FusedBackend
+from turnkv.attention.portable import PortableBackend
 from turnkv.attention.reference import reference_attention, visible_mask
-from turnkv.attention.route import Verdict
 from turnkv.attention.segment_table import pack, padded_batch, upload
 from turnkv.attention.selfcheck import error_ratio, tolerance
+from turnkv.attention.verdict import Verdict
 from turnkv.kv.cache import KVWindow
 
 SPLITS = (0.72, 0.19, 0.09)  # a history's sealed segments, as the merge policy keeps them
@@ -282,7 +282,7 @@ def headline_case(p: Plan, ceil: dict, errors: list, rows: int, seqs: dict, flat
         check = functools.partial(fused_check, step, q, views, rows, scale)
         impls[f"fused_{nv}"] = (functools.partial(step.attend, q=q, scale=scale), True, check)
         if rows <= 32:  # the portable route (eager, as the engine runs it); lse over a chunk: far slower
-            port = PortableBackend(Verdict()).plan(windows)
+            port = PortableBackend(Verdict(), DT).plan(windows)
             impls[f"portable_{nv}"] = (functools.partial(port.attend, q=q, scale=scale), False, None)
     q4 = q.view(b, rows, hq, d).transpose(1, 2).contiguous()  # [B, Hq, M, D]
     masks = {"sdpa": None if rows == 1 else visible_mask(rows, keys, keys - rows, DEV)}

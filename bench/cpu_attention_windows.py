@@ -32,7 +32,7 @@ import torch
 
 from turnkv import cbuild
 from turnkv.attention import cpu_native
-from turnkv.attention.backend import PortableStep
+from turnkv.attention.portable import PortableStep, portable_route
 from turnkv.kv.cache import KVWindow
 
 HQ, HKV, D, LAYERS = 9, 3, 64, 2
@@ -55,11 +55,11 @@ def time_window(ws: int, m: int, threads: int, reps: int) -> dict[str, list[floa
     k, v = (torch.randn(LAYERS, HKV, ws + m, D, generator=g).bfloat16() for _ in range(2))
     q = torch.randn(m, HQ, D, generator=g)
     w = KVWindow(((k, v),), ws, m)
-    step = PortableStep([w])
+    route = portable_route(w, q.dtype, native=False)  # the torch ops of a CPU without the C kernel
     native = cpu_native.NativeStep([(0, w.views, ws, m)], threads=threads)
     out = torch.empty(m, HQ, D)
     runs = {
-        "torch": lambda layer: PortableStep._attend(layer, q, D**-0.5, [0], [w], [step.concat[0]]),
+        "torch": lambda layer: PortableStep._attend(layer, q, D**-0.5, [0], [w], [route]),
         "c": lambda layer: native.attend(layer, q, out, D**-0.5),
     }
     clock = time.process_time if threads == 1 else time.perf_counter
@@ -77,26 +77,26 @@ def time_window(ws: int, m: int, threads: int, reps: int) -> dict[str, list[floa
 
 def prefill(sizes: list[int], reps: int) -> None:
     """The default model's prefill, tokens/s, with the prefill windows in C and through torch."""
-    from turnkv.attention import backend
-    from turnkv.attention.lse import CPU_FLASH_MIN_ROWS
+    from turnkv.attention import portable
+    from turnkv.attention.routes import narrow
     from turnkv.config import EngineConfig
     from turnkv.runtime import load_engine
 
-    every = backend._native_route
-    routes = {"c": every, "torch": lambda w: w.rows < CPU_FLASH_MIN_ROWS and every(w)}
+    every = portable._native_views
+    routes = {"c": every, "torch": lambda w: narrow(w.rows) and every(w)}
     engine = load_engine(EngineConfig(device="cpu", prefill_chunk=512), progress=False)
     ids = engine.tokenizer.encode("The history of maps and of the people who drew them. " * 400)
     got: dict[tuple[str, int], list[float]] = {(r, n): [] for r in routes for n in sizes}
     try:
         for rep in range(reps):
             for name in sorted(routes, reverse=bool(rep % 2)):
-                backend._native_route = routes[name]
+                portable._native_views = routes[name]
                 for n in sizes:
                     t0 = time.perf_counter()
                     engine.prefill(engine.new_cache(), ids[:n])
                     got[name, n].append(n / (time.perf_counter() - t0))
     finally:
-        backend._native_route = every
+        portable._native_views = every
     for (name, n), x in got.items():
         print(f"prefill {n:5d} tokens, prefill windows {name:5s}: {statistics.median(x):6.0f} tok/s "
               f"[{min(x):.0f}-{max(x):.0f}]")  # fmt: skip

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from turnkv.attention import cpu_native
-from turnkv.attention.backend import PortableBackend
+from turnkv.attention.portable import PortableBackend
 from turnkv.attention.reference import reference_attention
-from turnkv.attention.route import Verdict
+from turnkv.attention.routes import Path
+from turnkv.attention.verdict import Verdict
 from turnkv.kv.cache import KVWindow
 from turnkv.runtime import new_bank
 
@@ -126,8 +127,9 @@ def test_the_portable_step_runs_every_cpu_window_in_c():
     for seed, (lengths, m) in enumerate(shapes):
         views = _views(hkv, [*lengths[:-1], lengths[-1] + m], d, torch.float32, seed)
         windows.append(KVWindow(tuple(views), sum(lengths), m))
-    step = PortableBackend(Verdict()).plan(windows)
+    step = PortableBackend(Verdict(), torch.float32).plan(windows)
     assert step.native is not None and step.others == []
+    assert all(r.path is Path.NATIVE for r in step.routes)
     n = sum(w.rows for w in windows)
     q = torch.randn(n, hq, d, generator=torch.Generator().manual_seed(1))
     out = step.attend(1, q, d**-0.5)
@@ -137,7 +139,8 @@ def test_the_portable_step_runs_every_cpu_window_in_c():
         torch.testing.assert_close(out[row : row + w.rows], ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
         row += w.rows
     half = KVWindow(tuple(_views(hkv, [45], d, torch.float16, 9)), 5, 40)
-    assert PortableBackend(Verdict()).plan([windows[0], half]).others == [1]
+    mixed = PortableBackend(Verdict(), torch.float32).plan([windows[0], half])
+    assert mixed.others == [1] and [r.path for r in mixed.routes] == [Path.NATIVE, Path.LSE]
 
 
 def test_off_and_build_failures_fall_back_to_torch_ops_with_the_reason(monkeypatch):
@@ -151,7 +154,7 @@ def test_off_and_build_failures_fall_back_to_torch_ops_with_the_reason(monkeypat
     assert cpu_native.library() is None
     assert "no C compiler" in cpu_native.status() and "no-such-compiler-turnkv" in cpu_native.status()
     windows = [KVWindow(tuple(_views(2, [9], 16, torch.float32, 0)), 8, 1)]
-    assert PortableBackend(Verdict()).plan(windows).native is None
+    assert PortableBackend(Verdict(), torch.float32).plan(windows).native is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

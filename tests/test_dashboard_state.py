@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from turnkv.attention.route import Verdict
+from turnkv.attention.verdict import Verdict
 from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import SessionBank
 from turnkv.engine.context_copy import Speculation

@@ -101,7 +101,7 @@ def test_window_of_rows_equals_rows_one_at_a_time(engines):
 
     a = history()
     wide = engine.run_step([Window(a, ids[-7:], logits=7)])  # one window of 7 query rows
-    assert wide.plan.attention.labels == ["lse_q7"]
+    assert wide.plan.labels == ["lse_q7"]
     b = history()
     rows = []
     for t in ids[-7:]:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnkv.attention.lse import CPU_FLASH_MIN_ROWS, concat_segments, lse_attention
-from turnkv.attention.route import single_attention
+from turnkv.attention.lse import concat_segments
+from turnkv.attention.portable import attend_window, portable_route
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler, run_turn
-from turnkv.kv.cache import kv_dtype
+from turnkv.kv.cache import KVWindow, kv_dtype
+from turnkv.limits import MAX_WINDOW_ROWS
 from turnkv.runtime import load_engine, new_bank
 
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -48,20 +49,26 @@ def as_f32(views):
     return [(k.float(), v.float()) for k, v in views]
 
 
+def torch_route(q: torch.Tensor, views, start: int) -> torch.Tensor:
+    """q ``[Hq, M, D]`` by the route a CPU's window over these one-layer views takes in torch ops."""
+    w = KVWindow(tuple((k[None], v[None]) for k, v in views), start, q.shape[1])
+    return attend_window(portable_route(w, q.dtype, native=False), q, views, 0.25, start)
+
+
 @pytest.mark.parametrize(
     "m, rows",
     [
         (1, [40, 25, 1]),  # a decode row over two segments and the tail (concat_segments)
         (4, [40, 30]),  # a small verify window
-        (CPU_FLASH_MIN_ROWS + 7, [64, 80]),  # a prefill chunk after a segment (the flash kernel)
+        (MAX_WINDOW_ROWS + 8, [64, 80]),  # a prefill chunk after a segment (the flash kernel)
     ],
 )
 def test_bf16_rows_read_as_their_fp32_values(m, rows):
     views = views_of(rows)
     q = torch.randn(9, m, 16, generator=torch.Generator().manual_seed(1))
     start = sum(rows) - m
-    got = lse_attention(q, views, 0.25, start)
-    want = lse_attention(q, as_f32(views), 0.25, start)
+    got = torch_route(q, views, start)
+    want = torch_route(q, as_f32(views), start)
     assert got.dtype == F32 and torch.equal(got, want)
     if m == 1:
         assert torch.equal(
@@ -69,11 +76,11 @@ def test_bf16_rows_read_as_their_fp32_values(m, rows):
         )
 
 
-@pytest.mark.parametrize("m, t", [(CPU_FLASH_MIN_ROWS + 3, CPU_FLASH_MIN_ROWS + 3), (1, 50), (40, 90)])
+@pytest.mark.parametrize("m, t", [(MAX_WINDOW_ROWS + 4, MAX_WINDOW_ROWS + 4), (1, 50), (40, 90)])
 def test_one_view_reads_bf16_rows_as_their_fp32_values(m, t):
     (k, v), q = views_of([t])[0], torch.randn(9, m, 16, generator=torch.Generator().manual_seed(2))
-    got = single_attention(q, k, v, 0.25)  # t == m: a first chunk, torch's SDPA
-    assert got.dtype == F32 and torch.equal(got, single_attention(q, k.float(), v.float(), 0.25))
+    got = torch_route(q, [(k, v)], t - m)  # t == m: a first chunk, torch's SDPA
+    assert got.dtype == F32 and torch.equal(got, torch_route(q, [(k.float(), v.float())], t - m))
 
 
 def test_an_engine_stores_half_the_bytes_and_reports_the_dtype():

@@ -14,8 +14,8 @@ import torch
 import transformers
 from transformers.integrations.gguf import dequant as hf_dequant
 
-from turnkv.attention.backend import PortableBackend
-from turnkv.attention.route import Verdict
+from turnkv.attention.portable import PortableBackend
+from turnkv.attention.verdict import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
@@ -61,7 +61,7 @@ def our_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
     cfg = loaded.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device)
     window = Window(ConversationKV(shape), ids.tolist(), logits=len(ids))
-    return forward(loaded.model, [window], PortableBackend(Verdict()))[1]
+    return forward(loaded.model, [window], PortableBackend(Verdict(), loaded.model.dtype))[1]
 
 
 # ---- errors ---------------------------------------------------------------------------------

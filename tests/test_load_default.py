@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnkv.attention.backend import PortableBackend
-from turnkv.attention.route import Verdict
+from turnkv.attention.portable import PortableBackend
+from turnkv.attention.verdict import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
@@ -78,7 +78,7 @@ def test_logits_match_transformers_gguf(ours):
     cache = ConversationKV(
         KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, ours.device)
     )
-    backend = PortableBackend(Verdict())
+    backend = PortableBackend(Verdict(), ours.model.dtype)
     rows = [forward(ours.model, [Window(cache, prompt, logits=len(prompt))], backend)[1]]
     cache.commit(prompt)
     cache.seal()

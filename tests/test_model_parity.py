@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from turnkv.attention.backend import PortableBackend
-from turnkv.attention.route import Verdict
+from turnkv.attention.portable import PortableBackend
+from turnkv.attention.verdict import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.contiguous import ContiguousKV
@@ -85,7 +85,7 @@ def make_folder(path: Path, case: str) -> transformers.PreTrainedModel:
 
 def run_windows(loaded, cache) -> tuple[torch.Tensor, list[str]]:
     """Our logits for PROMPT, fed window by window through ``cache``; ``[T, V]`` and the routes."""
-    backend = PortableBackend(Verdict())
+    backend = PortableBackend(Verdict(), loaded.model.dtype)
     rows, labels, pos = [], [], 0
     for w in WINDOWS:
         if w == "seal":
@@ -94,7 +94,7 @@ def run_windows(loaded, cache) -> tuple[torch.Tensor, list[str]]:
         ids = PROMPT[pos : pos + w].tolist()
         plan, logits = forward(loaded.model, [Window(cache, ids, logits=len(ids))], backend)
         rows.append(logits)
-        labels += plan.attention.labels
+        labels += plan.labels
         cache.commit(ids)
         pos += w
     assert pos == len(PROMPT) and cache.num_tokens == pos
@@ -132,7 +132,9 @@ def test_a_window_asking_for_its_last_logits_only(pair):
     cfg = ours.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
     cache = ConversationKV(shape)
-    _, last = forward(ours.model, [Window(cache, PROMPT.tolist(), logits=1)], PortableBackend(Verdict()))
+    _, last = forward(
+        ours.model, [Window(cache, PROMPT.tolist(), logits=1)], PortableBackend(Verdict(), ours.model.dtype)
+    )
     assert last.shape == (1, cfg.vocab_size)
     assert (last[0] - want[-1]).abs().max().item() < TOL
     assert cache.num_tokens == 0  # the model never commits; the engine does

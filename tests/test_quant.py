@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from turnkv.attention.backend import PortableBackend
-from turnkv.attention.route import Verdict
+from turnkv.attention.portable import PortableBackend
+from turnkv.attention.verdict import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
@@ -198,7 +198,7 @@ def logits(loaded, ids: list[int]) -> torch.Tensor:
     cfg = loaded.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device)
     window = Window(ConversationKV(shape), list(ids), logits=len(ids))
-    return forward(loaded.model, [window], PortableBackend(Verdict()))[1]
+    return forward(loaded.model, [window], PortableBackend(Verdict(), loaded.model.dtype))[1]
 
 
 class Bf16Dense:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_quant import bf16_yardstick, yardstick_factor
 
-from turnkv.attention.backend import PortableBackend
-from turnkv.attention.route import Verdict
+from turnkv.attention.portable import PortableBackend
+from turnkv.attention.verdict import Verdict
 from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
@@ -68,7 +68,7 @@ def window_logits(loaded, ids: list[int]) -> torch.Tensor:
     cfg = loaded.config
     shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device)
     window = Window(ConversationKV(shape), list(ids), logits=len(ids))
-    return forward(loaded.model, [window], PortableBackend(Verdict()))[1]
+    return forward(loaded.model, [window], PortableBackend(Verdict(), loaded.model.dtype))[1]
 
 
 def greedy(engine: Engine, prompt: str, n: int = 32) -> list[int]:

@@ -111,7 +111,7 @@ def test_the_real_kernel_passes_at_the_model_shapes():
     assert {r["rows"] for r in report["shapes"]} >= {1, 4, 32}
     assert all(r["tol_ratio"] <= 1 for r in report["shapes"])
     views = tuple((torch.randn(2, 3, n, 64).to(KERNEL_DEVICE, BF16),) * 2 for n in (5, 0, 9))
-    assert backend.plan([KVWindow(views, 10, 4)]).labels == ["fused_q4"]
+    assert [r.label for r in backend.plan([KVWindow(views, 10, 4)]).routes] == ["fused_q4"]
 
 
 @needs_kernel

@@ -48,7 +48,7 @@ def test_a_ragged_step_equals_each_window_alone(tiny):
     together = [history(tiny, h) for h in HISTORIES]
     res = tiny.run_step([Window(c, w, logits=len(w)) for c, w in zip(together, WINDOWS, strict=True)])
     assert res.plan.rows == sum(len(w) for w in WINDOWS)
-    assert res.plan.attention.labels == ["lse_q20", "lse_q1", "lse_q5"]
+    assert res.plan.labels == ["lse_q20", "lse_q1", "lse_q5"]
     for i, (h, w) in enumerate(zip(HISTORIES, WINDOWS, strict=True)):
         alone = tiny.run_step([Window(history(tiny, h), w, logits=len(w))])
         # not bit for bit: fp32 GEMMs round by their row count (on some CPUs' BLAS the more), and

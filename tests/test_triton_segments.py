@@ -23,9 +23,10 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 from turnkv.attention import triton_segments as ts  # noqa: E402
 from turnkv.attention.fused import FusedBackend  # noqa: E402
 from turnkv.attention.reference import reference_attention  # noqa: E402
-from turnkv.attention.route import Verdict  # noqa: E402
-from turnkv.attention.segment_table import UnsupportedViews, pack, upload  # noqa: E402
+from turnkv.attention.routes import Path  # noqa: E402
+from turnkv.attention.segment_table import UnsupportedViews, key_bucket, pack, padded_batch, upload  # noqa: E402
 from turnkv.attention.selfcheck import error_ratio, tolerance  # noqa: E402
+from turnkv.attention.verdict import Verdict  # noqa: E402
 from turnkv.kv.cache import KVWindow  # noqa: E402
 from turnkv.limits import MAX_SEGMENTS  # noqa: E402
 
@@ -136,7 +137,9 @@ def test_a_ragged_step_stores_and_attends_every_window_at_its_layer(layer):
     q = torch.randn(n, hkv * gqa, d, generator=g).to(DEVICE, torch.bfloat16)
     k, v = torch.randn(2, n, hkv, d, generator=g).to(DEVICE, torch.bfloat16)
     step = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows)
-    assert len(step.launches) == 2 and step.labels == ["fused_q1", "fused_q5", "fused_prefill"]
+    assert len(step.launches) == 2
+    assert [r.label for r in step.routes] == ["fused_q1", "fused_q5", "fused_prefill"]
+    assert [r.path for r in step.routes] == [Path.FUSED_NARROW] * 2 + [Path.FUSED_WIDE]
     step.store(layer, k, v)
     out = step.attend(layer, q, d**-0.5)
     start = 0
@@ -155,8 +158,11 @@ def test_padding_sequences_are_neither_read_nor_written():
     # a graph-style plan: padded to 4 sequences, into a static buffer; padding rows keep their bits
     hkv, gqa, d = HEADS, 2, 64
     windows = [window4(hkv, [_len(9), 2], 1, d, seed=s) for s in (1, 2)]
-    static = torch.zeros(4 * (MAX_SEGMENTS + 2) * 8, dtype=torch.int64, device=DEVICE)
-    step = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows, out=static, pad_to=4, max_keys=8192)
+    backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
+    static = backend.graph_table(4)
+    assert static.numel() == 4 * (MAX_SEGMENTS + 2) * 8
+    launch = backend.decode_launch(windows)._replace(batch=4, keys=8192)
+    step = backend.plan(windows, launch, out=static)
     assert step.packed.data_ptr() == static.data_ptr()
     q = torch.randn(4, hkv * gqa, d).to(DEVICE, torch.bfloat16)
     k, v = torch.randn(2, 4, hkv, d).to(DEVICE, torch.bfloat16)
@@ -166,6 +172,42 @@ def test_padding_sequences_are_neither_read_nor_written():
     assert (out[2:] == 3.0).all()
     fresh = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows)
     assert torch.equal(out[:2], fresh.attend(1, q[:2], d**-0.5))
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def _rows_of(hkv: int, d: int, history: int, rows: int, seed: int) -> list[KVWindow]:
+    """``rows`` one-row windows of one conversation after ``history`` rows: a verify window as
+    ``step.one_row_windows`` cuts it (every row over the same tail buffer)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 2, hkv, history + rows + 8, d, generator=g).to(DEVICE, torch.bfloat16)
+    n = [history + i + 1 for i in range(rows)]
+    return [KVWindow(((k[:, :, :t], v[:, :, :t]),), t - 1, 1) for t in n]
+
+
+def test_a_decode_launch_is_what_the_eager_step_launches():
+    # the split-count invariant's one owner: a graph's key and table (``decode_launch``) and an
+    # eager step of the same one-row windows split alike, sized by conversations, not windows
+    hkv, gqa, d = HEADS, 4, 64
+    backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
+    windows = _rows_of(hkv, d, 9, 3, 0) + _rows_of(hkv, d, 4100, 1, 1) + _rows_of(hkv, d, 30, 2, 2)
+    launch = backend.decode_launch(windows)
+    assert (launch.batch, launch.keys) == (padded_batch(6), key_bucket(4101))
+    assert launch.splits == ts.decode_splits(3, launch.keys, hkv, gqa, d, DEVICE)
+    eager = backend.plan(windows)
+    assert [lc.config.splits for lc in eager.launches] == [launch.splits]
+    graph = backend.plan(windows, launch, out=backend.graph_table(launch.batch))
+    assert graph.launches[0].config == eager.launches[0].config
+    assert graph.launches[0].meta.batch == launch.batch
+    many = window4(hkv, [1] * (MAX_SEGMENTS + 1), 1, d, seed=4)  # two segment groups: no graph
+    assert len(many.views) == MAX_SEGMENTS + 1 and backend.decode_launch([many]) is None
+
+
+@pytest.mark.parametrize("start", [0, 100, 4064, 4090, 4095, 4096, 8190])
+def test_a_verify_window_stays_within_its_first_rows_key_bucket(start):
+    n = FusedBackend(Verdict(), 4, 1, 64, DEVICE).verify_rows(start)
+    assert 1 <= n <= 32
+    assert all(key_bucket(start + i + 1) == key_bucket(start + 1) for i in range(n))
+    assert n == 32 or key_bucket(start + n + 1) != key_bucket(start + 1)  # as many as fit
 
 
 @pytest.mark.parametrize("splits", [None, 4])
@@ -232,7 +274,7 @@ def test_causal_edge_on_tile_boundaries():
 
 def test_rope_store_equals_rope_then_store_bit_for_bit():
     # the fused RoPE + store kernel against the portable backend's torch RoPE and per-window store
-    from turnkv.attention.backend import PortableBackend
+    from turnkv.attention.portable import PortableBackend
 
     hkv, gqa, d = HEADS, 4, 64
     shapes = [([_len(9)], 1), ([_len(3), 2], 7)]
@@ -246,7 +288,7 @@ def test_rope_store_equals_rope_then_store_bit_for_bit():
     cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE, torch.bfloat16)
     sin = torch.cat([-angles.sin(), angles.sin()], -1).to(DEVICE, torch.bfloat16)
     q1 = FusedBackend(Verdict(), hkv * gqa, hkv).plan(fused_w).rope_store(2, qk, v, cos, sin)
-    q2 = PortableBackend(Verdict()).plan(plain_w).rope_store(2, qk, v, cos, sin)
+    q2 = PortableBackend(Verdict(), torch.bfloat16).plan(plain_w).rope_store(2, qk, v, cos, sin)
     assert torch.equal(q1, q2)
     for a, b in zip(fused_w, plain_w, strict=True):
         for (ka, va), (kb, vb) in zip(a.views, b.views, strict=True):

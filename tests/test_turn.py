@@ -3,6 +3,8 @@ refusals, a failing step. Each test drives ``Turn`` the way the scheduler does."
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -167,6 +169,8 @@ def test_a_turn_runs_on_its_context_alone_without_a_model():
     """``Turn`` sees only its ``TurnContext``: a byte tokenizer, a KV layout and the limits drive
     it end to end, the step's logits made up by the test (a one-hot row: the "model" answers
     ``ANSWER``), and the bank holds the prompt plus the answer."""
+    from turnkv.attention.portable import PortableBackend
+    from turnkv.attention.verdict import Verdict
     from turnkv.bank.session_bank import SessionBank
     from turnkv.engine.admission import Footprint
     from turnkv.engine.context import TurnContext
@@ -188,7 +192,9 @@ def test_a_turn_runs_on_its_context_alone_without_a_model():
         device=shape.device,
         tokenizer=tok,
         layout=make_layout("segmented", shape),
-        footprint=Footprint(8, 16, 1, 8, 4, vocab, 8, flash=False),
+        footprint=Footprint(
+            8, 16, 4, vocab, 8, partial(PortableBackend(Verdict(), torch.float32).scratch_bytes, 1, 8)
+        ),
         drafts=lambda prompt: None,
         draft_stats=SpeculationStats("off", "off: a test"),
         verify_rows=lambda start: MAX_WINDOW_ROWS,

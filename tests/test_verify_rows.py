@@ -19,6 +19,7 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
 
 from turnkv.attention.segment_table import key_bucket  # noqa: E402
+from turnkv.attention.triton_segments import decode_splits  # noqa: E402
 from turnkv.config import EngineConfig  # noqa: E402
 from turnkv.engine.engine import Engine  # noqa: E402
 from turnkv.engine.step import Window, one_row_windows, plan_step  # noqa: E402
@@ -71,10 +72,11 @@ def test_a_verify_windows_rows_attend_as_each_row_decoded_alone(engine):
         assert torch.equal(got[i], alone[0]), i
     # what makes it so: the split count of one conversation, not of K sequences
     plan = plan_step(rows, engine.backend, engine.model.device)
-    one = engine.backend.decode_splits(1, key_bucket(HISTORY))
-    assert [lc.config.splits for lc in plan.attention.launches] == [one]
+    b = engine.backend
+    one = decode_splits(1, key_bucket(HISTORY), b.kv_heads, b.gqa, b.head_dim, b.device)
+    assert [lc.config.splits for lc in plan.attention.launches] == [one] == [b.decode_launch(plan.kv).splits]
     if not CUDA:  # the interpreter's 8 "SMs": K sequences would split otherwise (the test shows it)
-        assert engine.backend.decode_splits(K, key_bucket(HISTORY)) != one
+        assert decode_splits(K, key_bucket(HISTORY), b.kv_heads, b.gqa, b.head_dim, b.device) != one
 
 
 def test_beside_another_conversation_each_row_is_that_row_decoded_in_the_same_company(engine):

@@ -6,9 +6,11 @@ narrow windows (decode, verify: <= 32 rows) with wide ones (prefill chunks) gets
 same upload and two attention launches, so a one-row window keeps its flash-decoding split
 instead of riding in a prefill launch's row blocks.
 
-For a CUDA graph the plan is built into a static buffer (``out``) with padding sequences up to the
-captured batch (``pad_to``) and a split count fixed by the graph (``max_keys``), so a replay
-needs only the one upload; see ``turnkv.engine.graphs``.
+For a CUDA graph the plan is built into a static buffer (``out``, ``graph_table``) by the step's
+``DecodeLaunch`` (``decode_launch``: padding sequences up to the captured batch, the split count
+of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.graphs``. The same
+key bucket bounds a verify window (``verify_rows``), whose rows must split as they would decoded
+alone: the split-count invariant lives here and in ``triton_segments.decode_splits``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.attention.backend import row_starts
-from turnkv.attention.route import Verdict, window_label
-from turnkv.attention.segment_table import TableMeta, pack, upload
+from turnkv.attention.backend import DecodeLaunch, row_starts
+from turnkv.attention.routes import Path, Route, narrow
+from turnkv.attention.segment_table import FIELDS, TableMeta, key_bucket, pack, padded_batch, upload
+from turnkv.attention.verdict import Verdict
 from turnkv.kv.cache import KVWindow
-from turnkv.limits import MAX_WINDOW_ROWS
+from turnkv.limits import MAX_SEGMENTS, MAX_WINDOW_ROWS
 
 
 @dataclass
@@ -37,14 +40,14 @@ class Launch:
 class FusedStep:
     """The fused kernels over one step's packed tables (see the module docstring)."""
 
-    def __init__(self, packed: torch.Tensor, launches: list[Launch], labels: list[str]) -> None:
+    def __init__(self, packed: torch.Tensor, launches: list[Launch], routes: list[Route]) -> None:
         from turnkv.attention import triton_segments, triton_store
 
         self._ts = triton_segments
         self._store = triton_store
         self.packed = packed
         self.launches = launches
-        self.labels = labels
+        self.routes = routes
         self._tables = [packed[lc.offset : lc.offset + lc.meta.words] for lc in launches]
 
     def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
@@ -78,6 +81,8 @@ class FusedBackend:
     """The ``fused`` route (verdict ``ok`` only: the load-time self-check ran these kernels)."""
 
     name = "fused"
+    cuts_verify_windows = True  # so that a decode graph replays them and each row splits as alone
+    captures_graphs = True
 
     def __init__(
         self,
@@ -93,31 +98,25 @@ class FusedBackend:
         self.head_dim = head_dim
         self.device = torch.device(device)
 
-    def decode_splits(self, conversations: int, max_keys: int) -> int:
-        """The split count of a decode launch of one-row windows of ``conversations``
-        conversations over ``max_keys`` keys (what a CUDA graph of that step bakes in)."""
-        from turnkv.attention import triton_segments as ts
-        from turnkv.attention.segment_table import TableMeta
-
-        meta = TableMeta(conversations, 1, max_keys, 1, self.kv_heads, self.head_dim, torch.bfloat16)
-        return ts.pick_config(meta, self.gqa, self.device, max_keys).splits
-
     def plan(
         self,
         windows: Sequence[KVWindow],
+        launch: DecodeLaunch | None = None,
         out: torch.Tensor | None = None,
-        pad_to: int | None = None,
-        max_keys: int | None = None,
     ) -> FusedStep:
-        """Pack and upload the step's tables (into ``out`` for a graph; see the module docstring)."""
+        """Pack and upload the step's tables (into ``out`` by ``launch`` for a graph; see the
+        module docstring)."""
         from turnkv.attention import triton_segments as ts
 
         starts = row_starts(windows)
-        narrow = [i for i, w in enumerate(windows) if w.rows <= MAX_WINDOW_ROWS]
-        wide = [i for i, w in enumerate(windows) if w.rows > MAX_WINDOW_ROWS]
+        routes = [
+            Route(Path.FUSED_NARROW if narrow(w.rows) else Path.FUSED_WIDE, "fused", w.rows) for w in windows
+        ]
+        pad_to, max_keys = (None, None) if launch is None else (launch.batch, launch.keys)
         words: list[int] = []
         launches = []
-        for group in (narrow, wide):
+        for path in (Path.FUSED_NARROW, Path.FUSED_WIDE):
+            group = [i for i, r in enumerate(routes) if r.path is path]
             if not group:
                 continue
             part, meta = pack(
@@ -129,9 +128,37 @@ class FusedBackend:
             device = windows[group[0]].views[0][0].device
             convs = conversations([windows[i] for i in group])
             config = ts.pick_config(meta, self.gqa, device, max_keys, conversations=convs)
+            if launch is not None:  # the splits the graph is keyed by (the same, by decode_splits)
+                config = config._replace(splits=launch.splits)
             launches.append(Launch(len(words), meta, config))
             words += part
         device = windows[0].views[0][0].device
         packed = upload(words, device, out)
-        labels = [window_label("fused", w.rows) for w in windows]
-        return FusedStep(packed, launches, labels)
+        return FusedStep(packed, launches, routes)
+
+    def verify_rows(self, start: int) -> int:
+        """Never past the key bucket of the window's first row: its rows run as one-row windows
+        whose attention must split as their decode rows' would (``Engine.stage``), and a decode
+        step is planned with the split count of its bucket (``decode_launch``)."""
+        return max(1, min(MAX_WINDOW_ROWS, key_bucket(start + 1) - start))
+
+    def scratch_bytes(self, heads: int, head_dim: int, rows: int, history: int) -> int:
+        # the kernels keep scores in registers (flash) and need only their fp32 split partials
+        return heads * rows * (head_dim + 1) * 4 * 2  # a few partials per row
+
+    def decode_launch(self, windows: Sequence[KVWindow]) -> DecodeLaunch | None:
+        """``DecodeLaunch`` of one-row ``windows`` (None past ``MAX_SEGMENTS`` views: two segment
+        groups, which a graph's table has no room for)."""
+        from turnkv.attention import triton_segments as ts
+
+        if any(len(w.views) > MAX_SEGMENTS for w in windows):
+            return None
+        keys = key_bucket(max(w.start + 1 for w in windows))
+        convs = conversations(windows)
+        splits = ts.decode_splits(convs, keys, self.kv_heads, self.gqa, self.head_dim, self.device)
+        return DecodeLaunch(padded_batch(len(windows)), keys, splits)
+
+    def graph_table(self, batch: int) -> torch.Tensor:
+        # the table of ``batch`` sequences of one group (decode windows: one narrow launch)
+        words = batch * (1 + MAX_SEGMENTS) * FIELDS + batch * FIELDS
+        return torch.zeros(words, dtype=torch.int64, device=self.device)

@@ -1,11 +1,12 @@
-"""The portable route: attention over a window's views in fp32, rounded once.
+"""The portable paths in fp32, rounded once: ``concat`` and ``lse`` (``routes.Path``).
 
-Two exact forms of the same fp32 attention, chosen per window (``lse_attention``):
+Two exact forms of the same fp32 attention over a window's views; the window's route picks one
+(``portable.portable_route``), neither function picks for it:
 
-- **Concatenated scores** (``concat_segments``; every window whose rows all see key 0 and that
-  is not a CPU prefill window): each view's scores ``q k_i^T`` side by side, one softmax, the
-  values summed view by view. Decode and verify windows take it: it is 2S + 3 ops for S views.
-- **Partials merged by log-sum-exp** (``segment_partial`` + ``merge_partials``; CPU prefill
+- **Concatenated scores** (``concat_segments``, path ``concat``; windows whose rows all see key 0):
+  each view's scores ``q k_i^T`` side by side, one softmax, the values summed view by view.
+  Decode and verify windows take it: it is 2S + 3 ops for S views.
+- **Partials merged by log-sum-exp** (``lse_attention``, path ``lse``; a CPU's fp32 prefill
   windows through torch's flash kernel, and windows that start before the first key): for
   segment ``i`` with scores ``s_i`` the partial result is ``o_i = softmax(s_i) @ v_i`` and its
   weight is ``lse_i = logsumexp(s_i)``. With ``L = logsumexp_i(lse_i)`` the exact attention over
@@ -26,7 +27,6 @@ import torch
 
 from turnkv.attention.reference import visible_mask
 
-CPU_FLASH_MIN_ROWS = 33  # prefill windows; decode windows are cheaper as two matmuls
 # CPU matmuls of fewer rows take another kernel (MKL, measured with torch 2.13: a [3, 64] x
 # [64, 700] product differs in its last bits from the same rows inside a 4-row or larger one,
 # while from 4 rows up every row is bit-identical whatever the count and its position). Decode
@@ -35,10 +35,11 @@ CPU_FLASH_MIN_ROWS = 33  # prefill windows; decode windows are cheaper as two ma
 MIN_GEMM_ROWS = 4
 
 
-def _cpu_flash_partial(
+def flash_partial(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_start: int, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's tiled CPU flash kernel, which returns the log-sum-exp too (fp32 in, fp32 out).
+    """``segment_partial`` through torch's tiled CPU flash kernel, which returns the log-sum-exp
+    too (fp32 q in, fp32 out; a CPU only).
 
     Measured on 2 cores (9/3 heads, d64, 460 rows over 1840): 15 ms for three segments against 75 ms
     for the materialised scores. The query heads of one KV head are stacked as rows so K/V are
@@ -65,17 +66,11 @@ def _cpu_flash_partial(
     return o, lse
 
 
-def _takes_flash(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[1] >= CPU_FLASH_MIN_ROWS
-
-
 def segment_partial(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window_start: int, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One segment's fp32 partial. q ``[Hq, M, D]``, k/v ``[Hkv, T, D]`` -> (``[Hq, M, D]``, ``[Hq, M]``)."""
     hq, m, d = q.shape
-    if _takes_flash(q, k):
-        return _cpu_flash_partial(q, k, v, scale, window_start, offset)
     hkv, t, _ = k.shape
     group = hq // hkv
     qg = q.float().reshape(hkv, group * m, d)  # [Hkv, G*M, D]; row r is window row r % M
@@ -196,19 +191,20 @@ def lse_attention(
     views: list[tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     window_start: int | None = None,
+    flash: bool = False,
 ) -> torch.Tensor:
-    """q ``[Hq, M, D]``; views ``[(k, v)]`` each ``[Hkv, T_i, D]`` -> ``[Hq, M, D]`` in q's dtype."""
+    """Per-view fp32 partials merged by their log-sum-exp: q ``[Hq, M, D]``; views ``[(k, v)]``
+    each ``[Hkv, T_i, D]`` -> ``[Hq, M, D]`` in q's dtype. ``flash``: each partial through torch's
+    CPU flash kernel (``flash_partial``; fp32 q on a CPU), else two matmuls (``segment_partial``)."""
     t = sum(k.shape[1] for k, _ in views)
     ws = t - q.shape[1] if window_start is None else window_start
-    if ws >= 0 and not _takes_flash(q, views[0][0]):
-        o = concat_segments(q, views, scale, ws)
-        return o if o.dtype == q.dtype else o.to(q.dtype)
+    partial = flash_partial if flash else segment_partial
     parts = []
     offset = 0
     for k, v in views:
         n = k.shape[1]
         if n and offset <= ws + q.shape[1] - 1:  # skip empty segments and ones no row can see
-            parts.append(segment_partial(q, k, v, scale, ws, offset))
+            parts.append(partial(q, k, v, scale, ws, offset))
         offset += n
     if not parts:
         return torch.zeros_like(q)

@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from turnkv.attention import cpu_native
-from turnkv.attention.backend import AttentionBackend, PortableBackend
+from turnkv.attention.backend import AttentionBackend
+from turnkv.attention.portable import PortableBackend
 from turnkv.attention.reference import reference_attention
-from turnkv.attention.route import Verdict
+from turnkv.attention.verdict import Verdict
 from turnkv.kv.cache import KVWindow, Views
 from turnkv.limits import MAX_GQA, SUPPORTED_DTYPE_NAMES, SUPPORTED_HEAD_DIMS
 
@@ -265,7 +266,7 @@ def make_backend(
             # build or load the CPU decode kernel at load, not inside the first decode step: the
             # thread governor times that step, and a 2-thread probe that paid for it lost
             cpu_native.library()
-        return PortableBackend(verdict)
+        return PortableBackend(verdict, dtype)
     from turnkv.attention.fused import FusedBackend
 
     return FusedBackend(verdict, num_heads, num_kv_heads, head_dim, device)

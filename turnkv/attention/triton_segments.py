@@ -266,39 +266,61 @@ _TUNED = {
 }  # fmt: skip
 
 
+def _tuned(rows: int, d: int) -> tuple[int, int, int, int, int]:
+    """``(block_m, block_n, num_warps, num_stages, waves)`` for ``rows`` query rows per KV head."""
+    cap = 64 if d > 128 else 128
+    block_m = min(cap, max(16, triton.next_power_of_2(rows)))
+    return (block_m, *_TUNED[(block_m, d)])
+
+
 def pick_config(
     meta: TableMeta, gqa: int, device: torch.device, max_keys: int | None = None, conversations: int = 0
 ) -> LaunchConfig:
     """Default tiles and splits for a launch: ``_TUNED`` for the tiles, enough programs for the
-    tuned number of waves, and at least 4 key tiles per split.
-
-    Decode launches (one-row windows) size the split count for the padded batch and the key bucket
-    a CUDA graph of this step would be captured at (``segment_table.padded_batch``/``key_bucket``),
-    so an eager step and a replay split the keys alike and agree bit for bit; they split into a
-    power of two, in the tuned number of waves only while the unsplit programs fill less than one
-    wave. Measured on the H200 (bench/attention.py decode_sweep, llama3-8b heads, 4 views): batch
-    1/8/32 at 8K and 32K keys were fastest at 32/4/1 splits, which this picks (the waves rule
-    alone picked 33/5/2: 3-27 % slower). ``max_keys`` overrides the table's (a graph passes its
-    bucket). ``conversations`` (decode): the split count is sized for that many sequences rather
-    than the table's (``fused.conversations``: a verify window's one-row windows split as one)."""
+    tuned number of waves, and at least 4 key tiles per split. Decode launches (one-row windows)
+    take ``decode_splits``. ``max_keys`` overrides the table's (a graph passes its bucket).
+    ``conversations`` (decode): the split count is sized for that many sequences rather than the
+    table's (``fused.conversations``: a verify window's one-row windows split as one)."""
     rows = gqa * max(meta.max_q, 1)
-    d = meta.head_dim
-    cap = 64 if d > 128 else 128
-    block_m = min(cap, max(16, triton.next_power_of_2(rows)))
-    block_n, num_warps, num_stages, waves = _TUNED[(block_m, d)]
-    decode = meta.max_q == 1
-    batch = padded_batch(conversations or meta.batch) if decode else meta.batch
-    base = batch * meta.kv_heads * triton.cdiv(rows, block_m) * meta.groups
-    sms = _num_sms(device)
+    block_m, block_n, num_warps, num_stages, waves = _tuned(rows, meta.head_dim)
     keys = meta.max_keys if max_keys is None else max_keys
-    keys = key_bucket(keys) if decode else keys
+    if meta.max_q == 1:
+        convs = conversations or meta.batch
+        splits = decode_splits(convs, keys, meta.kv_heads, gqa, meta.head_dim, device, meta.groups)
+        return LaunchConfig(block_m, block_n, num_warps, num_stages, splits)
+    base = meta.batch * meta.kv_heads * triton.cdiv(rows, block_m) * meta.groups
     by_len = max(1, keys // (meta.groups * 4 * block_n))
-    if decode:
-        want = triton.cdiv((waves if base < sms else 1) * sms, base)
-        splits = min(want, by_len, 128)
-        return LaunchConfig(block_m, block_n, num_warps, num_stages, 1 << (max(splits, 1).bit_length() - 1))
-    want = triton.cdiv(waves * sms, base)
+    want = triton.cdiv(waves * _num_sms(device), base)
     return LaunchConfig(block_m, block_n, num_warps, num_stages, max(1, min(want, by_len, 128)))
+
+
+def decode_splits(
+    conversations: int,
+    keys: int,
+    kv_heads: int,
+    gqa: int,
+    head_dim: int,
+    device: torch.device,
+    groups: int = 1,
+) -> int:
+    """The split count of a decode launch of ``conversations`` conversations' one-row windows
+    over at most ``keys`` keys: the one formula that an eager step, a CUDA graph's key
+    (``FusedBackend.decode_launch``) and a verify window's bound (``FusedBackend.verify_rows``)
+    rest on.
+
+    Sized for the padded batch and the key bucket a CUDA graph of this step would be captured at
+    (``segment_table.padded_batch``/``key_bucket``), so an eager step and a replay split the keys
+    alike and agree bit for bit; a power of two, in the tuned number of waves only while the
+    unsplit programs fill less than one wave. Measured on the H200 (bench/attention.py
+    decode_sweep, llama3-8b heads, 4 views): batch 1/8/32 at 8K and 32K keys were fastest at
+    32/4/1 splits, which this picks (the waves rule alone picked 33/5/2: 3-27 % slower)."""
+    block_m, block_n, _, _, waves = _tuned(gqa, head_dim)
+    base = padded_batch(conversations) * kv_heads * triton.cdiv(gqa, block_m) * groups
+    sms = _num_sms(device)
+    by_len = max(1, key_bucket(keys) // (groups * 4 * block_n))
+    want = triton.cdiv((waves if base < sms else 1) * sms, base)
+    splits = min(want, by_len, 128)
+    return 1 << (max(splits, 1).bit_length() - 1)
 
 
 def check_shape(hq: int, hkv: int, d: int) -> None:

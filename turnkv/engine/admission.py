@@ -8,6 +8,7 @@ prefill chunk. The server's early checks (``server.prompts``) use the same messa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -30,25 +31,19 @@ class Footprint:
 
     hidden: int  # hidden size
     intermediate: int  # MLP rows
-    heads: int  # query heads
-    head_dim: int
     item: int  # bytes of one activation value
     vocab: int  # the logits row, gathered whole on every rank
     prefill_chunk: int
-    flash: bool  # the attention keeps scores in registers (the fused kernels): split partials only
+    scratch: Callable[[int, int], int]  # the attention's bytes for (rows, history): its backend's
 
 
 def activation_bytes(fp: Footprint, rows: int, history: int = 0) -> int:
     """Transient memory of one prefill chunk of ``rows`` rows over ``history`` cached rows: the
-    hidden states and MLP of the chunk, and the attention's scores: on the portable route the fp32
-    score and probability matrices of the largest segment (bounded by the whole history)."""
+    hidden states and MLP of the chunk, the attention's scratch (``AttentionBackend.scratch_bytes``)
+    and the logits row."""
     rows = min(rows, fp.prefill_chunk)
     hidden = rows * (6 * fp.hidden + 3 * fp.intermediate) * fp.item
-    if fp.flash:
-        scores = fp.heads * rows * (fp.head_dim + 1) * 4 * 2  # a few partials per row
-    else:
-        scores = 2 * fp.heads * rows * (history + rows) * 4
-    return hidden + scores + fp.vocab * 4
+    return hidden + fp.scratch(rows, history) + fp.vocab * 4
 
 
 def prompt_too_long(limit: int, prompt: int | str) -> str:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
-from turnkv.attention.route import Verdict
-from turnkv.attention.segment_table import key_bucket
+from turnkv.attention.verdict import Verdict
 from turnkv.config import EngineConfig
 from turnkv.engine.admission import Footprint
 from turnkv.engine.context import TurnContext
@@ -27,7 +27,6 @@ from turnkv.engine.graphs import GraphStep, make_graphs
 from turnkv.engine.step import Staged, StepResult, Window, one_row_windows, plan_step, run_plan
 from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
-from turnkv.limits import MAX_WINDOW_ROWS
 from turnkv.models.generation import resolve
 from turnkv.models.load import LoadedModel, cache_fingerprint
 
@@ -107,12 +106,10 @@ class Engine:
         return Footprint(
             mc.hidden_size,
             mc.intermediate_size,
-            mc.num_heads,
-            mc.head_dim,
             self.shape.dtype.itemsize,
             self.loaded.config.vocab_size,
             self.prefill_chunk,
-            flash=self.backend.name == "fused",
+            scratch=partial(self.backend.scratch_bytes, mc.num_heads, mc.head_dim),
         )
 
     def turn_context(self) -> TurnContext:
@@ -168,7 +165,7 @@ class Engine:
         conversations its rows go through cuBLAS's GEMM with theirs, as every batched row on CUDA
         does (cuBLAS picks its kernel by the row count)."""
         asked = list(windows)
-        cut = one_row_windows(asked) if self.backend.name == "fused" else None
+        cut = one_row_windows(asked) if self.backend.cuts_verify_windows else None
         run, firsts = cut if cut is not None else (asked, None)
         solo = cut is not None and len(asked) == 1  # (a step holds one window per conversation)
         try:
@@ -206,13 +203,9 @@ class Engine:
         return StepResult(asked, result.logits)
 
     def verify_rows(self, start: int) -> int:
-        """The most rows a verify window whose first row is cache row ``start`` may have. On the
-        fused route its rows run as one-row windows whose attention must split as their decode
-        rows' would (``Engine.stage``): never past the key bucket of its first row, whose split
-        count a decode step is planned with (``segment_table.key_bucket``)."""
-        if self.backend.name != "fused":
-            return MAX_WINDOW_ROWS
-        return max(1, min(MAX_WINDOW_ROWS, key_bucket(start + 1) - start))
+        """The most rows a verify window whose first row is cache row ``start`` may have (the
+        backend's ``verify_rows``: on the fused route within its first row's key bucket)."""
+        return self.backend.verify_rows(start)
 
     def _down(self, exc: Exception) -> None:
         if self.tp is not None:  # the other ranks ran (or wait in) a step this rank did not finish

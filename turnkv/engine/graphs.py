@@ -9,7 +9,7 @@ A verify window of context-copy drafts reaches here cut into one-row windows
 for every row, so each row rounds as it would decoded alone.
 Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. The split
 count of the attention launch is fixed by the key bucket (the next power of two of the longest
-context), and the eager fused path picks its splits the same way (``triton_segments.pick_config``),
+context), and the eager fused path picks its splits the same way (``backend.decode_launch``),
 so a replay equals an eager step of the same batch bit for bit.
 
 ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, windows of one row, at most
@@ -26,11 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from turnkv.attention.backend import AttentionBackend, StepAttention
-from turnkv.attention.fused import conversations
-from turnkv.attention.segment_table import FIELDS, GRAPH_BATCHES, key_bucket, padded_batch
+from turnkv.attention.segment_table import GRAPH_BATCHES
 from turnkv.engine.step import StepPlan, StepResult, Window, carry, host_inputs, open_kv
 from turnkv.kv.cache import KVWindow
-from turnkv.limits import MAX_SEGMENTS
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +89,10 @@ class DecodeGraphs:
         if b > MAX_GRAPH_BATCH or any(len(w.tokens) != 1 or w.logits != 1 for w in windows):
             return None
         kv = [open_kv(w) for w in windows]
-        if any(len(k.views) > MAX_SEGMENTS for k in kv):
+        launch = self.backend.decode_launch(kv)  # the batch and splits an eager step takes too
+        if launch is None:
             return None
-        bs = padded_batch(b)
-        bucket = key_bucket(max(k.start + 1 for k in kv))  # the splits pick_config picks eagerly too
+        bs = launch.batch
         words, _, _ = host_inputs(windows, kv)
         pad = bs - b
         inputs = words[:b] + [0] * pad + words[b : 2 * b] + [0] * pad + list(range(bs)) + words[3 * b :]
@@ -103,10 +101,10 @@ class DecodeGraphs:
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
         # by the context bucket instead, a 64-client H200 run spent most of its time capturing
         # (the split count is sized by conversations: a verify window's rows split as one row's)
-        key = (bs, self.backend.decode_splits(conversations(kv), bucket), solo)
+        key = (bs, launch.splits, solo)
         captured = self.graphs.get(key) or self._new_buffers(bs)
         captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
-        step = self.backend.plan(kv, out=captured.table, pad_to=bs, max_keys=bucket)
+        step = self.backend.plan(kv, launch, out=captured.table)
         return GraphStep(list(windows), kv, key, captured, step, len(inputs))
 
     def replay(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
@@ -129,10 +127,7 @@ class DecodeGraphs:
     def _new_buffers(self, bs: int) -> _Captured:
         device = self.model.device
         inputs = torch.zeros(5 * bs, dtype=torch.int64, device=device)
-        # the table's size for bs sequences of one group (decode windows: one narrow launch)
-        words = bs * (1 + MAX_SEGMENTS) * FIELDS + bs * FIELDS
-        table = torch.zeros(words, dtype=torch.int64, device=device)
-        return _Captured(torch.cuda.CUDAGraph(), inputs, table, torch.empty(0))
+        return _Captured(torch.cuda.CUDAGraph(), inputs, self.backend.graph_table(bs), torch.empty(0))
 
     def _capture(self, captured: _Captured, ids, pos, rows, step, solo: bool) -> None:
         model = self.model
@@ -162,6 +157,6 @@ def make_graphs(
         return NoGraphs("off: --cuda-graphs off")
     if model.device.type != "cuda":
         return NoGraphs(f"off: no CUDA ({model.device.type})")
-    if backend.name != "fused":
+    if not backend.captures_graphs:
         return NoGraphs(f"off: the attention route is not fused ({backend.verdict.verdict})")
     return DecodeGraphs(model, backend, threaded)

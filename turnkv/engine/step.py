@@ -5,8 +5,8 @@ one-row decode window or a verify window (any mix, ragged). ``plan_step`` opens 
 window, lays the rows out back to back and builds, once for the whole step:
 
 - ``ids`` and ``positions`` ``[N]`` and ``logit_rows`` ``[R]`` as device tensors (one upload);
-- the attention backend's plan (``StepAttention``: for the fused backend one segment table for all
-  layers, one upload).
+- the attention backend's plan (``StepAttention``: each window's route, and for the fused backend
+  one segment table for all layers, one upload).
 
 Every linear layer then runs once over the ``N`` rows; each window attends over its own views.
 A window asks for the logits of its last ``logits`` rows only (none for a prefill chunk that is
@@ -81,7 +81,9 @@ class StepPlan:
     @property
     def labels(self) -> list[str]:
         """Per window, the route label of its attention calls (one per layer) this step."""
-        return self.window_labels if self.window_labels is not None else self.attention.labels
+        if self.window_labels is not None:
+            return self.window_labels
+        return [r.label for r in self.attention.routes]
 
 
 @dataclass
