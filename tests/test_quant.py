@@ -21,7 +21,7 @@ from turnkv.attention.verdict import Verdict
 from turnkv.engine.step import Window, forward
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import ConversationKV
-from turnkv.models import cpu_int4, quant, quant_check
+from turnkv.models import cpu_int4, matmul, quant, quant_check
 from turnkv.models import gguf as gg
 from turnkv.models.load import ModelLoadError, load_model
 from turnkv.tokenizer import byte_level
@@ -85,7 +85,7 @@ def test_packed_matmul_within_the_stated_bound(type_name, rows, m, kernel):
     layout = quant.int4_layout()
     assert qw.check_layout(planes) == (not qw.native and layout is not None and rows % layout[0] == 0)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    got = qw.mm(x, quant.wide_rows([m])).double()  # one window of m rows
+    got = qw.mm(x, matmul.plan_matmul([m]).wide).double()  # one window of m rows
     assert got.shape == (m, rows)
     ref = gg.dequant_rows(raw, type_name)
     want = x.double() @ ref.double().T
@@ -106,12 +106,12 @@ def test_a_rows_path_and_bits_depend_on_its_own_window_only(type_name, kernel):
     qw = quant.QuantWeight((rows, cols), planes)
     assert qw.check_layout(planes) == (not qw.native and quant.int4_layout() is not None)
     sizes = [3, 300, 5, 260, 270]
-    assert quant.wide_rows(sizes) == ((3, 303), (308, 838))
+    assert matmul.plan_matmul(sizes).wide == ((3, 303), (308, 838))
     x = torch.randn(sum(sizes), cols, generator=torch.Generator().manual_seed(2))
-    step = qw.mm(x, quant.wide_rows(sizes))
+    step = qw.mm(x, matmul.plan_matmul(sizes).wide)
     at = 0
     for n in sizes:
-        alone = qw.mm(x[at : at + n], quant.wide_rows([n]))
+        alone = qw.mm(x[at : at + n], matmul.plan_matmul([n]).wide)
         assert torch.equal(step[at : at + n], alone.to(step.dtype)), (n, at)
         at += n
     if qw.native:  # one path: the wide ranges change nothing
@@ -213,7 +213,7 @@ class Bf16Dense:
 
 
 def bf16_yardstick(loaded):
-    """The dequantized model with every matmul through ``Bf16Dense`` (quant.linear duck-types it)."""
+    """The dequantized model with every matmul through ``Bf16Dense`` (matmul.linear duck-types it)."""
     m = loaded.model
     for layer in m.layers:
         for attr in ("qkv", "o", "gate_up", "down"):
@@ -261,7 +261,7 @@ def test_tiny_gguf_packed_matches_dequantized(tmp_path, monkeypatch, type_name, 
     assert isinstance(packed.model.embed, quant.QuantWeight)
     # the embedding lookup is the GGUF's own values, exactly
     ids = [5, 77, 300, 12, 9, 250, 31, 100]
-    emb = quant.embedding(torch.tensor(ids), packed.model.embed)
+    emb = matmul.embedding(torch.tensor(ids), packed.model.embed)
     assert torch.equal(emb, plain.model.embed[ids])
     for rows in (ids, ids * 40):  # 8 rows: int4 kernel; 320 rows: the wide bf16 path
         exact = logits(plain, rows)

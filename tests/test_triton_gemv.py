@@ -2,7 +2,7 @@
 of several rows bit for bit as alone.
 
 CI runs it through Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes; on a CUDA
-machine the same tests run compiled, and ``quant.linear`` is checked to route one row through it.
+machine the same tests run compiled, and ``matmul.linear`` is checked to route one row through it.
 Widths and depths are chosen so that both of ``pick``'s tiles run, with ragged last tiles: under
 the interpreter the wide tile runs at a small width through ``config`` (its real widths, 12K
 outputs and up, are ~10^4 programs a call, minutes each in Python); compiled, at its own width too.
@@ -20,7 +20,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
 
-from turnkv.models import quant  # noqa: E402
+from turnkv.models import matmul  # noqa: E402
 from turnkv.models.triton_gemv import MAX_ROWS, WIDE_N, gemv, pick, takes  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -91,8 +91,10 @@ def test_linear_layers_take_the_gemv_for_one_row_and_for_solo_rows_on_cuda():
     w = torch.randn(300, 256, device=DEVICE, dtype=torch.bfloat16)
     x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
     res = torch.randn(1, 300, device=DEVICE, dtype=torch.bfloat16)
-    assert torch.equal(quant.linear(x, w), gemv(x, w))
-    assert torch.equal(quant.residual_linear(res, x, w, None), gemv(x, w, residual=res))
+    assert torch.equal(matmul.linear(x, w), gemv(x, w))
+    assert torch.equal(matmul.residual_linear(res, x, w, None), gemv(x, w, residual=res))
     two = torch.randn(2, 256, device=DEVICE, dtype=torch.bfloat16)
-    assert torch.equal(quant.linear(two, w), torch.nn.functional.linear(two, w))  # cuBLAS
-    assert torch.equal(quant.linear(two, w, solo=True), gemv(two, w))  # one conversation's rows
+    assert torch.equal(matmul.linear(two, w), torch.nn.functional.linear(two, w))  # cuBLAS
+    assert torch.equal(
+        matmul.linear(two, w, None, matmul.MatmulPlan(solo=True)), gemv(two, w)
+    )  # one conversation's rows

@@ -29,6 +29,7 @@ from turnkv.attention.backend import AttentionBackend, StepAttention
 from turnkv.attention.segment_table import GRAPH_BATCHES
 from turnkv.engine.step import StepPlan, StepResult, Window, carry, host_inputs, open_kv
 from turnkv.kv.cache import KVWindow
+from turnkv.models.matmul import MatmulPlan
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,14 @@ class DecodeGraphs:
         b, inputs = len(staged.windows), captured.inputs
         carry(inputs[:b], prev, inputs[3 * bs : staged.used])
         ids, pos, rows = inputs[:bs], inputs[bs : 2 * bs], inputs[2 * bs : 3 * bs]
+        matmul = MatmulPlan(solo=solo)  # decode rows: none wide
         if self.graphs.get(staged.key) is not captured:
-            self._capture(captured, ids, pos, rows, staged.step, solo)
+            self._capture(captured, ids, pos, rows, staged.step, matmul)
             self.graphs[staged.key] = captured
         captured.graph.replay()
         self.replays += 1
         plan = StepPlan(
-            staged.windows, staged.kv, ids[:b], pos[:b], rows[:b], list(range(b)), staged.step, solo=solo
+            staged.windows, staged.kv, ids[:b], pos[:b], rows[:b], list(range(b)), staged.step, matmul
         )
         return StepResult(plan, captured.logits[:b])
 
@@ -129,12 +131,12 @@ class DecodeGraphs:
         inputs = torch.zeros(5 * bs, dtype=torch.int64, device=device)
         return _Captured(torch.cuda.CUDAGraph(), inputs, self.backend.graph_table(bs), torch.empty(0))
 
-    def _capture(self, captured: _Captured, ids, pos, rows, step, solo: bool) -> None:
+    def _capture(self, captured: _Captured, ids, pos, rows, step, matmul: MatmulPlan) -> None:
         model = self.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
-            model(ids, pos, rows, step, (), solo)
+            model(ids, pos, rows, step, matmul)
         torch.cuda.current_stream().wait_stream(stream)
         mode = "global"
         if self.threaded:
@@ -144,7 +146,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             mode = "thread_local"
         with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode=mode):
-            captured.logits = model(ids, pos, rows, step, (), solo)
+            captured.logits = model(ids, pos, rows, step, matmul)
         self.captures += 1
         log.info("captured a decode graph for %d rows", ids.shape[0])
 

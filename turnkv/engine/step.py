@@ -6,7 +6,9 @@ window, lays the rows out back to back and builds, once for the whole step:
 
 - ``ids`` and ``positions`` ``[N]`` and ``logit_rows`` ``[R]`` as device tensors (one upload);
 - the attention backend's plan (``StepAttention``: each window's route, and for the fused backend
-  one segment table for all layers, one upload).
+  one segment table for all layers, one upload);
+- the matmul plan (``MatmulPlan``: which rows take packed weights' wide path, whether each row
+  rounds as alone).
 
 Every linear layer then runs once over the ``N`` rows; each window attends over its own views.
 A window asks for the logits of its last ``logits`` rows only (none for a prefill chunk that is
@@ -24,7 +26,7 @@ import torch
 
 from turnkv.attention.backend import AttentionBackend, StepAttention
 from turnkv.kv.cache import KVCache, KVWindow
-from turnkv.models.quant import wide_rows
+from turnkv.models.matmul import PLAIN, MatmulPlan, plan_matmul
 
 if TYPE_CHECKING:
     from turnkv.engine.graphs import GraphStep
@@ -60,7 +62,7 @@ class Window:
 
 @dataclass
 class StepPlan:
-    """What one forward needs, built once: device inputs, KV windows, the attention plan."""
+    """What one forward needs, built once: device inputs, KV windows, the attention and matmul plans."""
 
     windows: list[Window]
     kv: list[KVWindow]
@@ -69,9 +71,8 @@ class StepPlan:
     logit_rows: torch.Tensor  # [R] int64, device
     logit_offsets: list[int]  # window i's logits are rows [off_i, off_i + windows[i].logits) of R
     attention: StepAttention
-    wide: tuple[tuple[int, int], ...] = ()  # rows of windows that take packed weights' wide path
+    matmul: MatmulPlan = PLAIN
     feeds: torch.Tensor | None = None  # [2F] int64, device: ``carry``'s dst | src (None: no feed)
-    solo: bool = False  # one conversation's rows: each rounds as alone (``LlamaModel.forward``)
     window_labels: list[str] | None = None  # per window, where ``attention`` ran other windows
 
     @property
@@ -189,9 +190,9 @@ def plan_step(
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
     attention = backend.plan(kv)
-    wide = wide_rows([len(w.tokens) for w in windows])
+    matmul = plan_matmul([len(w.tokens) for w in windows], solo)
     ids, pos, rows, feeds = dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], dev[2 * n + r :]
-    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, wide, feeds, solo)
+    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, matmul, feeds)
 
 
 def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,7 +201,7 @@ def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.T
     if plan.feeds is not None:
         carry(plan.ids, prev, plan.feeds)
     model.rope.ensure(max(k.start + k.rows for k in plan.kv))  # a no-op once the engine sized it
-    return model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.wide, plan.solo)
+    return model(plan.ids, plan.positions, plan.logit_rows, plan.attention, plan.matmul)
 
 
 def forward(model, windows: Sequence[Window], backend: AttentionBackend) -> tuple[StepPlan, torch.Tensor]:

@@ -19,7 +19,6 @@ tables computed in fp32, residual stream in the model dtype, logits returned in 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,8 +26,8 @@ from torch import nn
 
 from turnkv.attention.backend import StepAttention
 from turnkv.config import ModelConfig, RopeScaling
+from turnkv.models.matmul import PLAIN, MatmulPlan, embedding, input_dtype, linear, residual_linear
 from turnkv.models.pointwise import rms_norm, silu_mul
-from turnkv.models.quant import embedding, input_dtype, linear, residual_linear
 
 if TYPE_CHECKING:
     from turnkv.parallel.group import TensorParallel
@@ -246,8 +245,8 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def replace_weight(owner: nn.Module, attr: str, value: nn.Module) -> None:
-        """Swap the parameter ``owner.attr`` for a weight module that ``quant.linear`` and
-        ``quant.embedding`` accept (a loader hook: quantized weights stay packed)."""
+        """Swap the parameter ``owner.attr`` for a weight module that ``matmul.linear`` and
+        ``matmul.embedding`` accept (a loader hook: quantized weights stay packed)."""
         del owner._parameters[attr]
         setattr(owner, attr, value)
 
@@ -269,15 +268,14 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         logit_rows: torch.Tensor,
         attention: StepAttention,
-        wide: Sequence[tuple[int, int]] = (),
-        solo: bool = False,
+        matmul: MatmulPlan = PLAIN,
     ) -> torch.Tensor:
         """One step: token ``ids`` ``[N]`` at ``positions`` ``[N]`` (device tensors; the step's
-        windows back to back, as ``attention`` was planned) -> fp32 logits ``[R, V]`` of the rows
-        ``logit_rows`` ``[R]``. ``wide``: the row ranges of packed CPU weights' wide path
-        (``quant.wide_rows``). ``solo``: the rows are one conversation's verify window, each of
-        which must round as it would alone (``quant.linear``; every other op is row-wise).
-        Positions must be covered by ``rope.ensure``. Never commits."""
+        windows back to back, as ``attention`` and ``matmul`` were planned) -> fp32 logits
+        ``[R, V]`` of the rows ``logit_rows`` ``[R]``. ``matmul``: the matmul path of the rows
+        (``matmul.plan_matmul``: packed weights' wide rows; ``solo`` rows, each rounding as
+        alone; every other op is row-wise). Positions must be covered by ``rope.ensure``. Never
+        commits."""
         cfg = self.cfg
         n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -291,26 +289,28 @@ class LlamaModel(nn.Module):
             attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up, down = layer.weights()
             # packed weights take bf16 rows: the norms round to it (once, as the matmul would)
             h = rms_norm(x, attn_norm, eps, input_dtype(qkv_w))
-            qkv = linear(h, qkv_w, qkv_b, wide, x.dtype, solo).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
+            qkv = linear(h, qkv_w, qkv_b, matmul, x.dtype).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
             # [N, Hq+Hkv, D], [N, Hkv, D] (one call for both views: 1.0 us against 2.3 us on a CPU)
             qk, v = qkv.split_with_sizes((hq + hkv, hkv), 1)
             if q_norm is not None:
                 qk = torch.cat([rms_norm(qk[:, :hq], q_norm, eps), rms_norm(qk[:, hq:], k_norm, eps)], 1)
             q = attention.rope_store(i, qk, v, cos, sin)  # [N, Hq, D]; k and v into every tail
             o = attention.attend(i, q, self.scale)  # [N, Hq, D]
-            x = self._row_linear(x, o.reshape(n, hq * d), o_w, o_b, wide, solo)
+            x = self._row_linear(x, o.reshape(n, hq * d), o_w, o_b, matmul)
             h = rms_norm(x, mlp_norm, eps, input_dtype(gate_up))
-            up = silu_mul(linear(h, gate_up, None, wide, x.dtype, solo))  # [N, I]
-            x = self._row_linear(x, up, down, None, wide, solo)
+            up = silu_mul(linear(h, gate_up, None, matmul, x.dtype))  # [N, I]
+            x = self._row_linear(x, up, down, None, matmul)
         head = self.embed if self.lm_head is None else self.lm_head
         dtype = x.dtype
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))  # [R, hidden]
         if tp is not None:
-            return tp.gather_vocab(linear(x, head, None, (), dtype)).float()  # [R, V / n] per rank -> [R, V]
-        return linear(x, head, None, (), dtype, solo).float()  # [R, V]
+            return tp.gather_vocab(
+                linear(x, head, None, matmul.head(), dtype)
+            ).float()  # [R, V / n] per rank -> [R, V]
+        return linear(x, head, None, matmul.head(), dtype).float()  # [R, V]
 
     def _row_linear(
-        self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, wide=(), solo: bool = False
+        self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, matmul: MatmulPlan
     ) -> torch.Tensor:
         """``x + h @ w.T (+ b)``, the residual add of o and down. Under tensor parallelism ``w``
         holds this rank's input columns (row-parallel): rank 0 adds the residual and the bias to
@@ -318,6 +318,6 @@ class LlamaModel(nn.Module):
         (no extra kernel for the residual)."""
         tp = self.tp
         if tp is None:
-            return residual_linear(x, h, w, b, wide, solo)
-        y = residual_linear(x, h, w, b, wide) if tp.rank == 0 else linear(h, w, None, wide)  # [N, hidden]
+            return residual_linear(x, h, w, b, matmul)
+        y = residual_linear(x, h, w, b, matmul) if tp.rank == 0 else linear(h, w, None, matmul)  # [N, hidden]
         return tp.all_reduce(y)

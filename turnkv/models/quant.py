@@ -1,8 +1,8 @@
 """Packed quantized weights for CPU: GGUF Q4_0, Q4_1 and Q8_0 kept at 4 bits a value.
 
-The model's matmuls go through ``linear``, ``residual_linear`` and ``embedding``, which take
-either a plain tensor (today's dequantized path, and every HF folder and GPU load) or a
-``QuantWeight``. A ``QuantWeight`` holds one or two *planes*: values ``u`` in 0..15 and, per row
+The model's matmuls go through ``matmul.linear``, ``matmul.residual_linear`` and
+``matmul.embedding``, which take either a plain tensor (today's dequantized path, and every HF
+folder and GPU load) or a ``QuantWeight``. A ``QuantWeight`` holds one or two *planes*: values ``u`` in 0..15 and, per row
 and group of 32 columns, a scale ``s`` and zero ``z``, read as ``(u - 8) * s + z``. The GGUF
 blocks map onto that form without re-quantizing:
 
@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import get_args
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from turnkv.config import Weights
@@ -228,7 +227,7 @@ class QuantWeight(nn.Module):
 
         The C kernel takes every row (one unpack per block of up to 10 rows). Under torch's int4
         kernel (one unpack per 4 rows), rows in the ``wide`` ranges ``[start, end)`` (the step's
-        windows of ``WIDE_ROWS`` rows or more: prefill chunks; ``wide_rows``) dequantize the
+        windows of ``WIDE_ROWS`` rows or more: prefill chunks; ``matmul.plan_matmul``) dequantize the
         planes to bf16 once and take oneDNN's bf16 GEMM instead (``wide_ok``, see ``WIDE_ROWS``).
         Chosen per window, not per call: a row's bits then depend on its own window only (the
         kernels are row-independent), never on what else shares the step."""
@@ -341,97 +340,3 @@ def _values(u: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(z[0], u[0].to(torch.bfloat16) - 8, s[0])
     w = torch.addcmul(z.float(), u.float() - 8, s.float())  # each plane exact in fp32
     return w.sum(0).to(torch.bfloat16)
-
-
-# ---- what the model calls ---------------------------------------------------------------------
-def wide_rows(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """The row ranges of a step whose windows (``sizes``, back to back) take the wide path of
-    ``QuantWeight.mm``: windows of ``WIDE_ROWS`` rows or more, adjacent ones merged."""
-    out: list[tuple[int, int]] = []
-    at = 0
-    for n in sizes:
-        if n >= WIDE_ROWS:
-            if out and out[-1][1] == at:
-                out[-1] = (out[-1][0], at + n)
-            else:
-                out.append((at, at + n))
-        at += n
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_gemv():
-    try:
-        from turnkv.models import triton_gemv
-    except ImportError:  # no Triton: cuBLAS everywhere
-        return None
-    return triton_gemv
-
-
-def _gemv_for(x: torch.Tensor, w: torch.Tensor, solo: bool = False):
-    """``triton_gemv`` where it serves ``x @ w.T`` on CUDA (what ``triton_gemv.takes``): one row
-    (batch-1 decode), or with ``solo`` the rows of one conversation's verify window, which must
-    round as each row alone does; else None. Rows of several conversations stay cuBLAS's GEMMs:
-    the GEMV reads every weight tile once per row (from L2 after the first)."""
-    if not w.is_cuda or (x.shape[0] != 1 and not solo):
-        return None
-    mod = _triton_gemv()
-    return mod if mod is not None and mod.takes(x, w) else None
-
-
-def input_dtype(w) -> torch.dtype | None:
-    """The activation dtype ``linear`` hands ``w``'s kernel: bf16 for a ``QuantWeight`` (the
-    int4 kernel's input; a norm before it can round to it at once), None for a plain tensor."""
-    return torch.bfloat16 if isinstance(w, QuantWeight) else None
-
-
-def linear(
-    x: torch.Tensor,
-    w,
-    bias: torch.Tensor | None = None,
-    wide: Sequence[tuple[int, int]] = (),
-    dtype: torch.dtype | None = None,
-    solo: bool = False,
-) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` in ``dtype`` (default x's), for a plain tensor or a ``QuantWeight``
-    (``wide``: the rows that take its wide path, ``wide_rows``). One row on CUDA takes the
-    Triton GEMV, and so do ``solo`` rows (``_gemv_for``)."""
-    if isinstance(w, torch.Tensor):
-        gemv = _gemv_for(x, w, solo)
-        y = gemv.gemv(x, w, bias) if gemv is not None else F.linear(x, w, bias)
-    else:
-        y = w.mm(x, wide)
-        y = torch.add(bias, y) if bias is not None else y  # add promotes to bias's dtype
-        dtype = dtype or (x.dtype if bias is None else None)
-    return y if dtype is None else cast(y, dtype)
-
-
-def residual_linear(
-    x: torch.Tensor,
-    h: torch.Tensor,
-    w,
-    bias: torch.Tensor | None,
-    wide: Sequence[tuple[int, int]] = (),
-    solo: bool = False,
-) -> torch.Tensor:
-    """``x + h @ w.T (+ b)``; the add rides in the matmul (plain; one row or ``solo`` rows on
-    CUDA: the Triton GEMV) or in the cast back (packed)."""
-    if isinstance(w, torch.Tensor):
-        gemv = _gemv_for(h, w, solo) if x.dtype == h.dtype else None
-        if gemv is not None:
-            return gemv.gemv(h, w, bias, residual=x)
-        if bias is None:
-            return torch.addmm(x, h, w.t())
-        return x + F.linear(h, w, bias)
-    y = w.mm(h, wide)
-    # fp32 + bf16: the product cast first, then added in place (2.0 us for a [1, 576] row on the
-    # 2-core VM, against 3.3 us for torch.add's promotion, which makes the same copy inside)
-    y = y.float().add_(x) if x.dtype == torch.float32 else torch.add(x, y)
-    return y if bias is None else y.add_(bias)
-
-
-def embedding(ids: torch.Tensor, w, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Rows ``ids`` of an embedding matrix (plain or quantized) in ``dtype`` (default: w's)."""
-    if isinstance(w, torch.Tensor):
-        return F.embedding(ids, w)
-    return w.lookup(ids).to(dtype or torch.float32)

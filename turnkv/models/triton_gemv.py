@@ -22,9 +22,9 @@ row still costs every weight tile's read: on the H200 (torch.profiler, the defau
 verify step) the GEMV took 0.36 / 0.93 / 2.90 ms at 1 / 8 / 32 rows, and an 8B verify row ~1.8 ms.
 A program taking all rows of its tile one after the other was slower still (4.6 against 3.4 ms
 of GPU for a 32-row step). Batched rows of several conversations stay cuBLAS's GEMMs
-(``quant._gemv_for``).
+(``matmul._gemv_for``).
 
-Imported lazily, on CUDA only (``quant.linear``); tested on the CPU through the interpreter.
+Imported lazily, on CUDA only (``matmul.linear``); tested on the CPU through the interpreter.
 """
 
 from __future__ import annotations
