@@ -36,8 +36,9 @@ import triton
 import triton.language as tl
 
 from turnkv.kernels.triton_common import INTERPRET, downcast
+from turnkv.limits import MAX_WINDOW_ROWS
 
-MAX_ROWS = 32  # rows of x this kernel takes: a verify window (limits.MAX_WINDOW_ROWS)
+MAX_ROWS = MAX_WINDOW_ROWS  # rows of x this kernel takes: a verify window
 WIDE_N = 12288  # outputs at least this wide take the wide tile (``pick``)
 
 
