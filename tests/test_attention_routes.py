@@ -139,7 +139,7 @@ def test_a_ragged_step_equals_each_window_alone_and_labels_its_routes():
 @pytest.mark.parametrize("threads", [2, 3])
 def test_decode_windows_split_over_threads_equal_each_window_alone(threads, torch_ops):
     """Without the C kernel a CPU step of narrow windows runs them in slices on the attention
-    pool, one torch thread each (backend.PortableStep): the same bits as each window alone, in
+    pool, one torch thread each (portable.PortableStep): the same bits as each window alone, in
     the step's row order."""
     hq, hkv, d = 4, 2, 16
     shapes = [([8], 1), ([8, 3], 1), ([8, 3, 9], 4), ([5, 7], 1), ([2] * 12, 32)]

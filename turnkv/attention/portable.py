@@ -31,12 +31,11 @@ def portable_route(w: KVWindow, dtype: torch.dtype, native: bool) -> Route:
     Every CPU window goes to the C kernel where it can: prefill chunks too, so a row's bits never
     depend on the window it came in. Else a first chunk and any one-view window off a CPU take
     SDPA (``single``); a CPU's decode and verify windows take ``concat`` (CPU SDPA parallelises
-    tiny decode problems over OpenMP threads: measured 11.6 ms per call, 9/3 heads, 200 keys,
-    2 threads, the other core busy, against 0.1 ms for the same math as two matmuls), and so do
-    several views off a CPU; a CPU's fp32 prefill chunk past its first takes torch's flash kernel
-    per view (``lse``: with an explicit mask a 460-row window over 2.3K keys took 50 ms in SDPA
-    against 15 ms there). One segment and the contiguous layout take the same route, so they
-    stay bit-identical."""
+    tiny problems over OpenMP threads, slower than the two matmuls), and so do several views off
+    a CPU; a CPU's fp32 prefill chunk past its first takes torch's flash kernel per view (``lse``:
+    faster than SDPA with an explicit mask). Figures: docs/BENCHMARKS.md, 'Figures moved out of
+    code comments'. One segment and the contiguous layout take the same route, so they stay
+    bit-identical."""
     name = "single" if len(w.views) == 1 else "lse"
     cpu = w.views[0][0].device.type == "cpu"
     if native:
