@@ -18,7 +18,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
-from turnkv.runtime import load_engine, new_bank
+from turnkv.runtime import build, load_engine, new_bank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
@@ -91,7 +91,7 @@ def test_speculation_replays_verify_windows_and_keeps_the_greedy_text():
     off = Engine(on.loaded, replace(cfg, speculate="off"))
     texts = {}
     for name, engine in (("on", on), ("off", off)):
-        sched = Scheduler(engine, new_bank(engine, "8G"), max_running=1)
+        sched = build(cfg, "bench", engine=engine).scheduler(new_bank(engine, "8G"), max_running=1)
         got = texts[name] = []
         for i, n in enumerate((40, 600, 4070)):  # a loop the drafts copy; the last crosses 4096 keys
             loop = [256, *([40 + i, 41, 42, 43, 44, 45, 46] * (n // 7))]

@@ -253,8 +253,8 @@ def test_a_cancelled_turn_ends_cancelled_and_banks_the_rows_of_its_tokens(engine
 
 
 def test_run_ahead_is_on_only_where_decode_steps_replay_cuda_graphs(engine):
-    sched = Scheduler(engine, new_bank(engine, "64M"))
-    assert not sched.pipeline.run_ahead  # a CPU engine: graphs are off
+    sched = build(engine.cfg, "bench", engine=engine).scheduler(new_bank(engine, "64M"))
+    assert not sched.pipeline.run_ahead  # a CPU engine: graphs are off, so auto is off
     assert sched.snapshot["run_ahead"] == {"enabled": False, "steps": 0}
 
 
