@@ -34,6 +34,10 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check turnkv tests bench
 	$(BIN)/ruff format --check turnkv tests bench
 
+# The suite runs on JOBS pytest-xdist workers (default: the cores, at most 4), one test file per
+# worker at a time (--dist loadfile: a module's fixtures load once); JOBS=0 runs it in one process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: $(BIN)/.installed
 	$(BIN)/ruff check turnkv tests bench
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile) $(PYTEST_ARGS)
