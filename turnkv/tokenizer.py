@@ -114,8 +114,8 @@ class Tokenizer:
         """Ids of ``text``. Special-token strings in the text (``<|im_start|>``) map to their ids.
 
         ``encode_batch`` releases the GIL; ``encode`` holds it, stalling every other Python thread
-        (the event loop, the engine's): bench/tokenize_stall.py measured another thread running at
-        0.1 % of its idle rate during ``encode`` of 2 MB, 68 % during ``encode_batch``."""
+        (the event loop, the engine's): bench/tokenize_stall.py measures it (docs/BENCHMARKS.md,
+        'Tokenizing large prompts (issue 7)')."""
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]

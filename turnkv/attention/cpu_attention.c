@@ -16,7 +16,7 @@
  * which thread runs it, how its keys are cut into views. Dot products and sums keep 16 partial
  * sums (lane l takes elements l, l + 16, ...) that are added in a fixed tree; nothing is
  * reassociated (no -ffast-math). The compiler may fuse a multiply and an add into an FMA
- * (-ffp-contract=fast: 20.5 -> 17.8 ms a step for 8 conversations at 1K keys on the 2-core VM),
+ * (-ffp-contract=fast, faster: docs/BENCHMARKS.md, 'CPU decode attention in C'),
  * but it decides that once, in the one code path every row takes. A row sees keys [0, ws + i] of
  * its window (ws: the window's first row, i: the row's index in it), and only those keys enter its
  * sums, key after key from key 0 (softmax lanes by key index, values in key order), so row i of
@@ -43,7 +43,8 @@
  * add fused where the compiler contracts them, the same in every row's path). The arithmetic is
  * that of 16 fp32 lanes (lane l of a dot product takes elements l, l + 16, ...), held in vectors
  * of this CPU's width: one of 16 lanes with AVX-512, two of 8 else (VP pieces). 16-lane vectors
- * compiled for AVX2 went through memory (a scalar broadcast as 16 stores): ~10x slower. */
+ * compiled for AVX2 went through memory (a scalar broadcast as 16 stores), many times slower
+ * (docs/BENCHMARKS.md, 'Cached == uncached on the CPU'). */
 #if defined(__AVX512F__)
 #define VL 16
 #else
@@ -352,7 +353,7 @@ static inline __attribute__((always_inline)) void attend_item(const item_t *it, 
 }
 
 /* items [begin, end) on this thread (not inlined into the OpenMP region: outlined there, the same
- * loops compiled 25 % slower on the 2-core VM) */
+ * loops compiled slower; docs/BENCHMARKS.md, 'CPU decode attention in C') */
 static __attribute__((noinline)) void run_slice(int64_t layer, const float *q, int64_t q_rs, int64_t q_hs,
                                                 float *out, int64_t hq, int64_t hkv, float scale,
                                                 const int64_t *wins, const int64_t *views,

@@ -13,10 +13,10 @@ Two exact forms of the same fp32 attention over a window's views; the window's r
   all rows is ``sum_i exp(lse_i - L) * o_i``.
 
 Every intermediate stays fp32 and the result is rounded to the query dtype once, so the route
-equals fp32 attention over one buffer rounded once (the seeds measured that rounding each segment
-first puts a quarter of bf16 elements one ulp off). A segment whose rows are all invisible to a
-query row has ``lse_i = -inf`` and weight 0; a row that sees no key at all gets zeros, never NaN.
-Runs on any torch device.
+equals fp32 attention over one buffer rounded once (rounding each segment first puts bf16
+elements one ulp off: docs/BENCHMARKS.md, 'Figures moved out of code comments'). A segment whose
+rows are all invisible to a query row has ``lse_i = -inf`` and weight 0; a row that sees no key
+at all gets zeros, never NaN. Runs on any torch device.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def flash_partial(
     """``segment_partial`` through torch's tiled CPU flash kernel, which returns the log-sum-exp
     too (fp32 q in, fp32 out; a CPU only).
 
-    Measured on 2 cores (9/3 heads, d64, 460 rows over 1840): 15 ms for three segments against 75 ms
-    for the materialised scores. The query heads of one KV head are stacked as rows so K/V are
-    never repeated; the window-causal mask repeats per stacked head.
+    Faster than the materialised scores (docs/BENCHMARKS.md, 'Server (issue 3)'). The query heads
+    of one KV head are stacked as rows so K/V are never repeated; the window-causal mask repeats
+    per stacked head.
     """
     hq, m, d = q.shape
     hkv, t, _ = k.shape
@@ -89,7 +89,7 @@ def segment_partial(
 @functools.lru_cache(maxsize=8)
 def _cpu_scalar(value: float) -> torch.Tensor:
     """``value`` as a 0-dim fp32 CPU tensor: a Python float operand costs a CPU op a 0-dim copy
-    to the tensor's dtype (~2 us of a 3 us ``mul``, torch 2.13); the product's bits are the same."""
+    to the tensor's dtype, most of a small op's time; the product's bits are the same."""
     return torch.tensor(value, dtype=torch.float32)
 
 
@@ -111,9 +111,9 @@ def concat_segments(
 
     The same fp32 attention as per-view partials merged by their log-sum-exp, in about 2S + 3
     ops rather than ~12 per view plus the merge: the scores are concatenated (``T`` floats per
-    query row), never the keys. Decode's path on a CPU without the C kernel (``cpu_native``), where op count is the cost: 8
-    conversations of 1024 rows in 4 views, SmolLM2-135M on 2 cores, 277 ms per step through
-    partials + merge (bench/decode.py; docs/BENCHMARKS.md).
+    query row), never the keys. Decode's path on a CPU without the C kernel (``cpu_native``),
+    where op count is the cost (docs/BENCHMARKS.md, 'The step engine: decode and prefill on the
+    H200 (issue 8)', CPU).
 
     A row's bits do not depend on the window around it (speculation's exactness: a verify
     window's row equals that row decoded alone). Scores and the softmax are per row whatever the
@@ -131,7 +131,7 @@ def concat_segments(
     if not t:
         return torch.zeros(hq, m, d, dtype=torch.float32, device=q.device)
     cpu = q.device.type == "cpu"
-    pad = MIN_GEMM_ROWS if cpu else 0  # (the checks once, not per op: ~3 us of Python a layer)
+    pad = MIN_GEMM_ROWS if cpu else 0  # (the checks once, not per op)
     scale_by = _cpu_scalar(scale) if cpu else scale
     rows = group * m
     masked = t - 1 > window_start  # some key is later than the first window row
@@ -159,7 +159,7 @@ def concat_segments(
         o = o[:, :rows]
     if m == 1:  # a decode window: the last view's keys up to its row
         n = min(max(window_start + 1 - lo, 0), k_last.shape[1])
-        # (slices skipped where they are the whole tensor: each is a dispatch, ~1 us on a CPU)
+        # (slices skipped where they are the whole tensor: each is a dispatch)
         pt = p if lo == 0 and n == t else _pad_rows(p[:, :, lo : lo + n].contiguous(), pad)
         vt = v_last if n == v_last.shape[1] else v_last[:, :n]
         ot = torch.bmm(pt, vt.float())

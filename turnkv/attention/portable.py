@@ -84,11 +84,9 @@ class PortableStep:
         ]
         self._rope: tuple = (None, None, None)  # (cos, cos[:, None], sin[:, None]) of this step
         # CPU decode and verify windows are many tiny matmuls: each runs on one thread, and the
-        # windows are split over the cores (``_cpu_pool``). Measured with OpenMP waiting passively
-        # (every parallel region woke sleeping threads) on the 2-core VM: 8 windows x 4 views x
-        # 30 layers of 256-row matmuls took 171 ms per step on 2 OpenMP threads, 51 ms on one, and
-        # 31 ms as two halves on two Python threads. Prefill windows (torch's flash
-        # kernel) keep torch's threads.
+        # windows are split over the cores (``_cpu_pool``): with OpenMP waiting passively every
+        # parallel region woke sleeping threads (docs/BENCHMARKS.md, 'Figures moved out of code
+        # comments'). Prefill windows (torch's flash kernel) keep torch's threads.
         self.threads = 1
         cpu = self.windows and self.windows[0].views[0][0].device.type == "cpu"
         if cpu and all(narrow(w.rows) for w in self.windows):
@@ -118,11 +116,11 @@ class PortableStep:
         return q
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # the C kernel's windows in one call (2-core VM, 8 conversations: 16 copies a layer, ~2.5 ms
-        # a step); the others as torch copies
+        # the C kernel's windows in one call, not two torch copies per window and layer; the others
+        # as torch copies
         if self.native is not None and self.native.store(layer, k, v):
             rest = self.others
-        elif len(self.windows) == 1:  # (no slices: each is a dispatch, ~1 us on a CPU)
+        elif len(self.windows) == 1:  # (no slices: each is a dispatch)
             self.windows[0].write(layer, k.transpose(0, 1), v.transpose(0, 1))
             return
         else:
@@ -144,8 +142,8 @@ class PortableStep:
 
     def _attend_torch(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         # one window keeps torch's threads: with OpenMP spinning briefly (turnkv/threads.py) its
-        # matmuls over a long history gain from them (2-core VM, one view of 2048 keys: 209 us a
-        # layer on one thread, 158 on two; 38 and 40 us over 64 keys)
+        # matmuls over a long history gain from them (docs/BENCHMARKS.md, 'Figures moved out of
+        # code comments')
         if self.threads <= 1 or len(self.windows) == 1:
             return self._attend(layer, q, scale, self.starts, self.windows, self.routes)
         parts = min(self.threads, len(self.windows))

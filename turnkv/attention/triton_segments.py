@@ -311,9 +311,10 @@ def decode_splits(
     Sized for the padded batch and the key bucket a CUDA graph of this step would be captured at
     (``segment_table.padded_batch``/``key_bucket``), so an eager step and a replay split the keys
     alike and agree bit for bit; a power of two, in the tuned number of waves only while the
-    unsplit programs fill less than one wave. Measured on the H200 (bench/attention.py
-    decode_sweep, llama3-8b heads, 4 views): batch 1/8/32 at 8K and 32K keys were fastest at
-    32/4/1 splits, which this picks (the waves rule alone picked 33/5/2: 3-27 % slower)."""
+    unsplit programs fill less than one wave. The H200's decode sweep (bench/attention.py
+    decode_sweep, llama3-8b heads, 4 views) found 32/4/1 splits fastest for batch 1/8/32 at 8K
+    and 32K keys, which this picks; the waves rule alone picked the slower 33/5/2
+    (docs/BENCHMARKS.md, 'The step engine: decode and prefill on the H200 (issue 8)')."""
     block_m, block_n, _, _, waves = _tuned(gqa, head_dim)
     base = padded_batch(conversations) * kv_heads * triton.cdiv(gqa, block_m) * groups
     sms = _num_sms(device)

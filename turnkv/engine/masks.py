@@ -16,8 +16,8 @@ masks with llguidance's matchers (``Constraint.matcher``), outside the GIL.
   thread while the turns do the rest of their host work (text, stop strings, events); ``apply``
   then only waits for what is left of it. ``start`` waits until the thread is inside llguidance,
   which runs without the GIL: a thread that must win the GIL back from the engine thread's Python
-  to start and to finish made an earlier background fill slower than filling in the step
-  (docs/BENCHMARKS.md, "Constrained decoding").
+  to start and to finish is slower than filling in the step (docs/BENCHMARKS.md, "Structured
+  output: what a grammar costs", "Masks filled ahead").
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ class StepMasks:
         taken) on a thread of its own while the engine thread goes on with the turns' other work;
         the next ``apply`` takes them for the rows of those constraints. The caller must not touch
         these matchers until then. The engine thread waits until the thread is inside llguidance,
-        which runs without the GIL: a thread that had to win the GIL back from the engine thread's
-        Python waited up to the interpreter's 5 ms switch interval (what made the earlier
-        background fill slower, module doc)."""
+        which runs without the GIL: a thread that must win the GIL back from the engine thread's
+        Python waits up to the interpreter's switch interval (``sys.getswitchinterval()``; module
+        doc)."""
         self._wait()
         if not (self.prefetch and constraints and self._words):
             return

@@ -317,8 +317,8 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
 
 /* Tiles per block for 1..10 rows, per kernel: the fastest of 1-8 on the 2-core Zen 4 VM, one
  * thread (the default model's 1536 x 576 and 6144-column head slices). More tiles share each
- * activation broadcast, but past ~16 running sums the compiler spills them: 8 rows x 3 tiles
- * took 1.9x the time of 8 x 1 for the 4-bit planes. */
+ * activation broadcast, but past ~16 running sums the compiler spills them (docs/BENCHMARKS.md,
+ * 'CPU matmuls with int8 activations'). */
 #define RUN_ROWS(NAME, BLOCK, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10)                          \
     static __attribute__((noinline)) void NAME(int64_t R, int64_t t0, int64_t t1, int64_t G, int64_t P, \
                                                const int8_t *q, int64_t K, const float *d,          \
@@ -365,8 +365,8 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
     for (int64_t part = 0; part < threads; part++) {
         /* equal shares of the tiles; every thread walks all rows of its tiles, so a block of tiles
            stays in cache across the row blocks. Up to 10 rows are one block (one unpack of the
-           weights); more go 4 at a time, the fastest per row (4 rows x 3 tiles: 7.7 us a row
-           of the 1536 x 576 matrix on one thread, against 8.0 at 8 x 1 and 8.4 at 5 x 3). */
+           weights); more go 4 at a time, the fastest per row (docs/BENCHMARKS.md, 'Figures
+           moved out of code comments'). */
         int64_t t0 = tiles * part / threads, t1 = tiles * (part + 1) / threads;
         for (int64_t tb = t0; tb < t1; tb += 24) {
             int64_t te = tb + 24 < t1 ? tb + 24 : t1;

@@ -122,9 +122,8 @@ class DecoderLayer(nn.Module):
     def weights(self) -> tuple:
         """``(attn_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, mlp_norm, gate_up, down)``,
         looked up once: ``layer.qkv`` goes through ``nn.Module.__getattr__`` (its dicts of
-        parameters and modules); the ten lookups take 3.5 us against 0.15 us for this call (2-core
-        VM), 0.1 ms of a CPU decode step over 30 layers. Dropped whenever an attribute is set,
-        deleted or moved."""
+        parameters and modules), ten lookups a layer every step (docs/BENCHMARKS.md, 'Figures
+        moved out of code comments'). Dropped whenever an attribute is set, deleted or moved."""
         w = self.__dict__.get("_weights")
         if w is None:
             w = (self.attn_norm, self.qkv, self.qkv_bias, self.q_norm, self.k_norm, self.o, self.o_bias)
@@ -290,7 +289,7 @@ class LlamaModel(nn.Module):
             # packed weights take bf16 rows: the norms round to it (once, as the matmul would)
             h = rms_norm(x, attn_norm, eps, input_dtype(qkv_w))
             qkv = linear(h, qkv_w, qkv_b, matmul, x.dtype).view(n, hq + 2 * hkv, d)  # [N, Hq+2Hkv, D]
-            # [N, Hq+Hkv, D], [N, Hkv, D] (one call for both views: 1.0 us against 2.3 us on a CPU)
+            # [N, Hq+Hkv, D], [N, Hkv, D] (one call for both views, cheaper than two slices)
             qk, v = qkv.split_with_sizes((hq + hkv, hkv), 1)
             if q_norm is not None:
                 qk = torch.cat([rms_norm(qk[:, :hq], q_norm, eps), rms_norm(qk[:, hq:], k_norm, eps)], 1)

@@ -116,8 +116,8 @@ def residual_linear(
             return torch.addmm(x, h, w.t())
         return x + F.linear(h, w, bias)
     y = w.mm(h, plan.wide)
-    # fp32 + bf16: the product cast first, then added in place (2.0 us for a [1, 576] row on the
-    # 2-core VM, against 3.3 us for torch.add's promotion, which makes the same copy inside)
+    # fp32 + bf16: the product cast first, then added in place, cheaper than torch.add's promotion,
+    # which makes the same copy inside (docs/BENCHMARKS.md, 'Per-token overhead cut', issue 11)
     y = y.float().add_(x) if x.dtype == torch.float32 else torch.add(x, y)
     return y if bias is None else y.add_(bias)
 

@@ -58,11 +58,10 @@ BF16_U = 2.0**-9  # unit roundoff of bfloat16 (8 significant bits)
 FP32_U = 2.0**-24
 _ROW_ALIGN = 16  # the packer wants a multiple of 16 rows; pad with zero rows
 # Rows from which a window dequantizes to bf16 + oneDNN GEMM (QuantWeight.mm), under torch's int4
-# kernel only. CPU time, one thread, the 3072x576 gate|up matrix: torch's int4 kernel 5.5 / 11.0 /
-# 21.6 ms at 128 / 256 / 512 rows, dequantize (torch ops) + GEMM 5.6 / 9.4 / 13.5 ms. The C kernel
-# has no wide path: with int8 activations it beats dequantize (in C) + GEMM at every window size
-# measured (2 threads, gate|up / down / q|k|v: 0.24-0.26x the time at 64 rows, 0.46-0.56x at 256,
-# 0.68-0.78x at 1024, 0.74-0.83x at 2048), so a prompt's rows round as its decode rows do.
+# kernel only: from here that beats torch's int4 kernel (docs/BENCHMARKS.md, 'Figures moved out
+# of code comments'). The C kernel has no wide path: with int8 activations it beats dequantize
+# (in C) + GEMM at every window size measured ('CPU matmuls with int8 activations' there), so a
+# prompt's rows round as its decode rows do.
 WIDE_ROWS = 256
 
 

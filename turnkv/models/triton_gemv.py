@@ -2,9 +2,9 @@
 
 At batch 1 every linear layer of a decode step is a matrix-vector product that reads its weight
 once; what matters is how close the read gets to the copy rate. cuBLAS picks tiles for these
-shapes that leave bandwidth on the table where the output is narrow: on the H200 at batch 1
-(8B shape, per step, torch.profiler) qkv and o ran at 72 % of the copy rate on one GPU and, cut
-over two GPUs, o at 57 %, qkv at 63 %, down at 78 % plus split-K reduce passes (64 a step).
+shapes that leave bandwidth on the table where the output is narrow: qkv and o on one GPU and,
+cut over two, o, qkv and down, the last with split-K reduce passes (the H200 profiles in
+docs/BENCHMARKS.md, issues 8 and 15).
 
 Here each program owns ``BLOCK_N`` output columns (weight rows) for every row of ``x`` and
 walks the whole ``K`` in ``BLOCK_K`` slices: weight tiles are read once, coalesced along K, the
@@ -18,11 +18,9 @@ program: a row's bits never depend on how many rows the call has. That is what a
 context-copy drafts needs on CUDA (its rows must round as the same rows decoded one by one do;
 cuBLAS picks its kernel by the row count). The programs of one column tile run side by side (the
 row varies fastest), so the weight tile comes from memory once and from L2 for the other rows; a
-row still costs every weight tile's read: on the H200 (torch.profiler, the default model's solo
-verify step) the GEMV took 0.36 / 0.93 / 2.90 ms at 1 / 8 / 32 rows, and an 8B verify row ~1.8 ms.
-A program taking all rows of its tile one after the other was slower still (4.6 against 3.4 ms
-of GPU for a 32-row step). Batched rows of several conversations stay cuBLAS's GEMMs
-(``matmul._gemv_for``).
+row still costs every weight tile's read, and a program taking all rows of its tile one after
+the other was slower still (docs/BENCHMARKS.md, 'Context-copy speculation (issue 12)'). Batched
+rows of several conversations stay cuBLAS's GEMMs (``matmul._gemv_for``).
 
 Imported lazily, on CUDA only (``matmul.linear``); tested on the CPU through the interpreter.
 """
@@ -81,7 +79,7 @@ def pick(n: int, k: int) -> tuple[int, int, int, int]:
     From the sweep of ``bench/gemv.py`` on the H200 (8B shapes on one GPU and cut over two;
     docs/BENCHMARKS.md): a narrow output (o, qkv, down: N <= 6144) wants few columns and long
     K slices per program (4 x 2048), a wide one (gate|up, the LM head) many short programs
-    (16 x 256). Each rule is within 6 % of the best tile of every shape it covers."""
+    (16 x 256). Each rule is near the best tile of every shape it covers (the sweep's table)."""
     if n >= WIDE_N:
         return 16, min(256, triton.next_power_of_2(k)), 4, 2
     return 4, min(2048, triton.next_power_of_2(k)), 4, 2

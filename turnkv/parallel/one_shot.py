@@ -1,10 +1,10 @@
 """Small all-reduces in one kernel over NVLink: torch's one-shot all-reduce on symmetric memory.
 
 A decode step under tensor parallelism makes two all-reduces per layer of a few rows each
-(``[B, hidden]``: 8 KiB at batch 1 on the 8B shape), 65 a step. NCCL takes ~10 us for one of
-them inside a CUDA graph on the lent 2 x H200 (issue 15's measurement), mostly protocol and
-synchronisation, not bytes. torch's ``symm_mem.one_shot_all_reduce_copy_out`` does it in one
-kernel: each rank copies its rows into a buffer that every rank of the group maps (symmetric
+(``[B, hidden]``: 8 KiB at batch 1 on the 8B shape), 65 a step. NCCL's time for one of them
+inside a CUDA graph is mostly protocol and synchronisation, not bytes (docs/BENCHMARKS.md,
+'Tensor parallelism (issue 15)'). torch's ``symm_mem.one_shot_all_reduce_copy_out`` does it in
+one kernel: each rank copies its rows into a buffer that every rank of the group maps (symmetric
 memory, allocated and exchanged once here), a barrier over signal pads, every rank reads every
 rank's buffer and sums them, a closing barrier (the next call may then overwrite the buffer).
 
