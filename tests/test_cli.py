@@ -252,6 +252,7 @@ class Chat:
     """``turnkv chat`` in a subprocess, its stdout read as it comes (issue 7, item 10)."""
 
     def __init__(self, *args: str) -> None:
+        import os
         import threading
 
         self.proc = subprocess.Popen(
@@ -260,6 +261,7 @@ class Chat:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every thread (``stacks``)
         )
         self.out = ""
         threading.Thread(target=self._read, daemon=True).start()
@@ -267,6 +269,17 @@ class Chat:
     def _read(self) -> None:
         while ch := self.proc.stdout.read(1):
             self.out += ch
+
+    def stacks(self) -> str:
+        """Where a hung chat is: its threads' tracebacks (faulthandler on SIGABRT), then its stderr."""
+        import signal
+
+        self.proc.send_signal(signal.SIGABRT)
+        try:
+            return self.proc.communicate(timeout=20)[1][-6000:]
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return "(no traceback: it did not die on SIGABRT)"
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
@@ -304,7 +317,11 @@ def test_ctrl_c_stops_the_answer_keeps_the_turn_and_ctrl_c_at_the_prompt_exits()
         chat.wait_for(lambda out: "(undone)" in out)
         # at the prompt (or on the way to it: a Ctrl-C outside an answer quits wherever it lands)
         chat.proc.send_signal(signal.SIGINT)
-        assert chat.proc.wait(timeout=240) == 0  # the event is the exit; the bound only stops a hang
+        try:  # the event is the exit; the bound only stops a hang (and says where it hung)
+            code = chat.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"chat did not exit on Ctrl-C at the prompt:\n{chat.stacks()}")
+        assert code == 0
     finally:
         if chat.proc.poll() is None:
             chat.proc.kill()
