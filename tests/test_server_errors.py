@@ -87,8 +87,7 @@ def test_bad_completion_input_is_a_400(live, name):
 # names the field, as docs/SERVER.md says (they came back with `param: null`).
 REFUSED_CHAT = {
     "n": 2,
-    "logprobs": True,
-    "top_logprobs": 2,
+    "top_logprobs": 2,  # without logprobs: true
     "presence_penalty": 0.5,
     "frequency_penalty": -1.0,
     "min_p": 0.1,
@@ -101,7 +100,7 @@ REFUSED_CHAT = {
 REFUSED_COMPLETION = {
     "n": 3,
     "echo": True,
-    "logprobs": 1,
+    "logprobs": 6,  # 0-5
     "suffix": "!",
     "best_of": 2,
     "presence_penalty": 1.0,

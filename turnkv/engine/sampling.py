@@ -129,6 +129,16 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device, non_blocking=True)
 
 
+def processed_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """The rows a draw and a logprob read: ``logits`` ``[S, V]`` (masked) -> fp32 ``[S, V]`` with
+    each row's ``logit_bias`` added (before temperature, top-k and top-p, which only a draw applies)."""
+    x = logits.float()  # [S, V]
+    if any(sp.bias is not None for sp in samplers):
+        x = torch.stack([apply_logit_bias(r, *sp.bias) if sp.bias is not None else r
+                         for r, sp in zip(x, samplers, strict=True)])  # fmt: skip
+    return x
+
+
 def draw_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     """One token per row: ``logits`` ``[S, V]`` (row ``i`` under ``samplers[i]``) -> int64 ``[S]``
     on the logits' device, in a few launches for all rows (a step's sampled turns together).
@@ -138,10 +148,7 @@ def draw_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     come from its own generator), and a row asking for no top-k or top-p cut goes through the
     same ops as one that does, cutting nothing. So a seed gives the same tokens whatever else is
     sampled in the step, and a verify window's rows, drawn one by one, draw as decode steps do."""
-    x = logits.float()  # [S, V]
-    if any(sp.bias is not None for sp in samplers):
-        x = torch.stack([apply_logit_bias(r, *sp.bias) if sp.bias is not None else r
-                         for r, sp in zip(x, samplers, strict=True)])  # fmt: skip
+    x = processed_rows(samplers, logits)  # [S, V]
     if all(sp.greedy for sp in samplers):
         return torch.argmax(x, dim=-1)
     dev, v = x.device, x.shape[1]

@@ -5,7 +5,7 @@ where a number belongs is an error, as with the OpenAI API, and invalid JSON is 
 kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
-(``n > 1``, ``logprobs``, penalties other than 0, ``min_p``, ``repetition_penalty``, the legacy
+(``n > 1``, ``echo``, penalties other than 0, ``min_p``, ``repetition_penalty``, the legacy
 ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
 naming the field (``refused``: raised from a validator, it leaves pydantic as it is).
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
@@ -202,7 +202,6 @@ TokenIds = Annotated[
 NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
-    "top_logprobs": (None, 0),
 }
 
 
@@ -280,16 +279,21 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[bool, only(False)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # per token, with logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise refused("logprobs", "logprobs are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise refused("top_logprobs", "top_logprobs needs logprobs: true")
         return self
+
+    def logprobs_top(self) -> int | None:
+        """The top alternatives per answer token to report, None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def raw_tools(self) -> list[dict] | None:
         """The tools as the client sent them (what the chat template renders), or None."""
@@ -307,7 +311,7 @@ class CompletionRequest(_Sampling):
     # a string, a list of one string, or token ids (a list of ints, or a list of one such list)
     prompt: str | Annotated[list[str], ONE] | TokenIds | Annotated[list[TokenIds], ONE]
     echo: Annotated[bool, only(False)] = False
-    logprobs: Annotated[int, only(0)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
     suffix: Annotated[str, only("")] | None = None
     best_of: Annotated[int, only(1)] | None = None
 
@@ -320,8 +324,6 @@ class CompletionRequest(_Sampling):
                 raise refused("prompt", "one prompt per request (a batch of prompts is not supported)")
         if self.echo:
             raise refused("echo", "echo is not supported")
-        if self.logprobs:
-            raise refused("logprobs", "logprobs are not supported")
         if self.suffix:
             raise refused("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
@@ -330,6 +332,9 @@ class CompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
