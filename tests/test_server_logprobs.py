@@ -1,4 +1,4 @@
-"""Logprobs through the HTTP routes with the default model: the OpenAI shapes (parsed by the
+"""Logprobs, penalties and min_p through the HTTP routes with the default model: the OpenAI shapes (parsed by the
 ``openai`` SDK), streamed equal to whole, and bad values a 400 naming the field. That the values
 are the log-softmax of the step's logits is tests/test_logprobs.py's."""
 
@@ -79,3 +79,17 @@ def test_bad_logprobs_are_a_400_naming_the_field(live, route, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_penalties_and_min_p_change_the_answer_as_the_sampler_does(live):
+    c = live.client()
+    plain = chat(c, MSGS, max_tokens=16).choices[0].message.content
+    penalized = chat(c, MSGS, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalized.choices[0].message.content != plain  # greedy, yet no longer the argmax
+    again = chat(c, MSGS, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0)
+    assert again.choices[0].message.content == penalized.choices[0].message.content
+    extra = {"repetition_penalty": 1.3, "min_p": 0.1}
+    r = c.completions.create(
+        model=MODEL, prompt="One, two,", max_tokens=8, temperature=0.7, seed=3, extra_body=extra
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")

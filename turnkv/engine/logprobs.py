@@ -1,8 +1,8 @@
 """Log-probabilities of the chosen tokens, for the turns that ask (``TurnRequest.logprobs``).
 
 Which distribution: the model's, as the step's chooser sees a row before it draws -- the
-grammar's mask and the request's ``logit_bias`` applied (``sampling.processed_rows``), temperature,
-top-k and top-p not. That is what the OpenAI API reports (the model's distribution, whatever the
+grammar's mask and the request's ``logit_bias`` applied (``sampling.processed_rows``); the
+penalties (which depend on the answer so far), temperature, min-p, top-k and top-p not. That is what the OpenAI API reports (the model's distribution, whatever the
 temperature), and a grammar's masked tokens get ``-inf`` (the server writes ``-9999.0``, as vLLM).
 
 Computed on the device in the step's ``finalize`` (``step_logprobs``: one log-softmax of the

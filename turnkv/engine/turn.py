@@ -113,7 +113,7 @@ class Turn:
         self.stats.cached_tokens = lease.cached
         self._pending = list(ids[lease.cached :])  # the last prompt row is always recomputed
         self.stats.prefilled_tokens = len(self._pending)
-        self.sampler = Sampler(self.params, ctx.device)
+        self.sampler = Sampler(self.params, ctx.device, ids)
         self.decoder = StreamDecoder(ctx.tokenizer)
         self.stops = StopMatcher(self.params.stop)
         self.constraint = req.grammar.start() if req.grammar is not None else None
