@@ -87,12 +87,11 @@ def test_bad_completion_input_is_a_400(live, name):
 # names the field, as docs/SERVER.md says (they came back with `param: null`).
 REFUSED_CHAT = {
     "n": 2,
-    "logprobs": True,
-    "top_logprobs": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": -1.0,
-    "min_p": 0.1,
-    "repetition_penalty": 1.1,
+    "top_logprobs": 2,  # without logprobs: true
+    "presence_penalty": 2.5,  # -2..2
+    "frequency_penalty": -2.5,
+    "min_p": 1.1,  # 0..1
+    "repetition_penalty": 0,  # > 0
     "logit_bias": {"abc": 1},
     "stop": ["a", "b", "c", "d", "e"],
     "functions": [{"name": "f", "parameters": {}}],
@@ -101,11 +100,11 @@ REFUSED_CHAT = {
 REFUSED_COMPLETION = {
     "n": 3,
     "echo": True,
-    "logprobs": 1,
+    "logprobs": 6,  # 0-5
     "suffix": "!",
     "best_of": 2,
-    "presence_penalty": 1.0,
-    "min_p": 0.2,
+    "presence_penalty": -3.0,
+    "min_p": -0.2,
     "prompt": ["a", "b"],
 }
 

@@ -100,6 +100,7 @@ class Tokenizer:
             self.eos_token_ids.add(self.eos_token_id)
         self.add_bos = add_bos and bos_token_id is not None
         self._template = _compile(chat_template) if chat_template else None
+        self._special_ids: set[int] | None = None  # ``token_bytes``'s, made on first use
 
     # ---- basic ---------------------------------------------------------------------------
     @property
@@ -109,6 +110,25 @@ class Tokenizer:
 
     def token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a character, for a byte-level token that
+        splits one; a special token's own text): byte-level BPE pieces map back through GPT-2's
+        byte table, SentencePiece byte tokens (``<0x0A>``) are their byte, ``▁`` a space."""
+        piece = self.token_str(token_id)
+        if type(self.backend.decoder).__name__ == "ByteLevel" and token_id not in self._specials():
+            try:
+                return bytes(_byte_of(c) for c in piece)
+            except (IndexError, ValueError):  # not a byte-level piece (an added token)
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def _specials(self) -> set[int]:
+        if self._special_ids is None:  # once: the added tokens are fixed after loading
+            self._special_ids = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        return self._special_ids
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids of ``text``. Special-token strings in the text (``<|im_start|>``) map to their ids.

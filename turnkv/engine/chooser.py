@@ -3,7 +3,8 @@ handing its turn the chosen tokens (``WindowOutput.tokens``); a turn never sees 
 
 Per window, from its turn's sampler and the rows it asked logits for:
 
-- ``ARGMAX``: greedy without a logit bias. The step's batched argmax is every row's token (a
+- ``ARGMAX``: greedy without a logit bias or penalties (``sampling.SamplingParams.penalized``: a
+  penalized greedy turn's row depends on its answer so far, so it is drawn, below). The step's batched argmax is every row's token (a
   grammar's mask is in the logits before it). A window without logits rows (a prefill chunk that
   is not the prompt's last) has nothing chosen.
 - ``DEVICE``: one logits row of any other turn (a decode row, the prompt's last chunk). The
@@ -37,9 +38,9 @@ class Where(enum.Enum):
 
 def where(sampler: Sampler, w: Window) -> Where:
     """Where ``w``'s tokens are chosen (module docstring)."""
-    # the argmax is the greedy token unless a logit_bias changes the row; the sampler decided both
+    # the argmax is the greedy token unless a logit_bias or a penalty changes the row; the sampler decided
     # once (``SamplingParams.greedy`` builds a tensor per call)
-    if w.logits == 0 or (sampler.greedy and sampler.bias is None):
+    if w.logits == 0 or (sampler.greedy and sampler.bias is None and sampler.penalties is None):
         return Where.ARGMAX
     return Where.DEVICE if w.logits == 1 else Where.HOST
 

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from turnkv.engine.logprobs import TokenLogprob
 from turnkv.engine.masks import TurnGrammar
 from turnkv.engine.sampling import SamplingParams
 
@@ -24,6 +25,8 @@ class TurnRequest:
     ``render_history`` (optional) returns the token ids the client will send back for this
     conversation once the answer text is appended (the chat template applied to the history plus
     the answer); the turn banks rows matching those ids, so the next turn reuses all of them.
+    ``logprobs`` (0-20, None: off) puts a ``TokenLogprob`` on every answer token's ``GenEvent``
+    but an end-of-sequence token's (``engine.logprobs``: what the distribution is).
     ``grammar`` (optional, compiled by ``chat_format.grammar``) constrains every answer token: the step
     masks the turn's logits row before any choice, the answer ends when the grammar is complete
     (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
@@ -37,6 +40,7 @@ class TurnRequest:
     render_history: Callable[[str], list[int]] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     grammar: TurnGrammar | None = None
+    logprobs: int | None = None  # each answer token's logprob, with this many top alternatives
 
 
 @dataclass
@@ -72,6 +76,7 @@ class WindowOutput:
     tokens: list[int]
     route: str = ""
     calls: int = 0
+    logprobs: list[TokenLogprob] | None = None  # per token, when the turn asked (``engine.logprobs``)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class GenEvent:
 
     token_id: int | None
     text: str
+    logprob: TokenLogprob | None = None  # when the turn asked (never on an end-of-sequence token)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     stats: TurnStats | None = None
 

@@ -32,6 +32,7 @@ from turnkv.engine.chooser import Where, choose_on_device, where, window_tokens
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import WindowOutput
 from turnkv.engine.guard import Entry, Guard
+from turnkv.engine.logprobs import Ask, StepLogprobs, step_logprobs
 from turnkv.engine.masks import StepMasks
 from turnkv.engine.step import Staged, StepResult, Window
 
@@ -49,6 +50,7 @@ class InFlight:
     host: torch.Tensor | None = None  # [R] pinned: its asynchronous copy (CUDA)
     ready: torch.cuda.Event | None = None  # recorded after that copy
     final: bool = False  # finalized: masked, tokens chosen and on their way to the host
+    logprobs: StepLogprobs | None = None  # the rows whose turns ask for logprobs (finalize)
 
     def feeds(self) -> dict[int, int]:
         """``id(turn)`` -> the logit row of its window's last row, for each turn whose window here
@@ -168,6 +170,9 @@ class Pipeline:
             draws = [(offsets[i], e.turn.sampler) for i, (e, w) in enumerate(run.work)
                      if e.turn.owns(w, ahead=True) and where(e.turn.sampler, w) is Where.DEVICE]  # fmt: skip
             chosen = run.chosen = choose_on_device(result.logits, draws)
+            run.logprobs = step_logprobs(result.logits, chosen, _asks(run.work, offsets))
+            if run.logprobs is not None:
+                run.logprobs.to_host()
             if chosen is not None and chosen.is_cuda:
                 run.host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
                 run.host.copy_(chosen, non_blocking=True)
@@ -210,7 +215,8 @@ class Pipeline:
             # stops, seal and bank): that turn alone fails
             with Guard("the turn's advance", [(e, None)]):
                 tokens = window_tokens(e.turn.sampler, w, result.logits[lo:hi], chosen[lo:hi])
-                e.deliver(e.turn.advance(WindowOutput(tokens, labels[i], layers)))
+                lps = run.logprobs.window(i, tokens) if run.logprobs is not None else None
+                e.deliver(e.turn.advance(WindowOutput(tokens, labels[i], layers, lps)))
         now = time.perf_counter()
         seconds = now - max(run.t0, self._done_at)  # overlapped steps: from the previous one's end
         self._done_at = now
@@ -250,4 +256,20 @@ def _constrained(work: Work, offsets: list[int]) -> list:
         (offsets[i] + w.logits - 1, e.turn.constraint)
         for i, (e, w) in enumerate(work)
         if w.logits and e.turn.constraint is not None and e.turn.owns(w)
+    ]
+
+
+def _asks(work: Work, offsets: list[int]) -> list[Ask]:
+    """The windows (run-ahead ones included) whose turns ask for logprobs, with their rows."""
+    return [
+        Ask(
+            i,
+            offsets[i],
+            w.logits,
+            e.turn.sampler,
+            e.turn.request.logprobs,
+            where(e.turn.sampler, w) is Where.HOST,
+        )
+        for i, (e, w) in enumerate(work)
+        if w.logits and e.turn.request.logprobs is not None and e.turn.owns(w, ahead=True)
     ]

@@ -1,4 +1,5 @@
-"""Token sampling: logit bias, greedy, temperature, top-k, top-p, with a per-request seed.
+"""Token sampling: logit bias, penalties, greedy, temperature, min-p, top-k, top-p, with a
+per-request seed.
 
 ``temperature == 0`` is greedy (argmax; ties go to the lowest id, as ``torch.argmax`` does).
 A seeded request draws from its own ``torch.Generator`` so two requests with the same seed and
@@ -10,19 +11,26 @@ tiny temperature sends every other logit to ``-inf`` rather than the maximum to 
 would make ``softmax`` NaN); top-p always keeps the most likely token, however small ``top_p`` is.
 
 ``apply_logit_bias`` is a separate step on a logits row (OpenAI's ``logit_bias``), so a batched
-sampler can apply it per row before its own sampling.
+sampler can apply it per row before its own sampling. The order, per row: the grammar's mask (in
+the logits already), the bias, the penalties (``engine.penalties``), then greedy's argmax or the
+draw's temperature, ``min_p`` (keep tokens at least ``min_p`` times as likely as the most likely,
+after temperature, as vLLM), top-k and top-p.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from turnkv.engine.penalties import Penalties
+
 SEED_MIN = -(1 << 63)  # the range torch.Generator.manual_seed takes
 SEED_MAX = (1 << 64) - 1
 LOGIT_BIAS_MAX = 100.0  # |bias| allowed, as the OpenAI API
+PENALTY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| allowed, as the OpenAI API
 
 
 class SamplingError(ValueError):
@@ -41,7 +49,9 @@ class SamplingParams:
 
     Invariants (checked by the HTTP schema, enforced here with :class:`SamplingError`):
     ``0 <= temperature < inf``, ``0 < top_p <= 1``, ``top_k >= 0`` (0 = off), ``seed`` in
-    ``[-2**63, 2**64)``, ``logit_bias`` pairs ``(token id >= 0, |bias| <= 100)``.
+    ``[-2**63, 2**64)``, ``logit_bias`` pairs ``(token id >= 0, |bias| <= 100)``,
+    ``-2 <= presence_penalty, frequency_penalty <= 2``, ``0 < repetition_penalty < inf``
+    (1 = off), ``0 <= min_p <= 1``.
     """
 
     temperature: float = 0.0
@@ -51,6 +61,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -66,6 +80,20 @@ class SamplingParams:
                 raise SamplingError(
                     "logit_bias", f"needs token ids >= 0 and biases in [-100, 100] ({tid}: {bias})"
                 )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
+                raise SamplingError(name, f"must be in [-2, 2] (got {getattr(self, name)})")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise SamplingError(
+                "repetition_penalty", f"must be a finite number > 0 (got {self.repetition_penalty})"
+            )
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError("min_p", f"must be in [0, 1] (got {self.min_p})")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a row's logits depend on the answer so far (a greedy turn then draws)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -101,10 +129,17 @@ class Sampler:
     exponentials per token -- the same draws whichever path asks, so a seed gives the same tokens
     with or without run-ahead and speculation."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, params: SamplingParams, device: torch.device | str = "cpu", prompt: Sequence[int] = ()
+    ) -> None:
+        """``prompt``: the turn's prompt ids (what ``repetition_penalty`` counts besides the answer)."""
         self.params = params
         self.bias = logit_bias_tensors(params.logit_bias, device)
         self.greedy = params.greedy
+        self.penalties: Penalties | None = None
+        if params.penalized:
+            p = params
+            self.penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, prompt)
         self.generator: torch.Generator | None = None
         if not self.greedy:
             self.generator = torch.Generator(device=device)
@@ -129,6 +164,17 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device, non_blocking=True)
 
 
+def processed_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """The rows a draw and a logprob read: ``logits`` ``[S, V]`` (masked) -> fp32 ``[S, V]`` with
+    each row's ``logit_bias`` added (before the penalties, temperature, min-p, top-k and top-p,
+    which only a draw applies)."""
+    x = logits.float()  # [S, V]
+    if any(sp.bias is not None for sp in samplers):
+        x = torch.stack([apply_logit_bias(r, *sp.bias) if sp.bias is not None else r
+                         for r, sp in zip(x, samplers, strict=True)])  # fmt: skip
+    return x
+
+
 def draw_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     """One token per row: ``logits`` ``[S, V]`` (row ``i`` under ``samplers[i]``) -> int64 ``[S]``
     on the logits' device, in a few launches for all rows (a step's sampled turns together).
@@ -138,18 +184,29 @@ def draw_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
     come from its own generator), and a row asking for no top-k or top-p cut goes through the
     same ops as one that does, cutting nothing. So a seed gives the same tokens whatever else is
     sampled in the step, and a verify window's rows, drawn one by one, draw as decode steps do."""
-    x = logits.float()  # [S, V]
-    if any(sp.bias is not None for sp in samplers):
-        x = torch.stack([apply_logit_bias(r, *sp.bias) if sp.bias is not None else r
+    x = processed_rows(samplers, logits)  # [S, V]
+    if any(sp.penalties is not None for sp in samplers):
+        x = torch.stack([sp.penalties.apply(r) if sp.penalties is not None else r
                          for r, sp in zip(x, samplers, strict=True)])  # fmt: skip
-    if all(sp.greedy for sp in samplers):
-        return torch.argmax(x, dim=-1)
+    chosen = torch.argmax(x, dim=-1) if all(sp.greedy for sp in samplers) else _race(samplers, x)
+    for i, sp in enumerate(samplers):  # the drawn token joins the answer the next draw penalizes
+        if sp.penalties is not None:
+            sp.penalties.observe(chosen[i])
+    return chosen
+
+
+def _race(samplers: list[Sampler], x: torch.Tensor) -> torch.Tensor:
+    """``draw_rows``'s draw of the rows ``x`` ``[S, V]`` (biased, penalized) -> int64 ``[S]``."""
     dev, v = x.device, x.shape[1]
     temps = on_device(
         [sp.params.temperature if not sp.greedy else 1.0 for sp in samplers], torch.float32, dev
     )
     # shift first: the maximum becomes 0 and stays finite however small the temperature is
     x = (x - x.amax(dim=-1, keepdim=True)) / temps[:, None]  # [S, V], <= 0
+    if any(sp.params.min_p > 0 for sp in samplers):
+        # p_i >= min_p * p_max is x_i >= log(min_p) (the maximum is 0); min_p 0 is log 0 = -inf
+        floor = on_device([sp.params.min_p for sp in samplers], torch.float32, dev).log()
+        x = x.masked_fill(x < floor[:, None], float("-inf"))
     ks = [sp.params.top_k if 0 < sp.params.top_k < v else 0 for sp in samplers]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values  # [S, K] descending

@@ -37,6 +37,7 @@ from turnkv.engine.events import (
     TurnStats,
     WindowOutput,
 )
+from turnkv.engine.logprobs import TokenLogprob
 from turnkv.engine.masks import Constraint
 from turnkv.engine.sampling import Sampler
 from turnkv.engine.step import Window
@@ -112,7 +113,7 @@ class Turn:
         self.stats.cached_tokens = lease.cached
         self._pending = list(ids[lease.cached :])  # the last prompt row is always recomputed
         self.stats.prefilled_tokens = len(self._pending)
-        self.sampler = Sampler(self.params, ctx.device)
+        self.sampler = Sampler(self.params, ctx.device, ids)
         self.decoder = StreamDecoder(ctx.tokenizer)
         self.stops = StopMatcher(self.params.stop)
         self.constraint = req.grammar.start() if req.grammar is not None else None
@@ -251,7 +252,7 @@ class Turn:
         tok = out.tokens[-1]
         if self.drafts is not None:
             self.drafts.push(tok)
-        events, finish, flushed = self._take(tok)
+        events, finish, flushed = self._take(tok, out.logprobs[-1] if out.logprobs else None)
         return events + self._end(finish, flushed) if finish else events
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
@@ -294,7 +295,7 @@ class Turn:
             n += 1
             if self.drafts is not None:
                 self.drafts.push(tok)
-            more, finish, flushed = self._take(tok)
+            more, finish, flushed = self._take(tok, out.logprobs[i] if out.logprobs else None)
             events += more
             hit = i < len(draft) and tok == draft[i]
             accepted += hit
@@ -312,9 +313,9 @@ class Turn:
             self.ctx.draft_stats.window(0, 0, n)
         return events + self._end(finish, flushed) if finish else events
 
-    def _take(self, tok: int) -> tuple[list[TurnEvent], str | None, bool]:
-        """One answer token: its event, and the finish reason if the answer ends with it (and
-        whether a stop string flushed the held-back text)."""
+    def _take(self, tok: int, lp: TokenLogprob | None = None) -> tuple[list[TurnEvent], str | None, bool]:
+        """One answer token (``lp``: its logprob, if asked): its event, and the finish reason if
+        the answer ends with it (and whether a stop string flushed the held-back text)."""
         if self._taken is not None:  # the grammar has it already (take_early)
             assert tok == self._taken, (tok, self._taken)
             self._taken = None
@@ -332,7 +333,7 @@ class Turn:
             return [GenEvent(tok, "")], "stop", False
         text, hit = self.stops.push(self.decoder.push(tok))
         self._text.append(text)
-        events: list[TurnEvent] = [GenEvent(tok, text)]
+        events: list[TurnEvent] = [GenEvent(tok, text, lp)]
         if hit:
             return events, "stop", True
         if n >= self.max_tokens:

@@ -11,8 +11,8 @@ A model's recommendation comes from (as vLLM reads ``generation_config.json``):
 
 - a Hugging Face folder's ``generation_config.json``: ``temperature``, ``top_p``, ``top_k``,
   ``max_new_tokens``; ``"do_sample": false`` means greedy (temperature 0). ``repetition_penalty``
-  and ``min_p`` are not applied (turnkv's sampler has neither; a request asking for them is a 400),
-  and a load logs that it ignores them;
+  and ``min_p`` are not defaults (a request asks for them itself), and a load logs that it ignores
+  them;
 - a GGUF's ``general.sampling.temp``, ``general.sampling.top_p``, ``general.sampling.top_k`` (the
   other ``general.sampling.*`` keys name samplers turnkv does not have);
 - the default model: its model card (SmolLM2-135M-Instruct samples with temperature 0.2, top_p 0.9;
@@ -39,7 +39,7 @@ GENERATION_CONFIG = "generation_config.json"
 GGUF_PREFIX = "general.sampling."
 _GGUF_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k"}
 _HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
-_NOT_APPLIED = ("repetition_penalty", "min_p")  # HF keys of samplers turnkv does not have
+_NOT_APPLIED = ("repetition_penalty", "min_p")  # HF keys turnkv does not take as defaults
 
 
 @dataclass(frozen=True)

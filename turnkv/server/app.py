@@ -41,6 +41,7 @@ from turnkv.server.body import body_limit, read_body
 from turnkv.server.dashboard import register_dashboard
 from turnkv.server.guard import HostGuard, HostPolicy, bearer_key, matching_key, require_json
 from turnkv.server.health import server_health
+from turnkv.server.logprobs import LogprobFormat
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.openapi import CHAT_ROUTE, COMPLETIONS_ROUTE, KEYED, ModelCard, ModelList, document, errors
 from turnkv.server.prompts import Prompts
@@ -85,6 +86,7 @@ class Server:
         if self.group is not None:
             self.group.on_down.append(lambda reason: self.worker.abort(Failed.group_down(reason)))
         self.grammars = Grammars(engine.tokenizer, self.vocab_size)  # llguidance loads on first use
+        self.logprobs = LogprobFormat(engine.tokenizer)
 
     # -- request helpers ----------------------------------------------------------------------
     def namespace(self, request: Request, salt: str | None) -> str:
@@ -238,11 +240,12 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
             session=request.headers.get(SESSION_HEADER),
             render_history=history,
             grammar=st.grammar,
+            logprobs=req.logprobs_top(),
         )
         info = srv.engine.info
         stream = srv.stream(turn, request)
         return await respond(
-            stream, req, srv.metrics, info.model_name, info.fingerprint, chat=chat, tools=st.plan
+            stream, req, srv.metrics, info.model_name, info.fingerprint, chat, st.plan, srv.logprobs
         )
 
     @app.post("/v1/chat/completions", **CHAT_ROUTE)

@@ -58,10 +58,32 @@ class AnswerMessage(BaseModel):
     tool_calls: list[AnswerCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float  # -9999.0 for a token a grammar masks
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class TextLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AnswerMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None  # with "logprobs": true
     finish_reason: str | None
 
 
@@ -78,7 +100,7 @@ class ChatCompletion(BaseModel):
 class TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: TextLogprobs | None  # with "logprobs": k
     finish_reason: str | None
 
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 from turnkv.engine.events import Admitted, Failed, GenEvent
+from turnkv.server.logprobs import Collector, LogprobFormat
 from turnkv.server.stream import TurnStream, failed_error
 
 if TYPE_CHECKING:
@@ -122,10 +123,14 @@ async def respond(
     fingerprint: str,
     chat: bool,
     tools: ToolPlan | None = None,
+    logprobs: LogprobFormat | None = None,
 ) -> Response:
     """The response to ``req`` (a parsed body), answered by ``model`` (``system_fingerprint``:
-    ``fingerprint``) from the turn of ``stream``: a whole body, or SSE chunks as it generates."""
+    ``fingerprint``) from the turn of ``stream``: a whole body, or SSE chunks as it generates;
+    ``logprobs`` writes the tokens' logprobs when the turn asked for them (``server.logprobs``)."""
     admitted = await stream.start()
+    asked = logprobs is not None and stream.turn.logprobs is not None
+    lps = Collector(logprobs, chat) if asked else None
     request = stream.request
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {
@@ -138,7 +143,7 @@ async def respond(
     route = route_label(request)
     if req.stream:
         return StreamingResponse(
-            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, tools),
+            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, tools, lps),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -148,6 +153,8 @@ async def respond(
             raise failed_error(ev)
         if isinstance(ev, GenEvent):
             pieces.append(ev.text)
+            if lps is not None:
+                lps.add(ev.logprob, ev.text)
             final = ev
     text = "".join(pieces)
     stats = final.stats
@@ -159,12 +166,17 @@ async def respond(
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": lps.whole() if lps is not None else None,
             "finish_reason": finish_reason(final.finish_reason, len(message.get("tool_calls", ()))),
         }
         body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": lps.whole() if lps is not None else None,
+            "finish_reason": final.finish_reason,
+        }
         body = {**base, "choices": [choice], "usage": usage}
     return JSONResponse(body)
 
@@ -178,29 +190,39 @@ async def _sse_events(
     include_usage: bool,
     route: str,
     tools: ToolPlan | None = None,
+    lps: Collector | None = None,
 ) -> AsyncIterator[str]:
     request = stream.request
     extra = {"usage": None} if include_usage else {}
     parser = ToolCallParser(tools.fmt, tools.max_calls) if tools is not None else None
 
-    def chunk(content: str | None, finish: str | None, role: bool = False, delta: dict | None = None) -> dict:
+    def chunk(
+        content: str | None,
+        finish: str | None,
+        role: bool = False,
+        delta: dict | None = None,
+        lp: bool = False,
+    ) -> dict:
+        """One chunk; ``lp``: it carries the logprobs of the tokens not sent yet."""
+        logprobs = lps.take() if lp and lps is not None else None
         if chat:
             delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if content is not None:
                 delta["content"] = content
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": content or "", "logprobs": logprobs, "finish_reason": finish}
         return {**base, "choices": [choice], **extra}
 
     def pieces(text: str, last: bool) -> list[str]:
-        """SSE lines of answer text: as is, or through the tool-call parser."""
+        """SSE lines of answer text: as is, or through the tool-call parser (the first brings the
+        logprobs of the tokens whose text it holds)."""
         if parser is None:
-            return [_sse(chunk(text, None))] if text else []
+            return [_sse(chunk(text, None, lp=True))] if text else []
         found = parser.push(text) + (parser.finish() if last else [])
-        return [_sse(chunk(None, None, delta=delta_of(p))) for p in found]
+        return [_sse(chunk(None, None, delta=delta_of(p), lp=i == 0)) for i, p in enumerate(found)]
 
     tokens = 0
     try:
@@ -215,12 +237,14 @@ async def _sse_events(
             if not isinstance(ev, GenEvent):
                 continue
             tokens += ev.token_id is not None
+            if lps is not None:
+                lps.add(ev.logprob, ev.text)
             for line in pieces(ev.text, last=ev.finish_reason is not None):
                 yield line
             if ev.finish_reason is None:
                 continue
             finish = finish_reason(ev.finish_reason, len(parser.calls) if parser is not None else 0)
-            yield _sse(chunk(None if chat else "", finish))
+            yield _sse(chunk(None if chat else "", finish, lp=True))  # the entries still held
             stats = ev.stats
             _finished(metrics, route, stats)
             note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)

@@ -5,8 +5,7 @@ where a number belongs is an error, as with the OpenAI API, and invalid JSON is 
 kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
-(``n > 1``, ``logprobs``, penalties other than 0, ``min_p``, ``repetition_penalty``, the legacy
-``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
+(``n > 1``, ``echo``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
 naming the field (``refused``: raised from a validator, it leaves pydantic as it is).
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
 ``models.generation``'s).
@@ -198,13 +197,6 @@ TokenIds = Annotated[
     list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(json_schema_extra={"minItems": 1})
 ]
 
-# Extension fields other servers honour; a value other than the neutral one changes the output.
-NEUTRAL_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "min_p": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "top_logprobs": (None, 0),
-}
-
 
 class _Sampling(_Body):
     """Fields shared by both routes."""
@@ -221,8 +213,10 @@ class _Sampling(_Body):
     seed: Seed | None = None
     logit_bias: dict[str, Bias] | None = None  # token id (a JSON key) -> bias added to its logit
     ignore_eos: bool = False
-    presence_penalty: Annotated[Penalty, only(0)] | None = None
-    frequency_penalty: Annotated[Penalty, only(0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None  # vLLM's extension; 1 is off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # vLLM's extension; 0 is off
     user: str | None = None
     cache_salt: str | None = None  # as vLLM names it: adds to the cache namespace
     response_format: ResponseFormat | None = None
@@ -233,13 +227,6 @@ class _Sampling(_Body):
             raise refused("n", "n must be 1: turnkv generates one choice per request")
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise refused("stop", f"at most {MAX_STOP_STRINGS} stop sequences")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise refused(name, f"{name} other than 0 is not supported")
-        extra = self.model_extra or {}
-        for name, neutral in NEUTRAL_EXTRAS.items():
-            if name in extra and not any(extra[name] == v for v in neutral):
-                raise refused(name, f"{name} {repr(extra[name])[:40]} is not supported")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 12):
                 raise refused(
@@ -274,22 +261,31 @@ class _Sampling(_Body):
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
             logit_bias=bias,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            min_p=self.min_p or 0.0,
         )
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[bool, only(False)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # per token, with logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise refused("logprobs", "logprobs are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise refused("top_logprobs", "top_logprobs needs logprobs: true")
         return self
+
+    def logprobs_top(self) -> int | None:
+        """The top alternatives per answer token to report, None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def raw_tools(self) -> list[dict] | None:
         """The tools as the client sent them (what the chat template renders), or None."""
@@ -307,7 +303,7 @@ class CompletionRequest(_Sampling):
     # a string, a list of one string, or token ids (a list of ints, or a list of one such list)
     prompt: str | Annotated[list[str], ONE] | TokenIds | Annotated[list[TokenIds], ONE]
     echo: Annotated[bool, only(False)] = False
-    logprobs: Annotated[int, only(0)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
     suffix: Annotated[str, only("")] | None = None
     best_of: Annotated[int, only(1)] | None = None
 
@@ -320,8 +316,6 @@ class CompletionRequest(_Sampling):
                 raise refused("prompt", "one prompt per request (a batch of prompts is not supported)")
         if self.echo:
             raise refused("echo", "echo is not supported")
-        if self.logprobs:
-            raise refused("logprobs", "logprobs are not supported")
         if self.suffix:
             raise refused("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
@@ -330,6 +324,9 @@ class CompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
