@@ -4,7 +4,8 @@ Pins: put/get/has/delete/iterate agree with one another and with the byte and bl
 failed write (injected at write, fsync or rename) leaves no row, no block file and no temp file;
 reconcile removes temp files, adopts a file without a row that verifies (a crash between the rename
 and the row) and removes one that does not, and drops rows without files (or of the wrong size);
-eviction frees least recently used blocks and, among one chain's, the deepest first; one process
+eviction frees least recently used blocks and, among one chain's, the deepest first, never a
+pinned one; a block deleted after its lookup (row or file) is ``BlockGone``, not bad; one process
 per directory; the directories a write needs are made again when they were deleted, and an entry
 of the wrong kind where a block or its directory goes is replaced and counted.
 """
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, Block, BlockError, block_context, block_keys
-from turnkv.bank.disk_store import LocalDirStore, StoreBusy
+from turnkv.bank.disk_store import BlockGone, LocalDirStore, StoreBusy
 from turnkv.kv.cache import KVShape
 
 SHAPE = KVShape(2, 1, 4, torch.float32, torch.device("cpu"))
@@ -59,16 +60,42 @@ def test_put_get_has_delete_iterate(store):
     store.delete(b.key)
     store.delete(b.key)  # absent: a no-op
     assert not store.has(b.key) and files(store) == [] and (store.count, store.nbytes) == (0, 0)
-    with pytest.raises(BlockError):
+    with pytest.raises(BlockGone, match="no longer in the index"):
         store.get(b.key)
 
 
-def test_a_row_whose_file_is_missing_is_an_error_not_a_crash(store):
+def test_a_row_whose_file_is_missing_is_gone_not_a_crash(store):
     b = chain_block(0)
     store.put(b)
     store.path(b.key).unlink()
-    with pytest.raises(BlockError, match="missing"):
+    with pytest.raises(BlockGone, match="deleted before it was read"):
         store.get(b.key)
+
+
+def test_a_block_deleted_during_its_read_is_gone_not_bad(store, monkeypatch):
+    """The row goes first, then the file (``delete``): a read that lost the race is a miss."""
+    import turnkv.bank.disk_store as ds
+
+    b = chain_block(0)
+    store.put(b)
+    decode = ds.decode_block
+
+    def deleted_first(path, *a, **kw):  # the evictor's whole delete lands between has() and open
+        store.delete(b.key)
+        return decode(path, *a, **kw)
+
+    monkeypatch.setattr(ds, "decode_block", deleted_first)
+    with pytest.raises(BlockGone):
+        store.get(b.key)
+
+
+def test_a_bad_file_with_its_row_is_bad_not_gone(store):
+    b = chain_block(0)
+    store.put(b)
+    store.path(b.key).write_bytes(b"not a block")
+    with pytest.raises(BlockError) as err:
+        store.get(b.key)
+    assert not isinstance(err.value, BlockGone)
 
 
 @pytest.mark.parametrize("where", ["write", "fsync", "replace"])
@@ -152,6 +179,19 @@ def test_eviction_is_lru_and_keeps_the_head_of_a_chain(store):
     assert store.count == 1 and store.nbytes == size and len(files(store)) == 1
 
 
+def test_eviction_skips_pinned_blocks_until_the_pin_ends(store):
+    for d in range(3):
+        store.put(chain_block(d), at=100.0 + d)
+    size = store.nbytes // 3
+    with store.pinned(KEYS[:2]), store.pinned([KEYS[0], KEYS[5]]):  # pins nest; absent keys too
+        assert store.evict(0) == 1  # only the unpinned block goes: over budget meanwhile
+        assert {i.key for i in store.iterate()} == set(KEYS[:2])
+    with store.pinned([KEYS[0]]):
+        assert store.evict(size) == 1
+    assert {i.key for i in store.iterate()} == {KEYS[0]}
+    assert store.evict(0) == 1 and store.count == 0
+
+
 def test_one_process_per_directory(tmp_path):
     a = LocalDirStore(tmp_path / "kv")
     with pytest.raises(StoreBusy, match="--disk-dir"):
@@ -178,7 +218,7 @@ def test_deleting_the_blocks_directory_at_run_time_fails_no_later_write(store):
     shutil.rmtree(store.blocks)
     assert store.put(chain_block(1)) > 0  # the directories are made again
     assert torch.equal(store.get(KEYS[1]).k, chain_block(1).k)
-    with pytest.raises(BlockError, match="missing"):
+    with pytest.raises(BlockGone):  # a miss, not a bad block
         store.get(KEYS[0])  # its file went with the directory: a miss
     store.delete(KEYS[0])
     assert store.put(chain_block(0)) > 0 and store.get(KEYS[0]).depth == 0

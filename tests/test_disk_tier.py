@@ -149,8 +149,16 @@ def _foreign(path):
     path.write_bytes(save({"weight": torch.zeros(3)}))
 
 
-@pytest.mark.parametrize("damage", [_flip, _truncate, _foreign, lambda p: p.unlink()])
-def test_a_bad_block_is_a_miss_removed_and_counted(engine, tmp_path, damage):
+def _unlink(path):
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "counter"),
+    [(_flip, "corrupt"), (_truncate, "corrupt"), (_foreign, "corrupt"), (_unlink, "vanished")],
+)
+def test_a_bad_block_is_a_miss_removed_and_counted(engine, tmp_path, damage, counter):
+    """Bad bytes are ``corrupt``; a file removed under the server is ``vanished`` (nothing is bad)."""
     tokens = prompt(900)
     a = bank_over(engine, tmp_path)
     turn(engine, a, "ns", tokens)
@@ -163,7 +171,8 @@ def test_a_bad_block_is_a_miss_removed_and_counted(engine, tmp_path, damage):
     assert cached == B  # block 0 only: the run ends before the bad block
     want, _ = first_logits(engine, None, "ns", tokens)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert b.tier.health()["corrupt"] == 1
+    h = b.tier.health()
+    assert (h["corrupt"], h["vanished"]) == ((1, 0) if counter == "corrupt" else (0, 1))
     assert not b.tier.store.has(keys[1]) and not b.tier.store.path(keys[1]).exists()
     b.tier.close()
 
@@ -200,6 +209,26 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(tmp_path, monkeypatch):
     assert tier.flush(30)
     assert tier.health()["writes"] == 2 and tier.held() == []
     assert {i.depth for i in tier.store.iterate()} == {0, 1}  # the chain's head was kept
+    tier.close()
+
+
+def test_dropped_writes_are_logged_at_most_once_a_minute_with_their_count(tmp_path, monkeypatch, caplog):
+    tier = DiskTier.open(tmp_path, "fp", SHAPE, GIB, queue_blocks=1)
+    gate = threading.Event()
+    put = tier.store.put
+    monkeypatch.setattr(tier.store, "put", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
+    now = [1000.0]
+    monkeypatch.setattr(tier._every, "clock", lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="turnkv.bank.disk"):
+        for c in range(4):  # 2 blocks each into a queue of 1: 1, 2, 2, then 2 dropped
+            now[0] += 61 if c == 3 else 1
+            tier.write_behind("ns", synthetic(SHAPE, [c * 10_000 + t for t in range(2 * B)]))
+    lines = [r.getMessage() for r in caplog.records if "write queue full" in r.getMessage()]
+    assert len(lines) == 2 and ": 1 block write(s) dropped" in lines[0]  # the first at once
+    assert ": 6 block write(s) dropped" in lines[1]  # a minute later, everything since the first line
+    assert tier.health()["dropped_writes"] == 7
+    gate.set()
+    assert tier.flush(30)
     tier.close()
 
 

@@ -12,6 +12,10 @@ The bank calls two methods (see ``SessionBank.tier``):
   holds a longer run of this namespace's blocks for ``tokens`` than ``prefix`` covers, the run is
   loaded into one sealed segment (each block verified; a bad one ends the run, is deleted and
   counted in ``corrupt``) and the bank gets ``prefix`` cut to a block boundary plus that segment.
+  The run's keys are pinned from the lookup to the end of the load, so the writer's eviction
+  (``--disk-bytes``) never takes a block a restore has found; a block deleted under the restore
+  all the same (its file removed by hand, another reader found it bad) ends the run as a miss,
+  counted in ``vanished``, not ``corrupt``.
 
 Block keys (``disk_blocks``) chain the model fingerprint, the KV dtype and geometry, the
 namespace and every token id before a block's end, so a block is found only by a request of the
@@ -56,7 +60,8 @@ from turnkv.bank.disk_blocks import (
     block_keys,
     host_copy,
 )
-from turnkv.bank.disk_store import BlockStore, LocalDirStore
+from turnkv.bank.disk_log import EveryMinute
+from turnkv.bank.disk_store import BlockGone, BlockStore, LocalDirStore
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
@@ -78,6 +83,7 @@ DISK_KEYS = (
     "misses",
     "hit_tokens",
     "corrupt",
+    "vanished",
     "evictions",
     "dedupe_hits",
     "faults",
@@ -108,7 +114,8 @@ class DiskStats:
     hits: int = 0  # admissions the tier extended
     misses: int = 0  # admissions with whole blocks beyond memory that the tier could not extend
     hit_tokens: int = 0  # rows loaded from disk into admitted turns
-    corrupt: int = 0  # blocks found bad (checksum, truncated, foreign, missing file) and removed
+    corrupt: int = 0  # blocks whose bytes failed verification (checksum, truncated, foreign), removed
+    vanished: int = 0  # blocks looked up and gone by their read (file or row deleted): a clean miss
     evictions: int = 0  # blocks removed for the byte budget
     dedupe_hits: int = 0  # blocks not written because the store already held them
     faults: int = 0  # store calls that raised at run time: each lookup a miss, each write dropped
@@ -151,6 +158,7 @@ class DiskTier:
         self._closing = False
         self._abandon = False  # close() timed out: drop what is still queued
         self._warned: set[str] = set()
+        self._every = EveryMinute(log)  # warnings that could repeat per block
         self.degraded: str | None = None  # why the last store call raised (None: the store answers)
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None  # the queue-time copies' CUDA stream (tensor parallelism)
@@ -164,7 +172,8 @@ class DiskTier:
         store = LocalDirStore(directory)
         fixed = store.reconcile()
         tier = cls(store, fingerprint, shape, budget_bytes, **kw)
-        tier.stats.corrupt += fixed["missing_files"] + fixed["bad_size"]
+        tier.stats.corrupt += fixed["bad_size"]
+        tier.stats.vanished += fixed["missing_files"]
         tier.stats.evictions += store.evict(budget_bytes)
         if any(fixed.values()):
             log.warning("KV disk cache %s reconciled at start: %s", directory, fixed)
@@ -186,37 +195,46 @@ class DiskTier:
             return None  # memory already holds every whole block
         first = have // BLOCK_TOKENS
         keys = block_keys(self.context, namespace, tokens, whole)
-        run, faults = 0, self.stats.faults
+        faults = self.stats.faults
+        with self.store.pinned(keys[first:]):  # eviction keeps off what the lookup finds
+            seg = self._restore(keys, first, have, tokens)
+        if self.stats.faults == faults:
+            self._answers()
+        with self._cv:  # restores may run on several threads
+            if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self.stats.hit_tokens += seg.num_rows
+        base = prefix.prefix(first * BLOCK_TOKENS).refs if prefix is not None else ()
+        return SegmentedSnapshot((*base, SegmentRef(seg, seg.num_rows)))
+
+    def _restore(self, keys: list[str], first: int, have: int, tokens: Sequence[int]) -> Segment | None:
+        """The run of stored blocks ``keys[first:]`` that every rank holds, loaded; None if none."""
+        run = 0
         try:
-            while first + run < whole and self.store.has(keys[first + run]):
+            while first + run < len(keys) and self.store.has(keys[first + run]):
                 run += 1
         except Exception as exc:  # a damaged index: a miss (the ranks still agree below)
             self._fault("an index lookup", exc)
             run = 0
         run = run if self.agree is None else self.agree(run)
-        seg = None
-        if (first + run) * BLOCK_TOKENS > have:
-            parent = keys[first - 1] if first else ROOT_KEY
-            try:
-                seg = self.load(keys[first : first + run], parent, tokens, first)
-            except Exception as exc:  # out of memory for the rows, a broken index: recompute
-                self._fault("a restore", exc)
-            if self.agree is not None:
-                seg = _cut(seg, self.agree(seg.num_rows // BLOCK_TOKENS if seg is not None else 0))
-        if self.stats.faults == faults:
-            self._answers()
-        if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:
-            self.stats.misses += 1
+        if (first + run) * BLOCK_TOKENS <= have:
             return None
-        self.stats.hits += 1
-        self.stats.hit_tokens += seg.num_rows
-        base = prefix.prefix(first * BLOCK_TOKENS).refs if prefix is not None else ()
-        return SegmentedSnapshot((*base, SegmentRef(seg, seg.num_rows)))
+        seg = None
+        parent = keys[first - 1] if first else ROOT_KEY
+        try:
+            seg = self.load(keys[first : first + run], parent, tokens, first)
+        except Exception as exc:  # out of memory for the rows, a broken index: recompute
+            self._fault("a restore", exc)
+        if self.agree is not None:
+            seg = _cut(seg, self.agree(seg.num_rows // BLOCK_TOKENS if seg is not None else 0))
+        return seg
 
     def load(self, keys: Sequence[str], parent: str, tokens: Sequence[int], first: int) -> Segment | None:
         """Blocks ``keys`` (depths ``first``, ``first + 1``, ...) as one segment on the KV device,
         each verified against its file's checksum and against ``tokens``; stops before the first
-        bad block (deleted, counted). None when not even the first block is good."""
+        bad block (deleted, counted) or gone one (counted). None when not even the first is good."""
         s = self.shape
         n = len(keys)
         if n == 0:
@@ -242,6 +260,9 @@ class DiskTier:
                 try:
                     block = futures.pop(i).result()
                     self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
+                except BlockGone:  # deleted since the lookup: a miss from here on
+                    self._vanished(keys[i])
+                    break
                 except BlockError as exc:
                     self._corrupt(keys[i], exc)
                     break
@@ -279,17 +300,33 @@ class DiskTier:
             raise BlockError(f"block {key[:12]} holds other token ids")
 
     def _corrupt(self, key: str, exc: BlockError) -> None:
-        self.stats.corrupt += 1
+        with self._cv:
+            self.stats.corrupt += 1
         log.warning("KV disk cache: dropped a bad block (%s); recomputing its rows", exc)
+        self._drop(key, "deleting a bad block")
+
+    def _vanished(self, key: str) -> None:
+        with self._cv:
+            self.stats.vanished += 1
+        self._every.note(
+            "vanished",
+            "KV disk cache: %d block(s) deleted between a restore's lookup and its read (removed "
+            "from the directory meanwhile); their rows were recomputed (disk.vanished; at most one "
+            "line a minute)",
+        )
+        self._drop(key, "dropping a vanished block's row")  # its row may outlive a removed file
+
+    def _drop(self, key: str, what: str) -> None:
         try:
             self.store.delete(key)
         except Exception as err:  # the index itself failing: the block stays a miss
-            self._fault("deleting a bad block", err)
+            self._fault(what, err)
 
     def _readers(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.load_threads, thread_name_prefix="turnkv-disk-read")
-        return self._pool
+        with self._cv:  # restores may run on several threads: one pool
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.load_threads, thread_name_prefix="turnkv-disk-read")
+            return self._pool
 
     # -- write-behind -----------------------------------------------------------------------------
     def write_behind(self, namespace: str, snapshot: SegmentedSnapshot) -> None:
@@ -315,7 +352,12 @@ class DiskTier:
             room = max(self.queue_blocks - self._queued, 0)
             if len(todo) > room:  # keep the chain's head: later blocks need it
                 self.stats.dropped_writes += len(todo) - room
-                self._warn_once("queue", f"KV disk cache: write queue full ({self.queue_blocks} blocks)")
+                self._every.note(
+                    "queue",
+                    f"KV disk cache: write queue full ({self.queue_blocks} blocks): %d block write(s) "
+                    f"dropped (disk.dropped_writes; at most one line a minute)",
+                    len(todo) - room,
+                )
                 todo = todo[:room]
             if todo:
                 job = _Job(snapshot, tuple(snapshot.tokens), todo, now, self._cuda_event())

@@ -11,6 +11,11 @@ them on open (``disk_index``), never a reason to delete one. A write makes the d
 needs (``blocks/`` deleted at run time) and replaces an entry of the wrong kind in its way (a
 directory where a block file goes), counting it. One process owns a directory at a time (an
 ``flock`` on ``root/lock``); another gets :class:`StoreBusy`.
+
+A block a reader has looked up can still go before it is read; :meth:`LocalDirStore.pinned` keeps
+the store's own eviction off the keys a restore holds (the writer thread evicts while restores
+read), and ``get`` tells a block deleted meanwhile by anything else (another reader that found it
+bad, ``DIR/blocks`` emptied by hand) apart from a bad one: :class:`BlockGone`, a miss.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import stat
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,16 +67,23 @@ class StoreBusy(Exception):
     """Another process holds the store's directory."""
 
 
+class BlockGone(BlockError):
+    """The block was deleted after it was looked up (evicted, cleared, its file removed, removed
+    as bad by another reader): a miss; nothing is wrong with what the store holds."""
+
+
 class BlockStore(Protocol):
     """A keyed store of immutable blocks.
 
     Invariants: ``get(key)`` returns exactly the block that ``put`` stored under ``key`` or raises
-    ``BlockError`` (never other bytes); a block is visible to ``has``/``get``/``iterate`` only once it
-    is durable; ``put`` of a key already stored is a no-op; ``delete`` of an absent key is a no-op.
+    ``BlockError`` (never other bytes; ``BlockGone`` when the key or its file is no longer there);
+    a block is visible to ``has``/``get``/``iterate`` only once it is durable; ``put`` of a key
+    already stored is a no-op; ``delete`` of an absent key is a no-op.
     ``nbytes`` and ``count`` are what ``iterate`` sums to. ``evict(budget)`` deletes least recently
     used blocks until ``nbytes <= budget`` and returns how many it deleted; among blocks used at the
     same moment (one conversation's chain) the deepest go first, so a chain loses its end, never
-    the head that every later block needs.
+    the head that every later block needs. It never deletes a ``pinned`` key (``delete`` does: a
+    bad block must go), so the store may stay over its budget until the pin ends.
     """
 
     def put(self, block: Block, at: float | None = None) -> int:
@@ -86,6 +99,10 @@ class BlockStore(Protocol):
     def has(self, key: str) -> bool: ...
 
     def delete(self, key: str) -> None: ...
+
+    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[None]:
+        """Keep ``evict`` off ``keys`` (stored or not) while the context lasts; pins nest."""
+        ...
 
     def iterate(self) -> Iterator[BlockInfo]: ...
 
@@ -118,6 +135,7 @@ class LocalDirStore:
         self.blocks.mkdir(parents=True, exist_ok=True)
         self._lock_file = self._take_lock() if lock else None
         self._mu = threading.RLock()
+        self._pins: Counter[str] = Counter()  # key -> restores holding it (``pinned``)
         self.bad_entries = 0  # entries of the wrong kind that writes replaced
         try:
             self._db, self.rebuilt = open_index(self.root, repair=repair and lock)
@@ -162,13 +180,19 @@ class LocalDirStore:
         return len(data)
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
-        """The verified block; a key with no row, a missing file or a bad file raise ``BlockError``."""
+        """The verified block; a bad file raises ``BlockError``, a key whose row or file is gone
+        (before or during the read) ``BlockGone``."""
         if not self.has(key):
-            raise BlockError(f"block {key[:12]} is not in the index")
+            raise BlockGone(f"block {key[:12]} is no longer in the index")
         path = self.path(key)
-        if not path.is_file():
-            raise BlockError(f"block {key[:12]} is in the index but its file {path} is missing")
-        return decode_block(str(path), key, pin, into)
+        try:
+            return decode_block(str(path), key, pin, into)
+        except BlockError as exc:
+            # ``delete`` drops the row, then the file: either one gone means the block was deleted
+            # (evicted, cleared, removed by hand or by another reader), not that its bytes are bad
+            if not self.has(key) or _gone(path):
+                raise BlockGone(f"block {key[:12]} was deleted before it was read ({exc})") from exc
+            raise
 
     def has(self, key: str) -> bool:
         with self._mu:
@@ -182,6 +206,20 @@ class LocalDirStore:
                 self._nbytes -= row[0]
                 self._count -= 1
         remove(self.path(key))  # a directory we cannot write: the row is gone anyway
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Iterable[str]) -> Iterator[None]:
+        keys = list(keys)
+        with self._mu:
+            self._pins.update(keys)
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._pins.subtract(keys)
+                for key in keys:
+                    if self._pins[key] <= 0:
+                        self._pins.pop(key, None)
 
     def iterate(self) -> Iterator[BlockInfo]:
         with self._mu:
@@ -208,6 +246,8 @@ class LocalDirStore:
             for key, size in rows:
                 if over <= 0:
                     break
+                if key in self._pins:  # a restore is reading it: a later eviction takes it
+                    continue
                 self.delete(key)
                 over -= size
                 evicted += 1
@@ -315,6 +355,17 @@ class LocalDirStore:
                 ) from exc
             raise
         return f
+
+
+def _gone(path: Path) -> bool:
+    """Nothing at ``path`` (an entry that cannot be examined is there, only unreadable)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _size(path: Path) -> int:
