@@ -325,33 +325,3 @@ def test_ctrl_c_stops_the_answer_keeps_the_turn_and_ctrl_c_at_the_prompt_exits()
     finally:
         if chat.proc.poll() is None:
             chat.proc.kill()
-
-
-def test_ctrl_c_at_the_prompt_reaches_the_main_thread_whichever_thread_the_os_gave_it(monkeypatch):
-    """A process's SIGINT may land in any thread that does not block it (torch's, tqdm's): its C
-    handler then runs there and the main thread, blocked in a read, was never woken (a chat hung
-    at the prompt under load). The prompt waits in slices, so the pending handler still raises."""
-    import os
-    import signal
-    import threading
-    import time
-
-    from turnkv.chat import _Input
-
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signal handlers run on the main thread only")
-    r, w = os.pipe()
-    monkeypatch.setattr(sys, "stdin", os.fdopen(r, "r"))
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the chat process
-    other = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), 2)))
-    t0 = time.monotonic()
-    other.start()
-    with pytest.raises(KeyboardInterrupt):
-        _Input(interactive=False).line()  # nothing is ever written: only the signal can end it
-    other.join()
-    assert time.monotonic() - t0 < 5
-    os.write(w, b"two\nlines\n")  # scripted input: lines that arrive together come one by one
-    lines = _Input(interactive=False)
-    assert [lines.line(), lines.line()] == ["two", "lines"]
-    os.close(w)
-    assert lines.line() is None  # the end of the input

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import select
 import signal
 import sys
 import threading
@@ -159,47 +157,10 @@ def run_chat(rt: Runtime, args: argparse.Namespace, params: SamplingParams) -> i
     return 0
 
 
-class _Input:
-    """Lines from stdin, waited for in slices of ``SLICE_S``: the OS hands a process's SIGINT to
-    any of its threads that does not block it (torch's, tqdm's), and a main thread blocked in a
-    read is then never woken, so Ctrl-C at the prompt would wait for the next line. Between slices
-    the main thread runs the handler the signal left pending (``KeyboardInterrupt``)."""
-
-    SLICE_S = 0.1
-
-    def __init__(self, interactive: bool) -> None:
-        self.interactive = interactive
-        self.fd = sys.stdin.fileno()
-        self.buf = b""  # read, not yet returned (scripted input: several lines may come at once)
-
-    def _wait(self) -> bool:
-        """Until stdin has bytes (or its end) to read."""
-        while not select.select([self.fd], [], [], self.SLICE_S)[0]:
-            pass
-        return True
-
-    def line(self) -> str | None:
-        """The next line without its newline; None at the end of the input."""
-        if self.interactive:  # the terminal's own line editing (readline) reads the line
-            print("> ", end="", flush=True)
-            self._wait()
-            return input()
-        while b"\n" not in self.buf and self._wait():
-            chunk = os.read(self.fd, 1 << 16)
-            if not chunk:
-                break
-            self.buf += chunk
-        if not self.buf:
-            return None
-        line, _, self.buf = self.buf.partition(b"\n")
-        return line.decode(errors="replace")
-
-
 def _loop(session: ChatSession, interactive: bool) -> None:
-    lines = _Input(interactive)
     while True:
-        line = lines.line()
-        if line is None:
+        line = input("> ") if interactive else sys.stdin.readline()
+        if not interactive and not line:
             return
         line = line.strip()
         if not line:
