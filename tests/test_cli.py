@@ -248,6 +248,12 @@ def test_cache_verify_of_a_directory_in_use_says_what_works(tmp_path):
     assert cache_main("verify", str(tmp_path), as_json=True) == 0  # once it is free
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Chat:
     """``turnkv chat`` in a subprocess, its stdout read as it comes (issue 7, item 10)."""
 
@@ -262,6 +268,9 @@ class Chat:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every thread (``stacks``)
+            # Ctrl-C as a terminal gives it: a run started in the background ('&' in a script) has
+            # SIGINT ignored, which the chat would inherit (and then rightly not quit on Ctrl-C)
+            preexec_fn=_default_sigint,
         )
         self.out = ""
         threading.Thread(target=self._read, daemon=True).start()
