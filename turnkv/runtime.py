@@ -40,7 +40,6 @@ class Effective:
     queue_timeout: float  # s; 0 = none
     grammars_off: str | None  # why constrained decoding (response_format, forced calls) is refused
     weights: str  # how the matrices are held: what the loader was asked for
-    tensor_parallel: int  # ranks of the group (1: one process)
 
 
 def speculation_off(tensor_parallel: int) -> str | None:
@@ -70,7 +69,6 @@ def resolve(cfg: EngineConfig, engine: Engine) -> Effective:
         queue_timeout=cfg.queue_timeout if tp == 1 else 0.0,
         grammars_off=grammars,
         weights=_weights(cfg),
-        tensor_parallel=tp,
     )
 
 
