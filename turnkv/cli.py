@@ -63,6 +63,12 @@ def _config_flag(p: argparse.ArgumentParser, flag: str, name: str, text: str, **
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     add = functools.partial(_config_flag, p)
     add("--model", "model", "HF folder, .gguf file, 'default' (SmolLM2-135M-Instruct) or random:SHAPE")
+    add(
+        "--chat-template",
+        "chat_template",
+        "a Jinja chat template file, or chatml-tools (ChatML with <tool_call> tools, for a ChatML model "
+        "whose own template renders no tools, such as the default model); default: the model's own",
+    )
     add("--device", "device", "auto | cpu | cuda | any torch device")
     add("--dtype", "dtype", "compute dtype of weights and activations")
     add("--kv-dtype", "kv_dtype", "KV rows' dtype (auto: --dtype's, bfloat16 on a CPU computing in float32)")

@@ -106,6 +106,7 @@ class EngineConfig:
     """
 
     model: str = "default"
+    chat_template: str = ""  # a Jinja file or a shipped name (chat_format.templates); "": the model's own
     device: str = "auto"  # auto | cpu | cuda | any torch device string
     dtype: DType = "auto"
     kv_dtype: DType = "auto"  # KV rows; auto: the compute dtype, bfloat16 where a CPU computes in fp32

@@ -83,6 +83,8 @@ def load_engine(cfg: EngineConfig, progress: bool = True) -> Engine:
     from turnkv.models.llama import LlamaModel
     from turnkv.models.load import build_random_model, load_model
 
+    if cfg.chat_template:
+        chat_template(cfg.chat_template)  # a bad one fails before the model loads (the engine uses it)
     empty, init = LlamaModel, LlamaModel.init_random
     if cfg.tensor_parallel > 1:
         from turnkv.parallel.group import current_group, shard_model
@@ -103,6 +105,17 @@ def load_engine(cfg: EngineConfig, progress: bool = True) -> Engine:
         weights = _weights(cfg)
         loaded = load_model(cfg.model, cfg.device, cfg.dtype, progress=progress, weights=weights, empty=empty)
     return Engine(loaded, cfg, speculation_off=speculation_off(cfg.tensor_parallel))
+
+
+def chat_template(spec: str) -> str:
+    """The text of ``--chat-template``, checked to compile before the model loads."""
+    from turnkv.config import ConfigError
+    from turnkv.tokenizer import chat_template_text, check_chat_template
+
+    try:
+        return check_chat_template(chat_template_text(spec))
+    except ValueError as exc:  # ChatTemplateError is one
+        raise ConfigError("chat_template", str(exc)) from None
 
 
 def new_bank(

@@ -11,6 +11,7 @@ Sources: a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json`` /
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable
 from datetime import datetime
@@ -69,6 +70,34 @@ def _text_content(content) -> str | None:
     raise ChatTemplateError(
         f"message content must be a string or a list of text parts, not {type(content).__name__}"
     )
+
+
+SHIPPED_TEMPLATES = Path(__file__).resolve().parent / "chat_format" / "templates"
+
+
+def chat_template_text(spec: str) -> str:
+    """The template ``--chat-template`` names: a shipped one (``chatml-tools``) or a file's text;
+    raises ``ValueError`` saying what exists."""
+    shipped = SHIPPED_TEMPLATES / f"{spec}.jinja"
+    if "/" not in spec and shipped.is_file():
+        return shipped.read_text()
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in SHIPPED_TEMPLATES.glob("*.jinja")))
+        raise ValueError(f"{spec!r} is neither a file nor a shipped template ({names})")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {spec!r}: {exc}") from None
+
+
+def check_chat_template(template: str) -> str:
+    """``template`` itself once it compiles; else :class:`ChatTemplateError` saying where not."""
+    try:
+        _compile(template)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"does not compile as a Jinja template: {exc}") from exc
+    return template
 
 
 class Tokenizer:
@@ -170,6 +199,15 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A tokenizer like this one that renders chats with ``template`` instead of the model's own
+        (``--chat-template``; the loaded model's stays as it is); raises :class:`ChatTemplateError`
+        when it does not compile."""
+        other = copy.copy(self)
+        other._template = _compile(check_chat_template(template))
+        other.chat_template = template
+        return other
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **extra

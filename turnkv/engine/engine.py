@@ -56,6 +56,10 @@ class Engine:
         self.cfg = cfg
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        if cfg.chat_template:  # --chat-template (runtime.chat_template checked it before the load)
+            from turnkv.tokenizer import chat_template_text
+
+            self.tokenizer = self.tokenizer.with_chat_template(chat_template_text(cfg.chat_template))
         # this rank's shard under tensor parallelism (its heads, its KV heads); else the model
         mc = self.model.cfg
         self.tp = self.model.tp  # turnkv.parallel.group.TensorParallel, or None in one process

@@ -1,0 +1,327 @@
+"""A scripted tool-calling agent loop through the three APIs agents speak: how much each turn reuses.
+
+A coding agent's session is a loop: the model calls a tool, the client appends the call and the
+tool's output (here a fake tool answering about ``--tool-tokens`` tokens each turn) and asks
+again. Every turn's prompt is the previous turn's prompt plus the answer plus the tool output, so a
+server that keeps the conversation's KV should prefill only the new rows. This script drives
+``--turns`` such turns through each API and reports, per turn, prompt tokens, cached tokens
+(``cached_tokens`` / ``cache_read_input_tokens``), the rows the turn prefilled and TTFT (first
+streamed token of text or tool arguments), and per API the cached fraction from turn 2 on:
+
+- ``chat``: ``/v1/chat/completions`` with the whole history resent (the ``openai`` SDK);
+- ``responses``: ``/v1/responses`` chained with ``previous_response_id`` (only the tool output is
+  sent; the server holds the rest);
+- ``messages``: ``/v1/messages`` with ``tool_use`` / ``tool_result`` blocks resent (the
+  ``anthropic`` SDK).
+
+The tool choice is forced (``required`` / ``any``), so every turn is a tool call whatever the
+weights; answers are greedy. Each API runs in its own cache namespace (``cache_salt`` / a key), so
+none reuses another's rows.
+
+    python bench/agent_loop.py             # default model (--chat-template chatml-tools), CPU, in process
+    python bench/agent_loop.py --url http://127.0.0.1:8000      # a running turnkv serve
+
+Prints a table, writes ``bench/out/agent_loop.json`` and ``bench/out/agent_loop.png``.
+"""
+
+from __future__ import annotations
+
+from turnkv.threads import prepare_env
+
+prepare_env()
+
+import argparse
+import random
+import socket
+import statistics
+import threading
+import time
+
+from load_counts import cpu_name
+from report import save
+
+SYSTEM = "You are a coding agent. Use the read_file tool to inspect the repository, one file per turn."
+TASK = "Find where the session bank evicts entries and summarise the policy."
+TOOL = {
+    "name": "read_file",
+    "description": "Read a file of the repository and return its text.",
+    "parameters": {
+        "type": "object",
+        "properties": {"path": {"type": "string", "description": "path inside the repository"}},
+        "required": ["path"],
+    },
+}
+WORDS = (
+    "def return self bank entry evict budget bytes lease snapshot segment prefix tokens namespace "
+    "admit refuse order least recently used session protect insert lookup tree radix block"
+).split()
+
+
+def tool_output(turn: int, tokens: int) -> str:
+    """Deterministic fake file text of about ``tokens`` tokens (a word is about one token)."""
+    rng = random.Random(turn)
+    lines = []
+    while sum(len(line.split()) for line in lines) < tokens:
+        lines.append("    " + " ".join(rng.choice(WORDS) for _ in range(10)))
+    return f"# file {turn}\n" + "\n".join(lines)
+
+
+def serve_in_process(model: str, template: str) -> tuple[str, object]:
+    """A server of ``model`` under uvicorn in a thread on a free port."""
+    import uvicorn
+
+    from turnkv.config import EngineConfig
+    from turnkv.runtime import build
+    from turnkv.server.app import create_app
+    from turnkv.server.run import uvicorn_config
+
+    cfg = EngineConfig(model=model, chat_template=template, device="cpu", bank_bytes="2G", no_disk=True)
+    app = create_app(build(cfg, "serve"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, cfg, host="127.0.0.1", port=port))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+def chat_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    rows = []
+    for turn in range(args.turns):
+        t0, ttft, usage, calls = time.perf_counter(), None, None, {}
+        stream = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[{"type": "function", "function": TOOL}],
+            tool_choice="required",
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"cache_salt": "agent-chat"},
+        )
+        for chunk in stream:
+            for choice in chunk.choices:
+                for tc in choice.delta.tool_calls or []:
+                    ttft = ttft or time.perf_counter() - t0
+                    c = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                    c["name"] += tc.function.name or ""
+                    c["arguments"] += tc.function.arguments or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        call = calls[0]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
+            }
+        )
+        messages.append(
+            {"role": "tool", "tool_call_id": call["id"], "content": tool_output(turn, args.tool_tokens)}
+        )
+        rows.append(
+            _row(
+                turn,
+                usage.prompt_tokens,
+                usage.prompt_tokens_details.cached_tokens,
+                usage.completion_tokens,
+                ttft,
+            )
+        )
+    return rows
+
+
+def responses_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
+    tools = [{"type": "function", **TOOL}]
+    prev, next_input = None, TASK
+    rows = []
+    for turn in range(args.turns):
+        t0, ttft, final = time.perf_counter(), None, None
+        with client.responses.stream(
+            model=model,
+            input=next_input,
+            instructions=SYSTEM,
+            tools=tools,
+            tool_choice="required",
+            max_output_tokens=args.max_tokens,
+            temperature=0,
+            previous_response_id=prev,
+        ) as stream:
+            for event in stream:
+                if event.type in ("response.function_call_arguments.delta", "response.output_text.delta"):
+                    ttft = ttft or time.perf_counter() - t0
+            final = stream.get_final_response()
+        call = next(item for item in final.output if item.type == "function_call")
+        prev = final.id
+        next_input = [
+            {
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": tool_output(turn, args.tool_tokens),
+            }
+        ]
+        usage = final.usage
+        rows.append(
+            _row(
+                turn, usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens, ttft
+            )
+        )
+    return rows
+
+
+def messages_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key="bench", max_retries=0)
+    tool = {"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}
+    messages: list[dict] = [{"role": "user", "content": TASK}]
+    rows = []
+    for turn in range(args.turns):
+        t0, ttft = time.perf_counter(), None
+        with client.messages.stream(
+            model=model,
+            system=SYSTEM,
+            messages=messages,
+            tools=[tool],
+            tool_choice={"type": "any"},
+            max_tokens=args.max_tokens,
+            temperature=0,
+            metadata={"user_id": "agent-messages"},
+        ) as stream:
+            for event in stream:
+                if event.type == "content_block_delta":
+                    ttft = ttft or time.perf_counter() - t0
+            final = stream.get_final_message()
+        use = next(block for block in final.content if block.type == "tool_use")
+        messages.append(
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]}
+        )
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": use.id,
+                        "content": tool_output(turn, args.tool_tokens),
+                    }
+                ],
+            }
+        )
+        u = final.usage
+        prompt = u.input_tokens + (u.cache_read_input_tokens or 0)  # Anthropic counts them apart
+        rows.append(_row(turn, prompt, u.cache_read_input_tokens or 0, u.output_tokens, ttft))
+    return rows
+
+
+def _row(turn: int, prompt: int, cached: int, completion: int, ttft: float | None) -> dict:
+    return {
+        "turn": turn + 1,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        "prefilled": prompt - cached,
+        "ttft_s": ttft if ttft is not None else float("nan"),
+    }
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per API: of the prompt tokens from turn 2 on, the share served from the cache; and of the
+    history each turn resends (the previous turn's prompt and answer, which the server has seen),
+    the share it reused -- the tool output each turn adds is new, so only this one can reach 100 %."""
+    later = rows[1:]
+    prompt = sum(r["prompt_tokens"] for r in later)
+    history = sum(p["prompt_tokens"] + p["completion_tokens"] for p in rows[:-1])
+    reused = sum(
+        min(r["cached_tokens"], p["prompt_tokens"] + p["completion_tokens"])
+        for p, r in zip(rows[:-1], later, strict=True)
+    )
+    return {
+        "cached_fraction_from_turn_2": sum(r["cached_tokens"] for r in later) / prompt if prompt else 0.0,
+        "history_reused_from_turn_2": reused / history if history else 0.0,
+        "prefilled_total": sum(r["prefilled"] for r in rows),
+        "prompt_total": sum(r["prompt_tokens"] for r in rows),
+        "ttft_p50_s": statistics.median(r["ttft_s"] for r in later) if later else float("nan"),
+        "last_prompt_tokens": rows[-1]["prompt_tokens"],
+    }
+
+
+def plot(results: dict, plt, path) -> None:
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for api, run in results["apis"].items():
+        turns = [r["turn"] for r in run["turns"]]
+        ax[0].plot(turns, [r["prefilled"] for r in run["turns"]], marker="o", label=api)
+        ax[1].plot(turns, [r["ttft_s"] * 1e3 for r in run["turns"]], marker="o", label=api)
+    ax[0].set(xlabel="turn", ylabel="prompt rows prefilled", title="rows each turn computed")
+    ax[1].set(xlabel="turn", ylabel="TTFT (ms)", title="time to first token")
+    for a in ax:
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _served_model(url: str) -> str:
+    import httpx
+
+    return httpx.get(url + "/v1/models", headers={"Authorization": "Bearer bench"}).json()["data"][0]["id"]
+
+
+LOOPS = {"chat": chat_loop, "responses": responses_loop, "messages": messages_loop}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running turnkv serve (default: serve the default model in process)")
+    ap.add_argument(
+        "--model", default="default", help="the model to serve in process; with --url, the served name"
+    )
+    ap.add_argument(
+        "--chat-template",
+        default="chatml-tools",
+        help="served in process: the template (the default model's own renders no tools)",
+    )
+    ap.add_argument("--apis", default="chat,responses,messages")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--tool-tokens", type=int, default=500)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args()
+    url, server = (args.url, None) if args.url else serve_in_process(args.model, args.chat_template)
+    model = _served_model(url)
+    results = {"args": vars(args), "cpu": cpu_name(), "apis": {}}
+    try:
+        for api in args.apis.split(","):
+            rows = LOOPS[api](url, model, args)
+            results["apis"][api] = {"turns": rows, **summary(rows)}
+    finally:
+        if server is not None:
+            server.should_exit = True
+    print(
+        f"{'api':<10} {'turns':>5} {'last prompt':>11} {'cached from turn 2':>18} "
+        f"{'history reused':>14} {'prefilled':>9} {'TTFT p50':>9}"
+    )
+    for api, run in results["apis"].items():
+        print(
+            f"{api:<10} {len(run['turns']):>5} {run['last_prompt_tokens']:>11} "
+            f"{run['cached_fraction_from_turn_2']:>17.1%} {run['history_reused_from_turn_2']:>13.1%} {run['prefilled_total']:>9} {run['ttft_p50_s'] * 1e3:>7.0f}ms"
+        )
+    save(results, "agent_loop", plot)
+
+
+if __name__ == "__main__":
+    main()
