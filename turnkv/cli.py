@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=_flag_help("no_disk", "serve without the KV disk tier"),
     )
+    add("--ram-bytes", "ram_bytes", "byte budget of the host-RAM KV tier: N, 64G, 0 (off) or auto")
+    s.add_argument(
+        "--no-ram",
+        dest="no_ram",
+        action="store_true",
+        default=None,
+        help=_flag_help("no_ram", "serve without the host-RAM KV tier"),
+    )
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)
