@@ -180,7 +180,8 @@ class EngineConfig:
                     raise ValueError
             except ValueError:
                 raise ConfigError(
-                    "ram_bytes", f"must be auto, 0 (off) or a size such as 512M or 64G (got {self.ram_bytes!r})"
+                    "ram_bytes",
+                    f"must be auto, 0 (off) or a size such as 512M or 64G (got {self.ram_bytes!r})",
                 ) from None
         _check_range("max_context", self.max_context, 0, None, "0 means the model's own")
         _check_range("prefill_chunk", self.prefill_chunk, 1, None)

@@ -28,7 +28,10 @@ _CGROUP = Path("/sys/fs/cgroup")
 def process_room() -> int:
     """Bytes of host memory this process may still take: MemAvailable, capped by its cgroup."""
     room = _available_ram()
-    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         try:
             cap = (_CGROUP / limit).read_text().strip()
             used = int((_CGROUP / usage).read_text().strip())
