@@ -302,3 +302,39 @@ def test_a_failed_allocation_leaves_the_tier_off_with_the_reason(engine, monkeyp
     monkeypatch.setattr(rb, "ram_budget", lambda cfg, device=None: (1 << 62, None))
     ram, off = open_ram(engine)
     assert ram is None and "failed" in off and "\n" not in off
+
+
+# -- through the server ----------------------------------------------------------------------------
+def test_the_server_restores_from_ram_and_reports_it_on_health_and_metrics(tmp_path):
+    """``turnkv serve --ram-bytes 16M`` on a CPU (a random model): a conversation the bank lost
+    comes back from RAM with ``cached_tokens`` covering it and the answer of a cold server."""
+    import httpx
+    from test_server import Live
+
+    from turnkv.models.load import build_random_model
+
+    lm = build_random_model("test", "cpu", "float32")
+    ids = prompt(2 * B + 30, seed=9)
+    body = {"model": "random:test", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    srv, cold_srv = Live(lm, ram_bytes="16M", disk_dir=str(tmp_path)), Live(lm, no_disk=True)
+    try:
+        first = srv.post("/v1/completions", body)
+        srv.idle()
+        _forget(srv.server.bank)
+        again = srv.post("/v1/completions", body)
+        cold = cold_srv.post("/v1/completions", body)
+        h = srv.health()
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        off = cold_srv.health()["ram"]
+    finally:
+        srv.close()
+        cold_srv.close()
+    assert first.status_code == again.status_code == cold.status_code == 200
+    assert again.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * B
+    ram = h["ram"]
+    assert ram["enabled"] and ram["reason"] is None and ram["budget_bytes"] <= 16 << 20
+    assert (ram["hits"], ram["hit_tokens"], ram["blocks"]) == (1, 2 * B, 2)
+    assert h["disk"]["enabled"] and h["disk"]["hits"] == 0  # RAM answered first
+    assert "turnkv_ram_hits_total 1.0" in metrics and "turnkv_ram_blocks 2.0" in metrics
+    assert off["enabled"] is False and "CPU" in off["reason"]  # auto on a CPU device
