@@ -104,6 +104,7 @@ def test_the_chain_evicts_bank_to_ram_to_disk_and_restores_from_each(engine, tmp
     bank = _bank(engine, 3, tmp_path)
     old, new = prompt(2 * B + 9, seed=2), prompt(3 * B + 9, seed=3)
     turn(engine, bank, "ns", old)
+    assert bank.tier.flush(30)  # old's blocks are on disk: RAM may reuse their slots
     turn(engine, bank, "ns", new)  # needs all 3 slots: old's 2 blocks leave RAM
     assert bank.tier.flush(30)
     ram, disk = bank.tier.ram, bank.tier.disk
@@ -338,3 +339,76 @@ def test_the_server_restores_from_ram_and_reports_it_on_health_and_metrics(tmp_p
     assert h["disk"]["enabled"] and h["disk"]["hits"] == 0  # RAM answered first
     assert "turnkv_ram_hits_total 1.0" in metrics and "turnkv_ram_blocks 2.0" in metrics
     assert off["enabled"] is False and "CPU" in off["reason"]  # auto on a CPU device
+
+
+# -- CUDA: pinned slots, side-stream copies, the compute stream waiting on the copy's event -----------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA_SHAPE = KVShape(4, 2, 64, torch.bfloat16, torch.device("cuda"))
+
+
+def _device_rows(tokens: list[int], seed: int) -> SegmentedSnapshot:
+    s = CUDA_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dims = (s.num_layers, s.num_kv_heads, len(tokens), s.head_dim)
+    k = torch.randn(dims, generator=g, device="cuda").to(s.dtype)
+    seg = Segment(k, -k, tuple(tokens))
+    return SegmentedSnapshot([SegmentRef(seg, seg.num_rows)])
+
+
+@cuda
+def test_cuda_slots_are_pinned_and_restores_read_the_rows_without_a_host_wait():
+    ram = RamTier("fp", CUDA_SHAPE, 8)
+    assert ram._k.is_pinned() and ram._v.is_pinned()
+    ids = list(range(3 * B))
+    snap = _device_rows(ids, seed=1)
+    ram.write_behind("ns", snap)  # D2H on the side stream, after the rows' kernels
+    got = ram.extend("ns", [*ids, 1], None)  # H2D on the side stream; this stream waits on it
+    assert got is not None and got.num_tokens == 3 * B and got.refs[0].segment.k.is_cuda
+    k, v = got.read_rows(0, 3 * B)  # read on the compute stream, no synchronize in between
+    wk, wv = snap.read_rows(0, 3 * B)
+    assert torch.equal(k, wk) and torch.equal(v, wv)
+    assert ram.flush() and ram.held() == [] and ram.health()["restore_gbps"] > 0
+
+
+@cuda
+def test_cuda_a_slot_being_restored_is_never_overwritten_by_the_next_write():
+    """Two slots: a restore's H2D is launched, then writes that need both slots follow at once.
+    The restore's slots stay pinned until its copy's event passes, so the rows are right."""
+    ram = RamTier("fp", CUDA_SHAPE, 2)
+    ids = list(range(2 * B))
+    snap = _device_rows(ids, seed=2)
+    ram.write_behind("ns", snap)
+    for round_ in range(20):
+        got = ram.extend("ns", [*ids, 1], None)
+        if got is None:  # evicted by an earlier round once its copy was done: write it again
+            ram.write_behind("ns", snap)
+            continue
+        ram.write_behind("ns", _device_rows([50_000 + round_] * (2 * B), seed=3 + round_))
+        k, _ = got.read_rows(0, got.num_tokens)
+        assert torch.equal(k, snap.read_rows(0, got.num_tokens)[0]), round_
+    assert ram.flush() and all(s.pins == 0 for s in ram._slots.values())
+
+
+@cuda
+def test_cuda_a_turn_restored_from_ram_answers_as_cold(tmp_path):
+    from turnkv.runtime import load_engine
+
+    engine = load_engine(EngineConfig(model="random:test", device="cuda", dtype="float32"), progress=False)
+    bank = _bank(engine, 8, tmp_path)
+    ids = prompt(3 * B + 7, seed=6)
+    cold, _ = first_logits(engine, None, "ns", ids)
+    turn(engine, bank, "ns", ids)
+    _forget(bank)
+    warm, cached = first_logits(engine, bank, "ns", ids)
+    assert cached == 3 * B and _as_cold(warm, cold)
+    assert bank.tier.flush(30) and bank.tier.disk.health()["writes"] == 3  # fed from pinned RAM
+    bank.tier.close()
+    again = SessionBank(
+        GIB,
+        engine.shape.bytes_per_row,
+        lambda h: unique_bytes(*h),
+        tier=DiskTier.open(tmp_path, engine.info.fingerprint, engine.shape, GIB),
+    )
+    warm, cached = first_logits(engine, again, "ns", ids)  # what RAM fed the disk restores too
+    assert cached == 3 * B and _as_cold(warm, cold)
+    again.tier.close()
