@@ -170,6 +170,19 @@ def test_a_shared_prefix_is_stored_once_and_evicted_last():
     assert got is not None and got.num_tokens == 2 * B and _same_rows(got, _rows(system))
 
 
+def test_the_pool_grows_by_chunks_as_it_fills_and_restores_across_them(monkeypatch):
+    import turnkv.bank.ram as ram_module
+
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)  # two slots a chunk
+    ram = RamTier("fp", SHAPE, 5)
+    assert len(ram._chunks) == 1  # only the first chunk at start
+    ids = list(range(5 * B))
+    ram.write_behind("ns", _rows(ids))
+    assert len(ram._chunks) == 3 and ram.health()["blocks"] == 5  # 2 + 2 + 1 slots
+    got = ram.extend("ns", [*ids, 1], None)
+    assert got is not None and got.num_tokens == 5 * B and _same_rows(got, _rows(ids))
+
+
 def test_namespaces_never_share_a_block():
     ram = RamTier("fp", SHAPE, 8)
     ids = [3] * (2 * B)
@@ -296,11 +309,13 @@ def test_the_cli_names_the_flag_and_its_env_twin(monkeypatch):
 
 
 def test_a_failed_allocation_leaves_the_tier_off_with_the_reason(engine, monkeypatch):
-    """Memory the allocator cannot give (here: more than the address space) turns the tier off;
-    the server goes on with the reason on /health.ram."""
+    """A first chunk the allocator cannot give (here: more than the address space) turns the tier
+    off; the server goes on with the reason on /health.ram."""
+    import turnkv.bank.ram as ram_module
     import turnkv.bank.ram_budget as rb
 
     monkeypatch.setattr(rb, "ram_budget", lambda cfg, device=None: (1 << 62, None))
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 1 << 62)
     ram, off = open_ram(engine)
     assert ram is None and "failed" in off and "\n" not in off
 
@@ -358,7 +373,7 @@ def _device_rows(tokens: list[int], seed: int) -> SegmentedSnapshot:
 @cuda
 def test_cuda_slots_are_pinned_and_restores_read_the_rows_without_a_host_wait():
     ram = RamTier("fp", CUDA_SHAPE, 8)
-    assert ram._k.is_pinned() and ram._v.is_pinned()
+    assert all(t.is_pinned() for chunk in ram._chunks for t in chunk)
     ids = list(range(3 * B))
     snap = _device_rows(ids, seed=1)
     ram.write_behind("ns", snap)  # D2H on the side stream, after the rows' kernels

@@ -1,8 +1,11 @@
 """The host-RAM tier: sealed KV rows mirrored to host memory, restored when the bank lost them.
 
-Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[N, L, Hkv, 256, D]``),
-allocated once at start: pinned on CUDA (copies at the bus's speed, no per-turn ``pin_memory``),
-plain CPU tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
+Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
+chunk), allocated in chunks of ``CHUNK_BYTES`` as it fills and never freed: the first at start (a
+failure there turns the tier off), the rest when the free slots run out (a failure then stops the
+growth, with the reason on ``/health.ram``). Pinned on CUDA (copies at the bus's speed, no
+per-turn ``pin_memory``; a server does not pin all of its budget before it serves), plain CPU
+tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
 asked for, and CI tests its logic with it). Blocks are keyed by the disk tier's chained keys
 (``disk_blocks.block_keys``), so a block is stored once whatever number of conversations of a
 namespace share it, and a key names the whole token prefix up to the block's end.
@@ -42,6 +45,7 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger(__name__)
 
+CHUNK_BYTES = 1 << 30  # the pool grows by this much (pinning is slow: ~GB/s, so not all at start)
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -99,21 +103,37 @@ class RamTier:
         s = self.shape
         self.context = block_context(self.fingerprint, s)
         self.cuda = torch.device(s.device).type == "cuda"
-        dims = (self.capacity, s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
-        # [N, L, Hkv, 256, D]; on CUDA pinned, so copies are async at the bus's speed
-        self._k = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)
-        self._v = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)
-        self.block_bytes = 2 * self._k[0].nbytes
+        self.block_bytes = BLOCK_TOKENS * s.bytes_per_row  # k and v of one block
+        self.per_chunk = max(1, min(self.capacity, CHUNK_BYTES // self.block_bytes))
+        self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []  # [n, L, Hkv, 256, D] each
+        self._free: list[int] = []
+        self.grow_failed: str | None = None  # why the pool stopped growing below its budget
         self._slots: dict[int, _Slot] = {}
         self._by_key: dict[str, int] = {}
         self._leaves: set[int] = set()
-        self._free = list(range(self.capacity - 1, -1, -1))
         self._clock = 0
         self._lock = threading.RLock()
         self._stream = torch.cuda.Stream(torch.device(s.device)) if self.cuda else None
         # (copy done, the rows it reads, the slots it fills)
         self._inflight: list[tuple[object, SegmentedSnapshot, list[int]]] = []
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
+        self._grow()  # the first chunk now: a failure raises, and the caller serves without RAM
+
+    def _grow(self) -> None:
+        """One more chunk of slots (raises RuntimeError/MemoryError when the memory is not had)."""
+        s, have = self.shape, len(self._chunks) * self.per_chunk
+        n = min(self.per_chunk, self.capacity - have)
+        dims = (n, s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
+        k = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)  # pinned: async copies on CUDA
+        v = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)
+        self._chunks.append((k, v))
+        self._free.extend(range(have + n - 1, have - 1, -1))
+
+    def _rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot ``i``'s ``k``, ``v`` ``[L, Hkv, 256, D]`` (contiguous host views)."""
+        c, j = divmod(i, self.per_chunk)
+        k, v = self._chunks[c]
+        return k[j], v[j]
 
     @property
     def budget_bytes(self) -> int:
@@ -149,7 +169,7 @@ class RamTier:
                 self._slots[i].ready = done
             resident = [(d, keys[d], self._by_key[keys[d]]) for d in range(len(chain))]
             if self.below is not None:
-                rows = {d: (self._k[i], self._v[i]) for d, _, i in resident}
+                rows = {d: self._rows(i) for d, _, i in resident}
                 self.below.write_host(namespace, tuple(snapshot.tokens), rows, self._last_done())
         if self.below is not None and len(resident) < whole:  # the rest from the device
             self.below.write_behind(namespace, snapshot)
@@ -161,8 +181,9 @@ class RamTier:
         if not self.cuda:
             for depth, i in staged:
                 k, v = snapshot.read_rows(depth * BLOCK_TOKENS, (depth + 1) * BLOCK_TOKENS)
-                host_copy(self._k[i], k)  # not torch's copy: its thread pool competes with compute
-                host_copy(self._v[i], v)
+                hk, hv = self._rows(i)
+                host_copy(hk, k)  # not torch's copy: its thread pool competes with compute
+                host_copy(hv, v)
             return None
         made = torch.cuda.Event()
         made.record()  # after the kernels that wrote these rows, on the compute stream
@@ -170,8 +191,9 @@ class RamTier:
             self._stream.wait_event(made)
             for depth, i in staged:
                 k, v = snapshot.read_rows(depth * BLOCK_TOKENS, (depth + 1) * BLOCK_TOKENS)
-                self._k[i].copy_(k, non_blocking=True)  # device -> pinned host
-                self._v[i].copy_(v, non_blocking=True)
+                hk, hv = self._rows(i)
+                hk.copy_(k, non_blocking=True)  # device -> pinned host
+                hv.copy_(v, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         self._inflight.append((done, snapshot, [i for _, i in staged]))  # segments outlive the copy
@@ -192,6 +214,15 @@ class RamTier:
 
     def _take(self, keep: set[int]) -> int | None:
         """A free slot, else the least recently used leaf that nothing needs (evicted); None if none."""
+        if not self._free and len(self._chunks) * self.per_chunk < self.capacity and self.grow_failed is None:
+            try:
+                self._grow()
+            except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
+                have = len(self._chunks) * self.per_chunk * self.block_bytes
+                self.grow_failed = (
+                    f"pinned memory stopped at {have / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
+                )
+                log.warning("KV RAM tier: %s; it holds what it has", self.grow_failed)
         if self._free:
             return self._free.pop()
         below = self.below
@@ -261,8 +292,9 @@ class RamTier:
             t0 = time.perf_counter()
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
-                host_copy(k[:, :, lo : lo + BLOCK_TOKENS], self._k[i])
-                host_copy(v[:, :, lo : lo + BLOCK_TOKENS], self._v[i])
+                hk, hv = self._rows(i)
+                host_copy(k[:, :, lo : lo + BLOCK_TOKENS], hk)
+                host_copy(v[:, :, lo : lo + BLOCK_TOKENS], hv)
             with self._lock:
                 self._unpin(run)
                 self.stats.restore_bytes += nbytes
@@ -275,8 +307,9 @@ class RamTier:
             start.record(self._stream)  # after any copy still filling these slots (one stream)
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
-                k[:, :, lo : lo + BLOCK_TOKENS].copy_(self._k[i], non_blocking=True)  # pinned -> device
-                v[:, :, lo : lo + BLOCK_TOKENS].copy_(self._v[i], non_blocking=True)
+                hk, hv = self._rows(i)
+                k[:, :, lo : lo + BLOCK_TOKENS].copy_(hk, non_blocking=True)  # pinned -> device
+                v[:, :, lo : lo + BLOCK_TOKENS].copy_(hv, non_blocking=True)
             done.record(self._stream)
         compute.wait_event(done)  # the step that reads the rows waits on the GPU, not the host
         with self._lock:
@@ -332,7 +365,7 @@ class RamTier:
             facts = asdict(self.stats) | {"blocks": len(self._slots), "capacity_blocks": self.capacity}
         facts |= {"bytes": facts["blocks"] * self.block_bytes, "budget_bytes": self.budget_bytes}
         rate = facts["restore_bytes"] / facts["restore_s"] / 1e9 if facts["restore_s"] > 0 else 0.0
-        return {"enabled": True, "reason": None, "restore_gbps": round(rate, 3)} | {
+        return {"enabled": True, "reason": self.grow_failed, "restore_gbps": round(rate, 3)} | {
             k: int(facts[k]) for k in RAM_KEYS
         }
 

@@ -91,6 +91,6 @@ def open_ram(engine, below=None):
     try:
         return RamTier(engine.info.fingerprint, engine.shape, capacity, below), None
     except (RuntimeError, MemoryError) as exc:  # pinning failed: serve without the tier
-        reason = f"allocating {capacity * block / GIB:.1f} GiB of pinned host memory failed: {exc}"
+        reason = f"allocating pinned host memory for the RAM tier failed: {exc}"
         log.warning("KV RAM tier off: %s; serving goes on", str(reason).splitlines()[0])
         return None, reason.splitlines()[0]
