@@ -66,8 +66,7 @@ class _StateCollector(Collector):
             ("turnkv_bank_hits", s.hits, "Admitted turns that restored a banked prefix"),
             ("turnkv_bank_misses", s.misses, "Admitted turns that found no banked prefix"),
         )
-        yield from _disk_metrics(bank)
-        yield from _ram_metrics(bank)
+        yield from _tier_metrics(bank)
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
         )
@@ -91,13 +90,6 @@ _DISK_COUNTERS = {
 }
 
 
-def _disk_metrics(bank: SessionBank):
-    """``turnkv_disk_*``: the numbers of ``/health.disk`` (zeros without a tier)."""
-    h = tier_health(bank.tier)["disk"]
-    yield from _gauges(*((f"turnkv_disk_{k}", h[k], doc) for k, doc in _DISK_GAUGES.items()))
-    yield from _counters(*((f"turnkv_disk_{k}", h[k], doc) for k, doc in _DISK_COUNTERS.items()))
-
-
 _RAM_GAUGES = {
     "blocks": "Blocks in the host-RAM KV tier",
     "bytes": "Bytes of the host-RAM KV tier's blocks",
@@ -113,11 +105,17 @@ _RAM_COUNTERS = {
 }
 
 
-def _ram_metrics(bank: SessionBank):
-    """``turnkv_ram_*``: the numbers of ``/health.ram`` (zeros without the tier)."""
-    h = tier_health(bank.tier)["ram"]
-    yield from _gauges(*((f"turnkv_ram_{k}", h[k], doc) for k, doc in _RAM_GAUGES.items()))
-    yield from _counters(*((f"turnkv_ram_{k}", h[k], doc) for k, doc in _RAM_COUNTERS.items()))
+def _tier_metrics(bank: SessionBank):
+    """``turnkv_disk_*`` and ``turnkv_ram_*``: the numbers of ``/health.disk`` and ``/health.ram``
+    (zeros without the tier)."""
+    tiers = tier_health(bank.tier)
+    for name, gauges, counters in (
+        ("disk", _DISK_GAUGES, _DISK_COUNTERS),
+        ("ram", _RAM_GAUGES, _RAM_COUNTERS),
+    ):
+        h = tiers[name]
+        yield from _gauges(*((f"turnkv_{name}_{k}", h[k], doc) for k, doc in gauges.items()))
+        yield from _counters(*((f"turnkv_{name}_{k}", h[k], doc) for k, doc in counters.items()))
 
 
 class _SpeculationCollector(Collector):
