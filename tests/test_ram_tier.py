@@ -288,6 +288,25 @@ def test_a_budget_larger_than_the_machine_is_one_line_naming_the_flag_and_the_ma
     assert "\n" not in msg and msg.startswith("--ram-bytes (TURNKV_RAM_BYTES)") and str(most) in msg
 
 
+def test_turnkv_serve_with_too_large_a_budget_fails_in_one_line_before_loading():
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "turnkv", "serve", "--model", "random:test", "--device", "cpu", "--port", "0"],
+        env={**os.environ, "TURNKV_RAM_BYTES": "1000T", "TURNKV_NO_DISK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert (
+        lines[0].startswith("turnkv: error: --ram-bytes (TURNKV_RAM_BYTES) 1000T") and "at most" in lines[0]
+    )
+
+
 @pytest.mark.parametrize("bad", ["lots", "-1", "1.5X"])
 def test_a_ram_bytes_that_does_not_parse_is_a_config_error(bad):
     with pytest.raises(ConfigError, match="ram_bytes must be auto, 0"):

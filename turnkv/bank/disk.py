@@ -1,6 +1,6 @@
 """The disk tier behind the session bank: finished turns written behind, restored after a restart.
 
-The bank calls two methods (see ``SessionBank.tier``):
+The bank calls these methods (see ``SessionBank.tier``; on a server through ``bank.tiers.TierChain``):
 
 - ``write_behind(namespace, snapshot)`` at the end of every turn. The snapshot's whole blocks of
   256 tokens that the store lacks are queued for one writer thread, which copies their rows to
@@ -8,6 +8,10 @@ The bank calls two methods (see ``SessionBank.tier``):
   is safe), writes each durably and adds its index row. It never blocks: when the bounded queue
   is full the blocks that do not fit are dropped and counted (``dropped_writes``). Blocks the
   store already holds are not written again (``dedupe_hits``).
+- ``write_host(namespace, tokens, rows, copied)`` instead, when the host-RAM tier (``bank.ram``)
+  stands in front: the rows are already in host memory (RAM's pinned slots, filled once
+  ``copied`` has passed), so the writer copies nothing from the device; RAM keeps those slots
+  while ``queued(key)`` says they wait, so these blocks are bounded by RAM's budget, not the queue.
 - ``extend(namespace, tokens, prefix)`` at admission, after the memory lookup. When the store
   holds a longer run of this namespace's blocks for ``tokens`` than ``prefix`` covers, the run is
   loaded into one sealed segment (each block verified; a bad one ends the run, is deleted and
