@@ -108,6 +108,7 @@ class RamTier:
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []  # [n, L, Hkv, 256, D] each
         self._free: list[int] = []
         self.grow_failed: str | None = None  # why the pool stopped growing below its budget
+        self._warned: set[str] = set()
         self._slots: dict[int, _Slot] = {}
         self._by_key: dict[str, int] = {}
         self._leaves: set[int] = set()
@@ -164,7 +165,15 @@ class RamTier:
                     self.stats.dedupe_hits += 1
                 self._slots[i].last_used = self._clock
                 chain.add(i)
-            done = self._copy_out(snapshot, staged)
+            try:
+                done = self._copy_out(snapshot, staged)
+            except Exception as exc:  # a failed copy must not leave slots indexed with other rows
+                for _, i in reversed(staged):
+                    self._evict(i, counted=False)
+                    self._free.append(i)
+                self.stats.dropped += len(staged)
+                self._warn(f"a copy into RAM failed ({type(exc).__name__}: {exc}); those blocks are not kept")
+                staged, chain, done = [], {i for i in chain if i in self._slots}, None
             for _, i in staged:
                 self._slots[i].ready = done
             resident = [(d, keys[d], self._by_key[keys[d]]) for d in range(len(chain))]
@@ -235,7 +244,7 @@ class RamTier:
             return i
         return None
 
-    def _evict(self, i: int) -> None:
+    def _evict(self, i: int, counted: bool = True) -> None:
         slot = self._slots.pop(i)
         del self._by_key[slot.key]
         self._leaves.discard(i)
@@ -244,7 +253,7 @@ class RamTier:
             self._slots[up].children -= 1
             if self._slots[up].children == 0:
                 self._leaves.add(up)
-        self.stats.evictions += 1
+        self.stats.evictions += counted
 
     # -- restore ----------------------------------------------------------------------------------
     def extend(
@@ -274,7 +283,14 @@ class RamTier:
                 self._slots[i].pins += 1
                 self._slots[i].last_used = self._clock
         lo = first * BLOCK_TOKENS
-        seg = self._copy_in(run, tuple(tokens[lo : lo + len(run) * BLOCK_TOKENS]))
+        try:
+            seg = self._copy_in(run, tuple(tokens[lo : lo + len(run) * BLOCK_TOKENS]))
+        except Exception as exc:  # no device memory for the rows, a CUDA error: recompute them
+            with self._lock:
+                self._unpin(run)
+                self.stats.misses += 1
+            self._warn(f"a restore from RAM failed ({type(exc).__name__}: {exc}); its rows are recomputed")
+            return None
         with self._lock:
             self.stats.hits += 1
             self.stats.hit_tokens += seg.num_rows
@@ -315,6 +331,12 @@ class RamTier:
         with self._lock:
             self._releasing.append((done, run, start, nbytes))
         return Segment(k, v, tokens)
+
+    def _warn(self, message: str) -> None:
+        """Once per kind of failure (the first words), then debug: serving goes on either way."""
+        kind = message.split("(")[0]
+        (log.debug if kind in self._warned else log.warning)("KV RAM tier: %s", message)
+        self._warned.add(kind)
 
     def _unpin(self, run: list[int]) -> None:
         for i in run:
