@@ -1,4 +1,4 @@
-"""Restoring a conversation's history from the disk tier against recomputing it, in one process.
+"""Restoring a conversation's history from the RAM and disk tiers against recomputing it, in one process.
 
 For each history size N (a multiple of 256 tokens): the history is prefilled once (the recompute
 baseline, timed), sealed, and written to a fresh disk tier as N/256 blocks (timed). Then a fresh
@@ -9,6 +9,8 @@ logits of the last prompt row; *recompute* is the prefill of all N + ``--new`` r
 the same logits (the table shows the largest difference). The restore runs with the page cache
 warm (the blocks were just written) and cold (every block file dropped from the page cache with
 ``POSIX_FADV_DONTNEED``; ``--drop-caches`` also drops the whole machine's page cache, root only).
+The *RAM* column restores the same rows from the host-RAM tier (``bank.ram``: pinned host memory
+and one H2D copy on a side stream on CUDA; a plain copy on a CPU), again admission to logits.
 
 Dedupe: ``--convs`` conversations share a ``--shared``-token prefix and add ``--own`` tokens each;
 their snapshots are written to one namespace (shared blocks stored once) and, for comparison, each
@@ -37,6 +39,7 @@ from report import OUT, save
 
 from turnkv.bank.disk import DiskTier
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.ram import RamTier
 from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import SessionBank
 from turnkv.config import EngineConfig
@@ -102,7 +105,7 @@ def prefill_timed(engine: Engine, cache, ids: list[int]) -> tuple[torch.Tensor, 
     return logits, time.perf_counter() - t0
 
 
-def restore_timed(engine: Engine, tier: DiskTier, ids: list[int]) -> dict:
+def restore_timed(engine: Engine, tier: DiskTier | RamTier, ids: list[int]) -> dict:
     """Admission (tier lookup + load) then the prefill of the rest, as a server after a restart."""
     bank = SessionBank(NO_LIMIT, engine.shape.bytes_per_row, lambda held: unique_bytes(*held), tier=tier)
     sync(engine)
@@ -138,27 +141,45 @@ def run_size(engine: Engine, n: int, args, root: Path) -> dict:
     tier.flush()
     t_write = time.perf_counter() - t0
     nbytes = tier.store.nbytes
-    del snap
     row = {"tokens": n, "new": args.new, "recompute_s": t_re, "write_s": t_write, "bytes_on_disk": nbytes}
+    ram = RamTier(engine.info.fingerprint, engine.shape, n // BLOCK_TOKENS)
+    ram.write_behind("bench", snap)
+    ram.flush()
+    del snap
+    row["ram"] = _measured(
+        restore_timed_runs(engine, ram, ids, args.repeat, n), ref, t_re, n * engine.shape.bytes_per_row
+    )
+    row["ram"]["page_cache"] = "n/a"
+    row["ram_restore_gb_s"] = ram.health()["restore_gbps"]  # the copy alone, by the tier's own clock
+    del ram
     for mode in ("warm", "cold"):
         runs = []
         for _ in range(args.repeat):
             how = drop_page_cache(folder, args.drop_caches) if mode == "cold" else "warm"
             runs.append(restore_timed(engine, tier, ids))
         assert all(r["cached"] == n for r in runs), [r["cached"] for r in runs]
-        best = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
-        diff = (best["logits"] - ref).abs().max().item()
-        row[mode] = {k: best[k] for k in ("load_s", "rest_s", "total_s")} | {
-            "load_gb_s": nbytes / best["load_s"] / 1e9,
-            "speedup": t_re / best["total_s"],
-            "max_abs_logit_diff": diff,
-            "same_argmax": bool(best["logits"].argmax() == ref.argmax()),
-            "page_cache": how,
-        }
+        row[mode] = _measured(runs, ref, t_re, nbytes) | {"page_cache": how}
     row["corrupt"] = tier.stats.corrupt
     tier.close()
     shutil.rmtree(folder, ignore_errors=True)
     return row
+
+
+def restore_timed_runs(engine: Engine, tier, ids: list[int], repeat: int, n: int) -> list[dict]:
+    runs = [restore_timed(engine, tier, ids) for _ in range(repeat)]
+    assert all(r["cached"] == n for r in runs), [r["cached"] for r in runs]
+    return runs
+
+
+def _measured(runs: list[dict], ref: torch.Tensor, t_re: float, nbytes: int) -> dict:
+    """The median restore of ``runs`` against the recompute (``ref`` logits, ``t_re`` seconds)."""
+    best = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
+    return {k: best[k] for k in ("load_s", "rest_s", "total_s")} | {
+        "load_gb_s": nbytes / best["load_s"] / 1e9,
+        "speedup": t_re / best["total_s"],
+        "max_abs_logit_diff": (best["logits"] - ref).abs().max().item(),
+        "same_argmax": bool(best["logits"].argmax() == ref.argmax()),
+    }
 
 
 def run_dedupe(engine: Engine, args, root: Path) -> dict:
@@ -261,17 +282,19 @@ def main() -> None:
         "sizes": [],
     }
     print(
-        f"{'tokens':>7} {'recompute s':>11} | {'load s':>7} {'GB/s':>5} {'total s':>7} {'x':>6} | "
+        f"{'tokens':>7} {'recompute s':>11} | {'RAM load':>8} {'GB/s':>5} {'total s':>7} {'x':>6} | "
+        f"{'load s':>7} {'GB/s':>5} {'total s':>7} {'x':>6} | "
         f"{'cold load':>9} {'GB/s':>5} {'total s':>7} {'x':>6} | {'|dlogit|':>8} {'MiB':>7} {'write s':>7}"
     )
     for n in sizes:
         r = run_size(engine, n, args, root)
         results["sizes"].append(r)
-        w, c = r["warm"], r["cold"]
+        w, c, m = r["warm"], r["cold"], r["ram"]
         print(
-            f"{n:>7} {r['recompute_s']:>11.3f} | {w['load_s']:>7.3f} {w['load_gb_s']:>5.2f} {w['total_s']:>7.3f} "
+            f"{n:>7} {r['recompute_s']:>11.3f} | {m['load_s']:>8.3f} {m['load_gb_s']:>5.1f} {m['total_s']:>7.3f} "
+            f"{m['speedup']:>5.1f}x | {w['load_s']:>7.3f} {w['load_gb_s']:>5.2f} {w['total_s']:>7.3f} "
             f"{w['speedup']:>5.1f}x | {c['load_s']:>9.3f} {c['load_gb_s']:>5.2f} {c['total_s']:>7.3f} "
-            f"{c['speedup']:>5.1f}x | {w['max_abs_logit_diff']:>8.1e} {r['bytes_on_disk'] / 2**20:>7.1f} "
+            f"{c['speedup']:>5.1f}x | {max(w['max_abs_logit_diff'], m['max_abs_logit_diff']):>8.1e} {r['bytes_on_disk'] / 2**20:>7.1f} "
             f"{r['write_s']:>7.2f}"
         )
     d = results["dedupe"] = run_dedupe(engine, args, root)
@@ -289,15 +312,16 @@ def _plot(results: dict, plt, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     sizes = results["sizes"]
     x = range(len(sizes))
-    width = 0.27
+    width = 0.2
     for i, (label, get) in enumerate(
         (
             ("recompute", lambda r: r["recompute_s"]),
+            ("restore (RAM)", lambda r: r["ram"]["total_s"]),
             ("restore (warm)", lambda r: r["warm"]["total_s"]),
             ("restore (cold)", lambda r: r["cold"]["total_s"]),
         )
     ):
-        axes[0].bar([j + (i - 1) * width for j in x], [get(r) for r in sizes], width, label=label)
+        axes[0].bar([j + (i - 1.5) * width for j in x], [get(r) for r in sizes], width, label=label)
     axes[0].set_xticks(list(x), [str(r["tokens"]) for r in sizes])
     axes[0].set(
         xlabel="history tokens",

@@ -195,6 +195,7 @@ def test_state_classifies_the_health_fields_it_shows():
         "run_ahead",
         "speculation",
         "weights",
+        "ram",
         "disk",
         "tensor_parallel",
     }
@@ -238,6 +239,7 @@ def test_a_cpu_server_in_its_normal_state_shows_no_warning():
     for key in ("attention", "graphs"):  # off because this machine has no GPU: neutral, in words
         assert t[key] == ("off", "off — no GPU"), key
     assert t["selfcheck"][0] == t["run_ahead"][0] == t["disk"][0] == t["tensor_parallel"][0] == "off"
+    assert t["ram"][0] == "off"  # auto on a CPU device: the bank is already in host memory
     assert t["server"] == ("ok", "serving") and t["cpu_kernel"] == ("ok", "on")
 
 

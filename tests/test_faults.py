@@ -105,10 +105,12 @@ FAULTS = [
     Fault("bank lookup", lambda s: (s.server.bank, "lookup")),
     Fault("admission price", lambda s: (admission, "activation_bytes")),
     Fault("new cache", lambda s: (s.engine.layout, "new")),
-    Fault("disk has", lambda s: (s.server.bank.tier.store, "has"), tier=True, error=sqlite3.DatabaseError),
+    Fault(
+        "disk has", lambda s: (s.server.bank.tier.disk.store, "has"), tier=True, error=sqlite3.DatabaseError
+    ),
     Fault(
         "disk get",
-        lambda s: (s.server.bank.tier.store, "get"),
+        lambda s: (s.server.bank.tier.disk.store, "get"),
         tier=True,
         on_disk=True,
         error=sqlite3.DatabaseError,

@@ -145,12 +145,12 @@ def disk_program(
     bank.tier.write_behind = timed
     cold = turn(bank)
     assert bank.tier.flush(60)  # every queued block written
-    written = bank.tier.health()["writes"]
+    written = bank.tier.disk.health()["writes"]
     if missing_on == (0 if group is None else group.rank):
-        bank.tier.store.delete(block_keys(bank.tier.context, "disk", prompt, 2)[1])
+        bank.tier.disk.store.delete(block_keys(bank.tier.disk.context, "disk", prompt, 2)[1])
     bank.tier.close()  # the directory let go, as at a restart
     again = new_bank(engine, "1G", disk=True)
     warm = turn(again)
-    tier = again.tier.health()
+    tier = again.tier.disk.health()
     again.tier.close()
     return {"cold": cold, "warm": warm, "written": written, "tier": tier, "queue_ms": 1e3 * sum(queue_s)}

@@ -170,13 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _disk_flags(s)
     add("--disk-bytes", "disk_bytes", "byte budget of the KV disk tier: N, 512M, 8G")
-    s.add_argument(
-        "--no-disk",
-        dest="no_disk",
-        action="store_true",
-        default=None,
-        help=_flag_help("no_disk", "serve without the KV disk tier"),
-    )
+    add("--ram-bytes", "ram_bytes", "byte budget of the host-RAM KV tier: N, 64G, 0 (off) or auto")
+    for name, text in (("no_disk", "the KV disk tier"), ("no_ram", "the host-RAM KV tier")):
+        s.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            action="store_true",
+            default=None,
+            help=_flag_help(name, f"serve without {text}"),
+        )
 
     g = sub.add_parser("generate", help="one completion of one chat prompt")
     _engine_flags(g)

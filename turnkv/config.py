@@ -117,6 +117,8 @@ class EngineConfig:
     disk_dir: str = ""  # the KV disk tier's directory; "": $XDG_CACHE_HOME/turnkv/kv or ~/.cache/turnkv/kv
     disk_bytes: str = "8G"  # byte budget of the disk tier (least recently used blocks go first)
     no_disk: bool = False  # serve without the disk tier
+    ram_bytes: str = "auto"  # N | 0 (off) | auto: the host-RAM tier's budget (bank/ram_budget.py)
+    no_ram: bool = False  # serve without the host-RAM tier
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
     cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
@@ -172,6 +174,15 @@ class EngineConfig:
                 either = "auto or " if auto else ""
                 raise ConfigError(
                     name, f"must be {either}a positive size such as 512M or 8G (got {value!r})"
+                ) from None
+        if self.ram_bytes != "auto":
+            try:
+                if parse_size(self.ram_bytes) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ConfigError(
+                    "ram_bytes",
+                    f"must be auto, 0 (off) or a size such as 512M or 64G (got {self.ram_bytes!r})",
                 ) from None
         _check_range("max_context", self.max_context, 0, None, "0 means the model's own")
         _check_range("prefill_chunk", self.prefill_chunk, 1, None)

@@ -28,7 +28,7 @@ from turnkv.engine.scheduler import Scheduler, StepHook, run_turn
 from turnkv.kv.segments import unique_bytes
 
 Role = Literal["serve", "chat", "generate", "bench", "follower"]
-KEEPS = ("serve",)  # roles whose bank sits over the disk tier (unless --no-disk)
+KEEPS = ("serve",)  # roles whose bank sits over the RAM and disk tiers (unless --no-ram/--no-disk)
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ def new_bank(
     engine: Engine, budget: str | int | None = None, disk: bool = False, auto: int | None = None
 ) -> SessionBank:
     """A session bank of ``budget`` bytes (default ``--bank-bytes``; ``auto``: ``auto`` bytes, or
-    ``auto_budget_bytes`` of one process) for ``engine``'s caches; with ``disk``, over the disk
-    tier in ``--disk-dir`` unless ``--no-disk``."""
+    ``auto_budget_bytes`` of one process) for ``engine``'s caches; with ``disk``, over the tiers
+    (``_open_tiers``: host RAM unless ``--no-ram``, then the disk unless ``--no-disk``)."""
     cfg = engine.cfg
     budget = cfg.bank_bytes if budget is None else budget
     if budget == "auto":
@@ -137,8 +137,19 @@ def new_bank(
         copy_on_restore=engine.layout.copies_on_restore,
         session_ttl_s=cfg.session_ttl,
         session_share=cfg.session_share,
-        tier=_open_tier(engine) if disk and not cfg.no_disk else None,
+        tier=_open_tiers(engine) if disk else None,
     )
+
+
+def _open_tiers(engine: Engine):
+    """The chain behind the bank (``bank.tiers``): the host-RAM tier (``--ram-bytes``; off where
+    its pinned memory cannot be had, with the reason on ``/health.ram``) in front of the disk."""
+    from turnkv.bank.ram_budget import open_ram
+    from turnkv.bank.tiers import TierChain
+
+    disk = None if engine.cfg.no_disk else _open_tier(engine)
+    ram, off = open_ram(engine, disk)
+    return TierChain(ram, disk, off)
 
 
 def _auto_budget(engine: Engine) -> int:
@@ -221,6 +232,10 @@ def build(
     cfg: EngineConfig, role: Role = "serve", engine: Engine | None = None, progress: bool = True
 ) -> Runtime:
     """Assemble ``role``'s parts (``engine``: reuse a loaded one, as tests and benches do)."""
+    if role in KEEPS:  # a --ram-bytes the machine cannot hold fails before the model loads
+        from turnkv.bank.ram_budget import ram_budget
+
+        ram_budget(cfg)
     engine = engine if engine is not None else load_engine(cfg, progress)
     hook = None
     group = engine.tp.group if engine.tp is not None else None

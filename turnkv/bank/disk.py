@@ -1,6 +1,6 @@
 """The disk tier behind the session bank: finished turns written behind, restored after a restart.
 
-The bank calls two methods (see ``SessionBank.tier``):
+The bank calls these methods (see ``SessionBank.tier``; on a server through ``bank.tiers.TierChain``):
 
 - ``write_behind(namespace, snapshot)`` at the end of every turn. The snapshot's whole blocks of
   256 tokens that the store lacks are queued for one writer thread, which copies their rows to
@@ -8,6 +8,10 @@ The bank calls two methods (see ``SessionBank.tier``):
   is safe), writes each durably and adds its index row. It never blocks: when the bounded queue
   is full the blocks that do not fit are dropped and counted (``dropped_writes``). Blocks the
   store already holds are not written again (``dedupe_hits``).
+- ``write_host(namespace, tokens, rows, copied)`` instead, when the host-RAM tier (``bank.ram``)
+  stands in front: the rows are already in host memory (RAM's pinned slots, filled once
+  ``copied`` has passed), so the writer copies nothing from the device; RAM keeps those slots
+  while ``queued(key)`` says they wait, so these blocks are bounded by RAM's budget, not the queue.
 - ``extend(namespace, tokens, prefix)`` at admission, after the memory lookup. When the store
   holds a longer run of this namespace's blocks for ``tokens`` than ``prefix`` covers, the run is
   loaded into one sealed segment (each block verified; a bad one ends the run, is deleted and
@@ -144,6 +148,7 @@ class DiskTier:
     queue_blocks: int = QUEUE_BLOCKS
     load_threads: int = LOAD_THREADS
     stats: DiskStats = field(default_factory=DiskStats)
+    name = "disk"
     # tensor parallelism: the minimum of a count over every rank (a collective that every rank's
     # bank reaches at the same admission); see the module docstring
     agree: Callable[[int], int] | None = None
@@ -330,25 +335,17 @@ class DiskTier:
 
     # -- write-behind -----------------------------------------------------------------------------
     def write_behind(self, namespace: str, snapshot: SegmentedSnapshot) -> None:
-        """Queue the whole blocks of ``snapshot`` that the store lacks; never waits for the disk."""
+        """Queue the whole blocks of ``snapshot`` that the store lacks; never waits for the disk.
+        The writer copies their rows from the device (without a RAM tier to feed it)."""
         whole = snapshot.num_tokens // BLOCK_TOKENS
         if whole == 0 or self._closing:
             return
         keys = block_keys(self.context, namespace, snapshot.tokens, whole)
         now = time.time()
-        todo: list[tuple[int, str, str]] = []
-        present = []
         with self._cv:
-            try:
-                for depth, key in enumerate(keys):
-                    if key in self._pending or self.store.has(key):
-                        present.append(key)
-                    else:
-                        todo.append((depth, key, keys[depth - 1] if depth else ROOT_KEY))
-            except Exception as exc:  # a damaged index: this write is dropped, the turn unharmed
-                self._fault("an index lookup before a write", exc)
+            todo, present = self._lacking(keys)
+            if todo is None:
                 return
-            self.stats.dedupe_hits += len(present)
             room = max(self.queue_blocks - self._queued, 0)
             if len(todo) > room:  # keep the chain's head: later blocks need it
                 self.stats.dropped_writes += len(todo) - room
@@ -363,10 +360,61 @@ class DiskTier:
                 job = _Job(snapshot, tuple(snapshot.tokens), todo, now, self._cuda_event())
                 if self.agree is not None:  # rows to host memory now (see the module docstring)
                     self._copy_now(job, [d for d, _, _ in todo])
-                self._jobs.append(job)
-                self._queued += len(todo)
-                self._pending.update(key for _, key, _ in todo)
-                self._cv.notify_all()
+                self._enqueue(job)
+        self._touch_present(present, now)
+
+    def write_host(
+        self,
+        namespace: str,
+        tokens: tuple[int, ...],
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        copied: object | None = None,
+    ) -> None:
+        """Queue blocks whose rows are already in host memory (the RAM tier's slots): ``rows`` maps
+        depth -> ``(k, v)`` ``[L, Hkv, 256, D]`` for the leading blocks of ``tokens``; ``copied``:
+        a CUDA event after which they hold the rows (None: they do now). No copy from the device
+        and no queue bound: the RAM tier keeps those slots until ``queued`` says they are written,
+        so what waits is bounded by RAM's budget."""
+        if not rows or self._closing:
+            return
+        keys = block_keys(self.context, namespace, tokens, len(rows))
+        now = time.time()
+        with self._cv:
+            todo, present = self._lacking(keys)
+            if todo:
+                host = {d: rows[d] for d, _, _ in todo}
+                self._enqueue(_Job(None, tokens, todo, now, host=host, copied=copied))
+        self._touch_present(present or [], now)
+
+    def queued(self, key: str) -> bool:
+        """Whether block ``key`` is queued or being written (its host rows must stay put)."""
+        with self._cv:
+            return key in self._pending
+
+    def _lacking(self, keys: list[str]) -> tuple[list[tuple[int, str, str]] | None, list[str]]:
+        """(blocks of ``keys`` neither queued nor stored as (depth, key, parent), keys present);
+        todo is None when the index failed (the write is dropped, counted in ``faults``)."""
+        todo: list[tuple[int, str, str]] = []
+        present = []
+        try:
+            for depth, key in enumerate(keys):
+                if key in self._pending or self.store.has(key):
+                    present.append(key)
+                else:
+                    todo.append((depth, key, keys[depth - 1] if depth else ROOT_KEY))
+        except Exception as exc:  # a damaged index: this write is dropped, the turn unharmed
+            self._fault("an index lookup before a write", exc)
+            return None, []
+        self.stats.dedupe_hits += len(present)
+        return todo, present
+
+    def _enqueue(self, job: _Job) -> None:
+        self._jobs.append(job)
+        self._queued += len(job.blocks)
+        self._pending.update(key for _, key, _ in job.blocks)
+        self._cv.notify_all()
+
+    def _touch_present(self, present: list[str], now: float) -> None:
         if present:
             try:
                 self.store.touch(present, now)

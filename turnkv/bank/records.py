@@ -1,37 +1,15 @@
-"""The session bank's records: entries, leases, counters, refusals, and the lower tier's protocol."""
+"""The session bank's records: entries, leases, counters, refusals (the tiers' protocol: ``bank.tiers``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from turnkv.bank.detach import DetachPlan
 from turnkv.kv.cache import KVCache, Snapshot
 
 # Measures the unique bytes of KV rows held by snapshots and live caches (each segment once).
 Measure = Callable[[Iterable[object]], int]
-
-
-class LowerTier(Protocol):
-    """A slower store of KV rows behind the bank (``turnkv.bank.disk.DiskTier``).
-
-    ``extend`` returns a snapshot of more leading rows of ``tokens`` than ``prefix`` holds (``prefix``
-    possibly cut shorter, plus rows it loaded), or None; it never returns rows it did not verify.
-    ``write_behind`` queues a finished turn's rows and returns at once. ``held`` lists the
-    snapshots its queued writes keep alive. ``health`` is ``/health.disk``; ``close`` finishes the
-    queued writes.
-    """
-
-    def extend(self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None) -> Snapshot | None: ...
-
-    def write_behind(self, namespace: str, snapshot: Snapshot) -> None: ...
-
-    def held(self) -> list[Snapshot]: ...
-
-    def health(self) -> dict: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -56,13 +56,13 @@ from turnkv.bank.records import (  # the records are this module's public names 
     BankEntry,
     BankStats,
     Lease,
-    LowerTier,
     Measure,
     MustWait,
     Refused,
     Reservation,
 )
 from turnkv.bank.sessions import SessionGuard
+from turnkv.bank.tiers import Tier
 from turnkv.bank.token_index import TokenIndex
 from turnkv.kv.cache import Snapshot
 
@@ -93,7 +93,7 @@ class SessionBank:
     session_share: float = SESSION_SHARE
     clock: Callable[[], float] = time.monotonic
     stats: BankStats = field(default_factory=BankStats)
-    tier: LowerTier | None = None
+    tier: Tier | None = None
 
     def __post_init__(self) -> None:
         self._entries: dict[int, BankEntry] = {}

@@ -1,7 +1,7 @@
 """``GET /health``: the JSON document of docs/DESIGN.md, built from the engine, the bank and the config.
 
-Every key is always present (the list: docs/SERVER.md, 'Routes'); ``disk`` is zeros without a
-tier, and while a tensor-parallel rank is down ``status`` is ``unavailable``. Under tensor
+Every key is always present (the list: docs/SERVER.md, 'Routes'); ``ram`` and ``disk`` are zeros
+without their tier (``ram.reason`` says why it is off), and while a tensor-parallel rank is down ``status`` is ``unavailable``. Under tensor
 parallelism the ``bank`` bytes are rank 0's: every rank holds the same rows' ``1/size`` share of
 the KV heads.
 """
@@ -12,8 +12,8 @@ from dataclasses import asdict, is_dataclass
 from typing import TYPE_CHECKING
 
 from turnkv.attention import cpu_native
-from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
+from turnkv.bank.tiers import tier_health
 
 if TYPE_CHECKING:
     from turnkv.engine.engine import Engine
@@ -58,7 +58,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
             "evictions": s.evictions,
             "refusals": s.refusals,
         },
-        "disk": bank.tier.health() if bank.tier is not None else disabled_health(),
+        **tier_health(bank.tier),  # "ram" and "disk"
         "speculation": engine.speculation.stats.health(),
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
         "tensor_parallel": _tensor_parallel(engine),

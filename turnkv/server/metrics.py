@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from turnkv.bank.disk import disabled_health
 from turnkv.bank.session_bank import SessionBank
+from turnkv.bank.tiers import tier_health
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,7 +66,7 @@ class _StateCollector(Collector):
             ("turnkv_bank_hits", s.hits, "Admitted turns that restored a banked prefix"),
             ("turnkv_bank_misses", s.misses, "Admitted turns that found no banked prefix"),
         )
-        yield from _disk_metrics(bank)
+        yield from _tier_metrics(bank)
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]
         )
@@ -90,11 +90,32 @@ _DISK_COUNTERS = {
 }
 
 
-def _disk_metrics(bank: SessionBank):
-    """``turnkv_disk_*``: the numbers of ``/health.disk`` (zeros without a tier)."""
-    h = bank.tier.health() if bank.tier is not None else disabled_health()
-    yield from _gauges(*((f"turnkv_disk_{k}", h[k], doc) for k, doc in _DISK_GAUGES.items()))
-    yield from _counters(*((f"turnkv_disk_{k}", h[k], doc) for k, doc in _DISK_COUNTERS.items()))
+_RAM_GAUGES = {
+    "blocks": "Blocks in the host-RAM KV tier",
+    "bytes": "Bytes of the host-RAM KV tier's blocks",
+    "budget_bytes": "Byte budget of the host-RAM KV tier (0: off)",
+}
+_RAM_COUNTERS = {
+    "hits": "Admitted turns extended with rows restored from host RAM",
+    "misses": "Admitted turns host RAM could not extend",
+    "hit_tokens": "Rows restored from host RAM",
+    "evictions": "Blocks evicted for the host-RAM budget",
+    "dedupe_hits": "Blocks not copied because host RAM already held them",
+    "dropped": "Blocks host RAM had no free slot for (every slot pinned, copying or awaiting the disk)",
+}
+
+
+def _tier_metrics(bank: SessionBank):
+    """``turnkv_disk_*`` and ``turnkv_ram_*``: the numbers of ``/health.disk`` and ``/health.ram``
+    (zeros without the tier)."""
+    tiers = tier_health(bank.tier)
+    for name, gauges, counters in (
+        ("disk", _DISK_GAUGES, _DISK_COUNTERS),
+        ("ram", _RAM_GAUGES, _RAM_COUNTERS),
+    ):
+        h = tiers[name]
+        yield from _gauges(*((f"turnkv_{name}_{k}", h[k], doc) for k, doc in gauges.items()))
+        yield from _counters(*((f"turnkv_{name}_{k}", h[k], doc) for k, doc in counters.items()))
 
 
 class _SpeculationCollector(Collector):

@@ -69,6 +69,7 @@ def uvicorn_config(app, cfg: EngineConfig, **kw) -> uvicorn.Config:
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
     from turnkv.bank.disk import disk_dir, rank_dir
+    from turnkv.bank.tiers import tier_health
     from turnkv.runtime import build
     from turnkv.server.app import Server, create_app
 
@@ -83,9 +84,13 @@ def serve(cfg: EngineConfig) -> None:
         info, tier = engine.info, srv.bank.tier
         tp = engine.tp  # each rank's bank and tier hold its 1/size of every row, budgets per rank
         where = disk_dir(cfg.disk_dir) if tp is None else rank_dir(cfg.disk_dir, tp.size, "*")
+        tiers = tier_health(tier)
         disk = "no disk tier"
-        if tier is not None:
-            disk = f"disk {where} ({tier.health()['budget_bytes'] / 2**30:.1f} GiB{' each' if tp else ''})"
+        if tiers["disk"]["enabled"]:
+            disk = f"disk {where} ({tiers['disk']['budget_bytes'] / 2**30:.1f} GiB{' each' if tp else ''})"
+        ram = tiers["ram"]
+        ram_text = f"RAM {ram['budget_bytes'] / 2**30:.1f} GiB" if ram["enabled"] else "no RAM tier"
+        disk = f"{ram_text}, {disk}"
         if tp is not None:
             disk = f"tensor parallel {tp.size} (budgets per rank), {disk}"
         print(

@@ -190,6 +190,18 @@ def _weights(doc: dict) -> Feature:
     )
 
 
+def _ram(doc: dict) -> Feature:
+    """The host-RAM tier, beside the disk tier: between the GPU bank and the disk."""
+    r = doc.get("ram") or {}
+    label = "RAM tier"
+    if not r.get("enabled"):
+        return Feature("ram", label, "off", "off", str(r.get("reason") or "--no-ram"))
+    used = f"{r.get('blocks', 0)} of {r.get('capacity_blocks', 0)} blocks, {r.get('hits', 0)} restores"
+    if r.get("dropped", 0):
+        return Feature("ram", label, "warn", "on — full", f"{used}; {r['dropped']} blocks found no free slot")
+    return Feature("ram", label, "ok", "on", f"sealed turns are mirrored to host memory; {used}")
+
+
 def _disk(doc: dict) -> Feature:
     d = doc.get("disk") or {}
     label = "disk tier"
@@ -235,6 +247,7 @@ def features(doc: dict) -> list[Feature]:
         _run_ahead(doc),
         _speculation(doc),
         _weights(doc),
+        _ram(doc),
         _disk(doc),
         _tensor_parallel(doc),
     ]
