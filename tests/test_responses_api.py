@@ -303,3 +303,27 @@ def test_a_new_server_on_the_same_disk_dir_continues_a_chain(default_model, tmp_
         same_as_chat(r2, chat(fresh.client(), convo))
     finally:
         fresh.close()
+
+
+def test_a_chain_whose_rows_were_evicted_is_rebuilt_from_its_items(default_model):
+    """A memory-only bank too small for five conversations: the first response's rows are gone,
+    so its chain is re-rendered from the stored items, counted, and answers as chat does."""
+    small = Live(default_model, no_disk=True, bank_bytes="3M")
+    try:
+        client = small.client()
+        first = respond(client, input="Name a river.")
+        for i in range(6):
+            chat(client, [{"role": "user", "content": f"Tell me story number {i} about a cat named {i * 17}."}])
+        small.idle()
+        again = respond(client, input="Another.", previous_response_id=first.id)
+        metrics = httpx.get(small.url + "/metrics", timeout=30).text
+        convo = [
+            {"role": "user", "content": "Name a river."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Another."},
+        ]
+        same_as_chat(again, chat(client, convo))
+    finally:
+        small.close()
+    assert "turnkv_responses_rebuilt_total 1.0" in metrics
+    assert again.usage.input_tokens_details.cached_tokens < first.usage.total_tokens

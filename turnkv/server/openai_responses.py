@@ -43,6 +43,7 @@ from turnkv.engine.sampling import SamplingParams
 from turnkv.models.generation import SamplingDefaults
 from turnkv.server.body import read_body
 from turnkv.server.guard import require_json
+from turnkv.server.openapi import DELETED_RESPONSE, RESPONSES_ROUTE, STORED_RESPONSE
 from turnkv.server.responses import note_usage, route_label
 from turnkv.server.responses_schema import (
     FunctionCallItem,
@@ -167,12 +168,15 @@ class ResponsesApi:
         return Plan(ids, history, st, conversation, req.instructions, tools)
 
     def chain_alive(self, prev: StoredResponse, namespace: str) -> bool:
-        """Whether ``prev``'s chain can be restored rather than rebuilt: its model, and its rows
-        in memory or a disk tier that may hold them (a tier is asked only at admission)."""
+        """Whether ``prev``'s chain is restored rather than rebuilt: same model, and its rows all
+        in memory or a disk tier that may hold them (a tier is asked only at admission, and what it
+        lost is recomputed from the chain's own ids). A chain the memory bank holds in part (its
+        system prompt, shared with other conversations) is rebuilt: re-rendered, its ids are the
+        ones a fresh request would send, and the bank still reuses every row they share."""
         srv = self.srv
         if prev.fingerprint != srv.engine.info.fingerprint:
             return False
-        return srv.bank.tier is not None or srv.bank.lookup(namespace, prev.chain)[0] > 0
+        return srv.bank.tier is not None or srv.bank.lookup(namespace, prev.chain)[0] >= len(prev.chain)
 
     def response(self, rid: str, req: ResponsesRequest, params: SamplingParams) -> dict:
         """The response object before any output (``status: in_progress``)."""
@@ -327,18 +331,18 @@ def register_responses_api(app: FastAPI, srv) -> ResponsesApi:
     """Add the Responses routes to ``app`` (served by ``srv``, ``server.app.Server``)."""
     api = ResponsesApi(srv, open_store(srv))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", **RESPONSES_ROUTE)
     async def _create(request: Request) -> Response:
         return await create(api, request)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", **STORED_RESPONSE)
     async def _get(request: Request, response_id: str) -> dict:
         rec = await asyncio.to_thread(api.store.get, response_id, srv.namespace(request, None))
         if rec is None:
             raise not_found(response_id)
         return rec.response
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", **DELETED_RESPONSE)
     async def _delete(request: Request, response_id: str) -> dict:
         if not await asyncio.to_thread(api.store.delete, response_id, srv.namespace(request, None)):
             raise not_found(response_id)
