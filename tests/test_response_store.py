@@ -70,3 +70,26 @@ def test_the_count_and_byte_caps_evict_oldest_first():
     n, nbytes = store.counts()
     assert n == 2 and nbytes <= 2.5 * one
     assert store.get("r3", "public") is not None and store.get("r1", "public") is None
+
+
+def test_a_chain_history_keeps_the_chain_ids_and_crosses_to_other_ranks():
+    """``ChainHistory`` (what ``previous_response_id`` banks): the chain's ids as they were, then
+    the rest of the conversation's text tokenized; a text that does not continue the chain is
+    tokenized whole; its spec rebuilds it on another rank."""
+    from tool_models import tool_tokenizer
+
+    from turnkv.chat_format.history import ChainHistory, ChatHistory, history_from_spec, history_spec
+
+    tok = tool_tokenizer("qwen25")
+    first = ChatHistory(tok, [{"role": "user", "content": "hi"}])
+    chain, chain_text = first("hello"), first.text("hello")
+    chain = [*chain[:-1], 7]  # ids the bank held that a fresh tokenization would not give
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rest = ChatHistory(tok, [*messages, {"role": "user", "content": "more"}])
+    history = ChainHistory(tok, tuple(chain), chain_text, rest)
+    text = rest.text("ok")
+    assert text.startswith(chain_text)
+    assert history("ok") == [*chain, *tok.encode(text[len(chain_text) :])]
+    assert history.continued("something else") == tok.encode("something else")
+    again = history_from_spec(history_spec(history), tok)
+    assert again == history and again("ok") == history("ok")
