@@ -203,16 +203,18 @@ def test_metrics_label_the_routes(live):
     assert 'route="/v1/responses/{id}",status="404"' in text
 
 
+FORCED = {  # one forced call (a random model writes the grammar's whitespace at length)
+    "model": TOOL_MODEL,
+    "tools": [TOOL],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "max_output_tokens": 120,
+    "temperature": 0,
+}
+
+
 def tool_turn(client, **kw):
-    return client.responses.create(
-        model=TOOL_MODEL,
-        tools=[TOOL],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=120,
-        temperature=0,
-        **kw,
-    )
+    return client.responses.create(**FORCED, **kw)
 
 
 def test_a_tool_loop_on_previous_response_id_reuses_its_prompt(tool_live):
@@ -261,15 +263,7 @@ def chat_call(item) -> dict:
 def test_streamed_calls_rebuild_the_whole_calls(tool_live):
     client = tool_live.client()
     whole = tool_turn(client, input="Weather?")
-    with client.responses.stream(
-        model=TOOL_MODEL,
-        tools=[TOOL],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=120,
-        temperature=0,
-        input="Weather?",
-    ) as s:
+    with client.responses.stream(**FORCED, input="Weather?") as s:
         events = list(s)
         final = s.get_final_response()
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
@@ -313,7 +307,9 @@ def test_a_chain_whose_rows_were_evicted_is_rebuilt_from_its_items(default_model
         client = small.client()
         first = respond(client, input="Name a river.")
         for i in range(6):
-            chat(client, [{"role": "user", "content": f"Tell me story number {i} about a cat named {i * 17}."}])
+            chat(
+                client, [{"role": "user", "content": f"Tell me story number {i} about a cat named {i * 17}."}]
+            )
         small.idle()
         again = respond(client, input="Another.", previous_response_id=first.id)
         metrics = httpx.get(small.url + "/metrics", timeout=30).text

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from turnkv.chat_format.toolcalls import NAME, template_message
-from turnkv.server.schemas import Temperature, TopP, _Body, refused
+from turnkv.chat_format.toolcalls import template_message
+from turnkv.server.schemas import FunctionDef, Temperature, TopP, _Body, refused
 
 
 class TextInput(_Body):
@@ -61,18 +61,10 @@ Item = Annotated[
 ]
 
 
-class FunctionTool(_Body):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
+class FunctionTool(FunctionDef):
+    """A function tool as the Responses API writes it: the function's fields at the top."""
 
-    @model_validator(mode="after")
-    def _check_name(self) -> FunctionTool:
-        if not NAME.match(self.name):
-            raise ValueError(f"function names must match ^[a-zA-Z0-9_-]{{1,64}}$ (got {self.name[:80]!r})")
-        return self
+    type: Literal["function"]
 
     def chat_tool(self) -> dict:
         """This tool as chat templates render it (the chat-completions shape)."""
