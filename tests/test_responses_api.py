@@ -115,6 +115,7 @@ def test_the_stream_builds_the_same_text_with_numbered_events(live):
     final = events[-1].response
     assert deltas == whole.output_text == final.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == deltas  # a streamed response is stored too
 
 
 def test_a_chain_reads_the_previous_prompt_and_answer_from_the_bank(live):
@@ -195,6 +196,17 @@ def test_json_schema_format_answers_valid_json(live):
     r = respond(live.client(), input="A city?", text={"format": fmt}, max_output_tokens=40)
     assert r.status == "completed"
     assert set(json.loads(r.output_text)) == {"city"}
+    r = respond(
+        live.client(), input="A JSON object?", text={"format": {"type": "json_object"}}, max_output_tokens=40
+    )
+    want = live.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A JSON object?"}],
+        response_format={"type": "json_object"},
+        max_tokens=40,
+        temperature=0,
+    )
+    assert r.output_text == want.choices[0].message.content and r.output_text.lstrip().startswith("{")
 
 
 def test_metrics_label_the_routes(live):
@@ -224,6 +236,7 @@ def test_a_tool_loop_on_previous_response_id_reuses_its_prompt(tool_live):
     r = tool_turn(client, input="Plan a trip.", instructions=AGENT)
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and set(json.loads(calls[0].arguments)) == {"city"}
+    first_call = calls[0]
     history = [{"role": "system", "content": AGENT}, {"role": "user", "content": "Plan a trip."}]
     for turn in range(4):
         out = {"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps({"t": turn})}
@@ -250,6 +263,17 @@ def test_a_tool_loop_on_previous_response_id_reuses_its_prompt(tool_live):
             for c in want.choices[0].message.tool_calls
         ]
         assert u.input_tokens == want.usage.prompt_tokens
+        if turn == 0:  # the same turn with the items sent back (no previous_response_id) answers alike
+            items = [
+                {"role": "user", "content": "Plan a trip."},
+                first_call.model_dump(exclude_none=True),
+                out,
+            ]
+            alone = tool_turn(client, input=items, instructions=AGENT)
+            assert [chat_call(c)["function"] for c in alone.output] == [
+                chat_call(c)["function"] for c in calls
+            ]
+            assert alone.usage.input_tokens == u.input_tokens
 
 
 def chat_call(item) -> dict:
@@ -323,3 +347,19 @@ def test_a_chain_whose_rows_were_evicted_is_rebuilt_from_its_items(default_model
         small.close()
     assert "turnkv_responses_rebuilt_total 1.0" in metrics
     assert again.usage.input_tokens_details.cached_tokens < first.usage.total_tokens
+
+
+def test_a_stored_response_belongs_to_its_key(default_model):
+    keyed = Live(default_model, no_disk=True, api_key=["sk-one", "sk-two"])
+    try:
+        one, two = keyed.client("sk-one"), keyed.client("sk-two")
+        r = respond(one, input="Hello.")
+        assert one.responses.retrieve(r.id).id == r.id
+        with pytest.raises(openai.NotFoundError):
+            two.responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError):
+            respond(two, input="Hi.", previous_response_id=r.id)
+        with pytest.raises(openai.AuthenticationError):
+            keyed.client("sk-wrong").responses.retrieve(r.id)
+    finally:
+        keyed.close()
