@@ -32,15 +32,19 @@ class ChatHistory:
     max_calls: int | None = None
 
     def __call__(self, answer: str) -> list[int]:
+        return self.tokenizer.encode(self.text(answer))
+
+    def text(self, answer: str) -> str:
+        """The chat-template text whose ids ``__call__`` returns."""
         tok = self.tokenizer
         if not self.tools:
-            return tok.apply_chat_template(
+            return tok.render_chat(
                 [*self.messages, {"role": "assistant", "content": answer}], add_generation_prompt=False
             )
         try:
-            return tok.encode(self.next_turn_prefix(self.answer_message(answer)))
+            return self.next_turn_prefix(self.answer_message(answer))
         except ValueError:  # the template refuses the answer's message: bank it as generated
-            return tok.encode(tok.render_chat(self.messages, tools=self.tools) + answer)
+            return tok.render_chat(self.messages, tools=self.tools) + answer
 
     def answer_message(self, answer: str) -> dict:
         """The assistant message a client sends back after ``answer``, as the template takes it."""
@@ -76,6 +80,32 @@ class ChatHistory:
 
 
 @dataclass(frozen=True)
+class ChainHistory:
+    """A conversation continued from a banked token chain (the Responses API's
+    ``previous_response_id``): ``chain`` (ids) spells ``chain_text``, the start of ``rest``'s
+    text; the history is ``chain`` followed by the ids of the rest of that text, so the ids the
+    bank held are kept as they were, never re-tokenized. Where ``rest``'s text does not start
+    with ``chain_text`` it is ``rest``'s own ids."""
+
+    tokenizer: Tokenizer = field(repr=False, compare=False)
+    chain: tuple[int, ...]
+    chain_text: str
+    rest: ChatHistory
+
+    def __call__(self, answer: str) -> list[int]:
+        return self.continued(self.rest.text(answer))
+
+    def text(self, answer: str) -> str:
+        return self.rest.text(answer)
+
+    def continued(self, text: str) -> list[int]:
+        """Ids of ``text``: the chain, then the rest tokenized, when ``text`` continues the chain."""
+        if self.chain and text.startswith(self.chain_text):
+            return [*self.chain, *self.tokenizer.encode(text[len(self.chain_text) :])]
+        return self.tokenizer.encode(text)
+
+
+@dataclass(frozen=True)
 class TextHistory:
     """A completion's prompt ``text`` followed by ``answer``, tokenized as one text."""
 
@@ -94,6 +124,8 @@ def history_spec(history: object) -> tuple[str, object] | None:
         return ("chat", (history.messages, history.tools, history.tool_format, history.max_calls))
     if isinstance(history, TextHistory):
         return ("text", history.text)
+    if isinstance(history, ChainHistory):
+        return ("chain", (history.chain, history.chain_text, history_spec(history.rest)))
     raise TypeError(
         f"render_history {type(history).__name__} cannot be replayed on other ranks "
         "(use turnkv.chat_format.history.ChatHistory or TextHistory)"
@@ -105,4 +137,7 @@ def history_from_spec(spec: tuple[str, object] | None, tokenizer: Tokenizer):
     if spec is None:
         return None
     kind, data = spec
+    if kind == "chain":
+        chain, chain_text, rest = data
+        return ChainHistory(tokenizer, tuple(chain), chain_text, history_from_spec(rest, tokenizer))
     return ChatHistory(tokenizer, *data) if kind == "chat" else TextHistory(tokenizer, data)

@@ -43,6 +43,7 @@ from turnkv.server.guard import HostGuard, HostPolicy, bearer_key, matching_key,
 from turnkv.server.health import server_health
 from turnkv.server.logprobs import LogprobFormat
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
+from turnkv.server.openai_responses import register_responses_api
 from turnkv.server.openapi import CHAT_ROUTE, COMPLETIONS_ROUTE, KEYED, ModelCard, ModelList, document, errors
 from turnkv.server.prompts import Prompts
 from turnkv.server.responses import respond, route_label
@@ -256,6 +257,7 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
     async def _completions(request: Request) -> Response:
         return await _serve(request, CompletionRequest, chat=False)
 
+    register_responses_api(app, srv)
     register_dashboard(app, srv)
     return app
 

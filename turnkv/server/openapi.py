@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from turnkv.server.responses_schema import ResponsesRequest
 from turnkv.server.schemas import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -114,6 +115,35 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A Responses-API response (``server.openai_responses``); ``output`` holds ``message`` and
+    ``function_call`` items."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None
+    previous_response_id: str | None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -132,7 +162,7 @@ ERRORS = {
     400: "invalid request: bad JSON, a wrong type or range, an unsupported field, a prompt too long",
     401: "missing or wrong API key (with --api-key)",
     403: "the Host header names a host this server does not answer (--allowed-hosts)",
-    404: "unknown model or route",
+    404: "unknown model or route, or a response id this server does not hold",
     408: "the body did not arrive within --body-timeout",
     413: "the body is larger than --max-body-bytes",
     415: "the body is not declared application/json",
@@ -166,6 +196,15 @@ def completion_route(request_model: type[BaseModel], answer: type[BaseModel]) ->
 
 CHAT_ROUTE = completion_route(ChatCompletionRequest, ChatCompletion)
 COMPLETIONS_ROUTE = completion_route(CompletionRequest, Completion)
+RESPONSES_ROUTE = completion_route(ResponsesRequest, ResponseObject)
+STORED_RESPONSE = {
+    "response_model": None,
+    "responses": {200: {"model": ResponseObject}, **errors(*KEYED, 404)},
+}
+DELETED_RESPONSE = {
+    "response_model": None,
+    "responses": {200: {"model": ResponseDeleted}, **errors(*KEYED, 404)},
+}
 
 
 def document(app: FastAPI) -> dict[str, Any]:
@@ -173,7 +212,7 @@ def document(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest):
+        for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
             own = model.model_json_schema(ref_template=REF)
             for name, sub in [*own.pop("$defs", {}).items(), (model.__name__, own)]:
                 schemas[name] = _nullable_defaults(sub)

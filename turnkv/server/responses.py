@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from turnkv.server.metrics import Metrics
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 
 
 def route_label(request: Request) -> str:
@@ -46,6 +46,8 @@ def route_label(request: Request) -> str:
     path = request.url.path
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return path if path in ROUTES else "other"
 
 
