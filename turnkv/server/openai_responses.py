@@ -19,8 +19,11 @@ Two requests naming one id are two branches: each continues the same chain.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sqlite3
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,6 +58,8 @@ from turnkv.server.responses_schema import (
 from turnkv.server.responses_stream import EventNumbers, Output, finished, new_id, usage
 from turnkv.server.schemas import ApiError, bad_request, parse_body
 from turnkv.server.stream import failed_error
+
+log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"  # as server.app reads it
 
@@ -176,7 +181,10 @@ class ResponsesApi:
         srv = self.srv
         if prev.fingerprint != srv.engine.info.fingerprint:
             return False
-        return srv.bank.tier is not None or srv.bank.lookup(namespace, prev.chain)[0] >= len(prev.chain)
+        tier = srv.bank.tier  # a TierChain (RAM, disk, either None), or none at all
+        if tier is not None and (not hasattr(tier, "parts") or tier.parts()):
+            return True
+        return srv.bank.lookup(namespace, prev.chain)[0] >= len(prev.chain)
 
     def response(self, rid: str, req: ResponsesRequest, params: SamplingParams) -> dict:
         """The response object before any output (``status: in_progress``)."""
@@ -319,12 +327,19 @@ async def create(api: ResponsesApi, request: Request) -> Response:
 
 
 def open_store(srv) -> ResponseStore:
-    """``responses.sqlite`` in the disk tier's directory, or in memory without a disk tier."""
-    if srv.bank.tier is None:
+    """``responses.sqlite`` in the disk tier's directory, or in memory without a disk tier (or
+    when that file cannot be opened: logged, and ids then last as long as the process)."""
+    tier = srv.bank.tier
+    disk = getattr(tier, "disk", tier)  # a TierChain's disk part, or the disk tier itself
+    store = getattr(disk, "store", None)
+    root = getattr(store, "root", None)
+    if root is None:
         return ResponseStore()
-    from turnkv.bank.disk import disk_dir
-
-    return ResponseStore.beside(disk_dir(srv.cfg.disk_dir))
+    try:
+        return ResponseStore.beside(Path(root))
+    except (OSError, sqlite3.Error) as exc:
+        log.warning("responses store in %s unusable (%s): stored responses stay in memory", root, exc)
+        return ResponseStore()
 
 
 def register_responses_api(app: FastAPI, srv) -> ResponsesApi:
