@@ -166,7 +166,8 @@ def responses_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]
             for event in stream:
                 if event.type in ("response.function_call_arguments.delta", "response.output_text.delta"):
                     ttft = ttft or time.perf_counter() - t0
-            final = stream.get_final_response()
+                elif event.type in ("response.completed", "response.incomplete"):
+                    final = event.response  # incomplete: max_output_tokens reached
         call = next(item for item in final.output if item.type == "function_call")
         prev = final.id
         next_input = [
@@ -299,7 +300,7 @@ def main() -> None:
     ap.add_argument("--apis", default="chat,responses,messages")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tool-tokens", type=int, default=500)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
     url, server = (args.url, None) if args.url else serve_in_process(args.model, args.chat_template)
     model = _served_model(url)
