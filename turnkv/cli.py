@@ -160,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=_flag_help("access_log", "one line per request on stderr"),
     )
+    s.add_argument(
+        "--strip-billing-header",
+        dest="strip_billing_header",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_flag_help(
+            "strip_billing_header",
+            "/v1/messages: leave Claude Code's per-request x-anthropic-billing-header system line "
+            "out of the prompt, so it does not break the cached prefix",
+        ),
+    )
     add("--max-running", "max_running", "turns decoding together per step", type=int)
     add("--max-batch-tokens", "max_batch_tokens", "prefill rows per step (0: --prefill-chunk)", type=int)
     add(

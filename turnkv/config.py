@@ -141,6 +141,9 @@ class EngineConfig:
     session_share: float = 0.5  # of the bank budget that protected entries may hold together
     max_body_bytes: str = "auto"  # N | auto: max(1 MiB, 128 bytes x the context length)
     access_log: bool = True
+    # /v1/messages: drop Claude Code's per-request "x-anthropic-billing-header:" system line from
+    # the prompt (it changes every request and would end the reused prefix at its first tokens)
+    strip_billing_header: bool = True
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running turns
     # sampling of turns that set none (a request's own value wins); None: the model's, else the
     # built-in value (models/generation.py). generate and chat: their values.

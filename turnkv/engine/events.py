@@ -95,6 +95,7 @@ class GenEvent:
     logprob: TokenLogprob | None = None  # when the turn asked (never on an end-of-sequence token)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     stats: TurnStats | None = None
+    stop_sequence: str | None = None  # the stop string that ended the answer ("stop" without one: EOS)
 
 
 @dataclass(frozen=True)

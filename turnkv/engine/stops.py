@@ -11,14 +11,16 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.hit: str | None = None  # the stop string the text was cut at (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text that is final now, whether a stop string was hit)."""
         if not self.stops:
             return text, False
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s), s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, _, self.hit = min(found)  # the earliest; at one place, the longest
             out, self.pending = self.pending[:cut], ""
             return out, True
         hold = 0

@@ -360,7 +360,7 @@ class Turn:
             )
         # the answer's last event waits until the turn is banked, so a client that has its answer
         # finds it in the bank when it sends the follow-up
-        self._last = GenEvent(None, tail, finish_reason=finish, stats=s)
+        self._last = GenEvent(None, tail, finish_reason=finish, stats=s, stop_sequence=self.stops.hit)
         render = self.request.render_history
         # a cancelled answer will not come back in the next request: bank it as generated
         if finish in ("stop", "length") and render is not None:

@@ -39,9 +39,10 @@ from turnkv.runtime import Runtime
 from turnkv.server.access import AccessLog
 from turnkv.server.body import body_limit, read_body
 from turnkv.server.dashboard import register_dashboard
-from turnkv.server.guard import HostGuard, HostPolicy, bearer_key, matching_key, require_json
+from turnkv.server.guard import HostGuard, HostPolicy, matching_key, request_key, require_json
 from turnkv.server.health import server_health
 from turnkv.server.logprobs import LogprobFormat
+from turnkv.server.messages import register_messages
 from turnkv.server.metrics import CONTENT_TYPE, Metrics
 from turnkv.server.openai_responses import register_responses_api
 from turnkv.server.openapi import CHAT_ROUTE, COMPLETIONS_ROUTE, KEYED, ModelCard, ModelList, document, errors
@@ -94,11 +95,12 @@ class Server:
         """The cache namespace; raises 401 when keys are set and the request has none of them."""
         ns = "public"
         if self.keys:
-            key = matching_key(bearer_key(request.scope["headers"]), self.keys)
+            key = matching_key(request_key(request.scope["headers"]), self.keys)
             if key is None:
                 raise ApiError(
                     401,
-                    "Incorrect API key provided. Pass one of the server's --api-key values as a bearer token.",
+                    "Incorrect API key provided. Pass one of the server's --api-key values as a bearer "
+                    "token (or in x-api-key).",
                     "invalid_request_error",
                     code="invalid_api_key",
                 )
@@ -107,10 +109,11 @@ class Server:
             ns += "|salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
         return ns
 
-    def prepare(self, req, chat: bool) -> tuple[list[int], object, Structure]:
-        """Prompt ids, history renderer and answer structure (grammar, tools) of a parsed body;
-        runs in the handler's thread pool (rendering, tokenizing, compiling a grammar)."""
-        st = request_structure(req, self.grammars, self.engine.tokenizer.chat_template)
+    def prepare(self, req, chat: bool, structure=request_structure) -> tuple[list[int], object, Structure]:
+        """Prompt ids, history renderer and answer structure (grammar, tools) of a parsed body
+        (``structure(req, grammars, template)`` reads the latter from the API's body); runs in the
+        handler's thread pool (rendering, tokenizing, compiling a grammar)."""
+        st = structure(req, self.grammars, self.engine.tokenizer.chat_template)
         if chat:
             ids, history = self.prompts.chat(req.template_messages(), st.tools, st.plan)
         else:
@@ -142,6 +145,36 @@ class Server:
             # what a request that sets no temperature, top_p, top_k or max_tokens gets
             "sampling_defaults": self.engine.sampling_defaults.doc(),
         }
+
+    async def read_request(self, request: Request, schema):
+        """The parsed body of ``request`` in ``schema``: the key, then the content type, before the
+        body is read; then the model it names."""
+        self.namespace(request, None)
+        require_json(request.scope["headers"])
+        req = parse_body(schema, await read_body(request, self.max_body_bytes, self.body_timeout))
+        self.check_model(req.model)
+        return req
+
+    async def open_turn(
+        self, request: Request, req, chat: bool, structure=request_structure
+    ) -> tuple[TurnStream, Structure]:
+        """The turn of a parsed body ``req`` (what ``prepare`` reads, plus ``cache_salt``,
+        ``sampling``, ``requested_max_tokens`` and ``logprobs_top``), submitted."""
+        ns = self.namespace(request, req.cache_salt)
+        params = req.sampling(self.vocab_size, self.engine.sampling_defaults.values)
+        # render, tokenize and compile grammars off the event loop and off the engine thread
+        ids, history, st = await asyncio.to_thread(self.prepare, req, chat, structure)
+        turn = TurnRequest(
+            ids,
+            params,
+            max_tokens=req.requested_max_tokens(),
+            namespace=ns,
+            session=request.headers.get(SESSION_HEADER),
+            render_history=history,
+            grammar=st.grammar,
+            logprobs=req.logprobs_top(),
+        )
+        return self.stream(turn, request), st
 
     def stream(self, turn: TurnRequest, request: Request) -> TurnStream:
         """The event stream of ``turn`` for ``request``; a 503 while the tensor-parallel group is down."""
@@ -225,26 +258,9 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
         return srv.model_card()
 
     async def _serve(request: Request, schema, chat: bool) -> Response:
-        srv.namespace(request, None)  # the key, then the content type, before the body is read
-        require_json(request.scope["headers"])
-        req = parse_body(schema, await read_body(request, srv.max_body_bytes, srv.body_timeout))
-        srv.check_model(req.model)
-        ns = srv.namespace(request, req.cache_salt)
-        params = req.sampling(srv.vocab_size, srv.engine.sampling_defaults.values)
-        # render, tokenize and compile grammars off the event loop and off the engine thread
-        ids, history, st = await asyncio.to_thread(srv.prepare, req, chat)
-        turn = TurnRequest(
-            ids,
-            params,
-            max_tokens=req.requested_max_tokens(),
-            namespace=ns,
-            session=request.headers.get(SESSION_HEADER),
-            render_history=history,
-            grammar=st.grammar,
-            logprobs=req.logprobs_top(),
-        )
+        req = await srv.read_request(request, schema)
+        stream, st = await srv.open_turn(request, req, chat)
         info = srv.engine.info
-        stream = srv.stream(turn, request)
         return await respond(
             stream, req, srv.metrics, info.model_name, info.fingerprint, chat, st.plan, srv.logprobs
         )
@@ -259,6 +275,7 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
 
     register_responses_api(app, srv)
     register_dashboard(app, srv)
+    register_messages(app, srv)
     return app
 
 

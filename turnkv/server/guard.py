@@ -12,9 +12,10 @@ address (``0.0.0.0``, a LAN address) the names clients use are not known in adva
 any, must be UTF-8): a browser sends a cross-origin POST without asking first only with
 ``text/plain``, form or multipart bodies, so these get 415 and never start a generation.
 
-**Authorization.** ``Bearer KEY``; only HTTP's own spaces and tabs are trimmed (``str.strip``
-would also drop a no-break space or NEL and let a wrapped key match), the key is compared in
-constant time, and two ``Authorization`` headers are a 400 rather than the first one winning.
+**Authorization.** ``Bearer KEY``, or ``x-api-key: KEY`` as Anthropic's clients send it; only
+HTTP's own spaces and tabs are trimmed (``str.strip`` would also drop a no-break space or NEL and
+let a wrapped key match), the key is compared in constant time, and two ``Authorization`` (or
+``x-api-key``) headers are a 400 rather than the first one winning.
 """
 
 from __future__ import annotations
@@ -147,6 +148,14 @@ def bearer_key(headers: list[tuple[bytes, bytes]]) -> bytes:
     if scheme.lower() != b"bearer":
         return b""
     return token.strip(OWS)
+
+
+def request_key(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The key a request presents: its bearer token, else its one ``x-api-key`` header (b'': none)."""
+    token = bearer_key(headers)
+    if token:
+        return token
+    return (single(headers, b"x-api-key", "x-api-key") or b"").strip(OWS)
 
 
 def matching_key(token: bytes, keys: set[str]) -> str | None:

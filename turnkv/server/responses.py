@@ -37,7 +37,16 @@ if TYPE_CHECKING:
     from turnkv.server.metrics import Metrics
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 
 
 def route_label(request: Request) -> str:
