@@ -121,14 +121,20 @@ class ToolDef(_Body):
     input_schema: dict
     type: str | None = None  # "custom" or none; a server tool's type is refused
 
-    @model_validator(mode="after")
-    def _custom(self) -> ToolDef:
-        if self.type not in (None, "custom"):
+    @model_validator(mode="before")
+    @classmethod
+    def _custom(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
             raise refused(
                 "tools",
-                f"server tools ({self.type[:60]!r}) are not supported; define a custom tool with "
+                f"server tools ({str(kind)[:60]!r}) are not supported; define a custom tool with "
                 "name, description and input_schema",
             )
+        return data
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolDef:
         if not NAME.match(self.name):
             raise ValueError(f"tool names must match ^[a-zA-Z0-9_-]{{1,64}}$ (got {self.name[:80]!r})")
         return self
