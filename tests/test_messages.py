@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 from test_server import MODEL, Live
+from test_structured_server import WEATHER
 from tool_models import tool_model
 
 pytestmark = pytest.mark.slow
@@ -21,15 +22,6 @@ pytestmark = pytest.mark.slow
 KEY = "sk-test-messages"
 SYSTEM = "You are a terse assistant."
 BILLING = "x-anthropic-billing-header: cc_version=2.1.117.48f; cc_entrypoint=cli; cch={};"
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [{"name": "get_weather", "description": "Weather by city", "input_schema": WEATHER}]
 
 

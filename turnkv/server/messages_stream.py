@@ -115,18 +115,11 @@ async def answer(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    pieces: list[str] = []
-    async for ev in stream:  # ends at the answer's last event
-        if isinstance(ev, Failed):
-            raise failed_error(ev)
-        if isinstance(ev, GenEvent):
-            pieces.append(ev.text)
-            final = ev
+    text, final = await stream.whole()
     stats = final.stats
     assert stats is not None
     _count(metrics, route_label(stream.request), final)
     note_usage(stream.request, admitted, stats.completion_tokens, final.finish_reason)
-    text = "".join(pieces)
     content: list[dict] = []
     calls = 0
     if tools is None:

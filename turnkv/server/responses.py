@@ -158,16 +158,7 @@ async def respond(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    pieces: list[str] = []
-    async for ev in stream:  # ends at the answer's last event
-        if isinstance(ev, Failed):
-            raise failed_error(ev)
-        if isinstance(ev, GenEvent):
-            pieces.append(ev.text)
-            if lps is not None:
-                lps.add(ev.logprob, ev.text)
-            final = ev
-    text = "".join(pieces)
+    text, final = await stream.whole(None if lps is None else lambda ev: lps.add(ev.logprob, ev.text))
     stats = final.stats
     _finished(metrics, route, stats)
     note_usage(request, admitted, stats.completion_tokens, final.finish_reason)

@@ -88,6 +88,22 @@ class TurnStream:
         self._ended = isinstance(ev, Failed) or (isinstance(ev, GenEvent) and ev.finish_reason is not None)
         return ev
 
+    async def whole(self, each: Callable[[GenEvent], None] | None = None) -> tuple[str, GenEvent]:
+        """The answer's text and its last event (``each`` sees every answer event); a turn that
+        fails raises its ``ApiError``."""
+        pieces: list[str] = []
+        final: GenEvent | None = None
+        async for ev in self:  # ends at the answer's last event
+            if isinstance(ev, Failed):
+                raise failed_error(ev)
+            if isinstance(ev, GenEvent):
+                pieces.append(ev.text)
+                if each is not None:
+                    each(ev)
+                final = ev
+        assert final is not None and final.stats is not None
+        return "".join(pieces), final
+
     def _emit(self, item: object) -> None:  # called on the worker thread
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
