@@ -169,6 +169,10 @@ def test_tool_use_then_tool_result(tool_live):
     calls = [b for b in m.content if b.type == "tool_use"]
     assert len(calls) >= 1 and calls[0].id.startswith("toolu_") and calls[0].name == "get_weather"
     jsonschema.validate(calls[0].input, WEATHER)
+    n = client(tool_live).messages.count_tokens(
+        model=tool_live.engine.info.model_name, messages=msgs, tools=TOOLS
+    )
+    assert n.input_tokens == prompt_of(m)  # the tools are rendered into the prompt it counts
     with client(tool_live).messages.stream(
         model=tool_live.engine.info.model_name,
         messages=msgs,
@@ -292,7 +296,7 @@ BAD = [
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": "x"}]}
             ]
         },
-        "messages[0].content",
+        "content[0].tool_use.input: Input should be an object",
     ),
     ({"system": 3}, "system"),
     ({"temperature": 1.5}, "temperature"),

@@ -60,7 +60,7 @@ def conversation_structure(count_only: bool):
             tools, choice = conv.raw_tools(), None if count_only else conv.tool_choice()
             check_tools(tools, choice)
             for i, m in enumerate(conv.body.messages):
-                for j, b in enumerate(m.blocks()):
+                for j, b in enumerate(m.content):
                     if isinstance(b, ToolUseBlock):
                         check_arguments(b.input, f"messages[{i}].content[{j}].input")
             return chat_structure(grammars, template, None, tools, choice, conv.parallel())

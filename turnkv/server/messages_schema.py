@@ -82,13 +82,16 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Fi
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: list[Block]  # a string is one text block
 
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
-        """A block this server cannot read is a 400 that says so (not pydantic's tag error)."""
+        """A string is one text block (so a bad block's error names the block, not the string);
+        a block this server cannot read is a 400 that says so (not pydantic's tag error)."""
         blocks = data.get("content") if isinstance(data, dict) else None
+        if isinstance(blocks, str):
+            return {**data, "content": [{"type": "text", "text": blocks}]}
         for j, block in enumerate(blocks if isinstance(blocks, list) else ()):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in UNSUPPORTED_BLOCKS or (isinstance(kind, str) and kind.startswith("server_tool")):
@@ -102,13 +105,10 @@ class Message(_Body):
     @model_validator(mode="after")
     def _blocks_of_the_role(self) -> Message:
         wrong = ToolResultBlock if self.role == "assistant" else ToolUseBlock
-        for j, block in enumerate(self.content if isinstance(self.content, list) else ()):
+        for j, block in enumerate(self.content):
             if isinstance(block, wrong):
                 raise ValueError(f"content[{j}]: {block.type} blocks belong in {_other(self.role)} messages")
         return self
-
-    def blocks(self) -> list:
-        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
 def _other(role: str) -> str:
@@ -181,7 +181,7 @@ class CountTokensRequest(_Body):
         """Each ``tool_result`` answers a ``tool_use`` of an earlier assistant message."""
         seen: set[str] = set()
         for i, m in enumerate(self.messages):
-            for j, b in enumerate(m.blocks()):
+            for j, b in enumerate(m.content):
                 if isinstance(b, ToolUseBlock):
                     seen.add(b.id)
                 elif isinstance(b, ToolResultBlock) and b.tool_use_id not in seen:
@@ -260,10 +260,10 @@ class Conversation:
         names: dict[str, str] = {}  # tool_use id -> the tool's name
         for m in self.body.messages:
             if m.role == "assistant":
-                out.append(_assistant(m.blocks(), names))
+                out.append(_assistant(m.content, names))
                 continue
             text: list[str] = []
-            for b in m.blocks():
+            for b in m.content:
                 if isinstance(b, TextBlock):
                     text.append(b.text)
                 elif isinstance(b, ToolResultBlock):
@@ -272,7 +272,7 @@ class Conversation:
                         text = []
                     tool = {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                     out.append(template_message({**tool, "name": names.get(b.tool_use_id)}))
-            if text or not isinstance(m.content, list) or not m.content:
+            if text or not m.content:
                 out.append({"role": "user", "content": "".join(text)})
         return out
 
