@@ -17,6 +17,9 @@ from test_server import MODEL, Live
 from test_structured_server import WEATHER
 from tool_models import tool_model
 
+from turnkv.server.messages_schema import Conversation, MessagesRequest
+from turnkv.server.schemas import parse_body
+
 pytestmark = pytest.mark.slow
 
 KEY = "sk-test-messages"
@@ -354,3 +357,46 @@ def test_kv_memory_exhausted_stays_507_in_anthropics_shape(default_model):
         assert ask(srv, USER, max_tokens=2).content  # the server goes on serving
     finally:
         srv.close()
+
+
+def test_the_adapter_renders_blocks_as_the_chat_template_takes_them():
+    """No server: a body's template messages (billing lines out, thinking left out, results as
+    tool messages named by their call, text after them as a user message)."""
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "system": BILLING.format("12345") + "\nYou are terse.",
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Looking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny", "is_error": False},
+                    {"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+        ],
+    }
+    req = parse_body(MessagesRequest, json.dumps(body).encode())
+    call = {
+        "id": "toolu_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    }
+    assert Conversation(req, strip=True).template_messages() == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny", "name": "get_weather"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    kept = Conversation(req, strip=False).template_messages()[0]["content"]
+    assert kept == BILLING.format("12345") + "\nYou are terse."
