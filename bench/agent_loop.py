@@ -202,7 +202,7 @@ def messages_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
             tools=[tool],
             tool_choice={"type": "any"},
             max_tokens=args.max_tokens,
-            temperature=0,
+            extra_body={"temperature": 0},  # the anthropic 2.x SDK has no sampling arguments
             metadata={"user_id": "agent-messages"},
         ) as stream:
             for event in stream:
