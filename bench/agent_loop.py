@@ -15,8 +15,8 @@ streamed token of text or tool arguments), and per API the cached fraction from 
   ``anthropic`` SDK).
 
 The tool choice is forced (``required`` / ``any``), so every turn is a tool call whatever the
-weights; answers are greedy. Each API runs in its own cache namespace (``cache_salt`` / a key), so
-none reuses another's rows.
+weights; answers are greedy. Each API's system prompt names the API, so no loop reuses another's
+rows (their conversations differ from the first tokens on).
 
     python bench/agent_loop.py             # default model (--chat-template chatml-tools), CPU, in process
     python bench/agent_loop.py --url http://127.0.0.1:8000      # a running turnkv serve
@@ -40,7 +40,7 @@ import time
 from load_counts import cpu_name
 from report import save
 
-SYSTEM = "You are a coding agent. Use the read_file tool to inspect the repository, one file per turn."
+SYSTEM = "You are a coding agent ({api} session). Use the read_file tool to inspect the repository, one file per turn."
 TASK = "Find where the session bank evicts entries and summarise the policy."
 TOOL = {
     "name": "read_file",
@@ -91,7 +91,10 @@ def chat_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
-    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    messages: list[dict] = [
+        {"role": "system", "content": SYSTEM.format(api="chat")},
+        {"role": "user", "content": TASK},
+    ]
     rows = []
     for turn in range(args.turns):
         t0, ttft, usage, calls = time.perf_counter(), None, None, {}
@@ -104,7 +107,6 @@ def chat_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"cache_salt": "agent-chat"},
         )
         for chunk in stream:
             for choice in chunk.choices:
@@ -156,7 +158,7 @@ def responses_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]
         with client.responses.stream(
             model=model,
             input=next_input,
-            instructions=SYSTEM,
+            instructions=SYSTEM.format(api="responses"),
             tools=tools,
             tool_choice="required",
             max_output_tokens=args.max_tokens,
@@ -197,7 +199,7 @@ def messages_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
         t0, ttft = time.perf_counter(), None
         with client.messages.stream(
             model=model,
-            system=SYSTEM,
+            system=SYSTEM.format(api="messages"),
             messages=messages,
             tools=[tool],
             tool_choice={"type": "any"},
