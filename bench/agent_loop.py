@@ -87,7 +87,19 @@ def serve_in_process(model: str, template: str) -> tuple[str, object]:
     return f"http://127.0.0.1:{port}", server
 
 
-def chat_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
+def run_until_full(loop, url: str, model: str, args: argparse.Namespace, rows: list[dict]) -> str | None:
+    """Runs one API's loop; a turn whose prompt no longer fits the context (a 400 naming the
+    context length) ends it early: the reason is returned and reported, the turns done are kept."""
+    try:
+        loop(url, model, args, rows)
+    except Exception as e:  # the SDKs' BadRequestError; anything else is a real failure
+        if "context length" not in str(e):
+            raise
+        return f"context full at turn {len(rows) + 1}"
+    return None
+
+
+def chat_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) -> None:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
@@ -95,7 +107,6 @@ def chat_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
         {"role": "system", "content": SYSTEM.format(api="chat")},
         {"role": "user", "content": TASK},
     ]
-    rows = []
     for turn in range(args.turns):
         t0, ttft, usage, calls = time.perf_counter(), None, None, {}
         stream = client.chat.completions.create(
@@ -143,16 +154,14 @@ def chat_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
                 ttft,
             )
         )
-    return rows
 
 
-def responses_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
+def responses_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) -> None:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
     tools = [{"type": "function", **TOOL}]
     prev, next_input = None, TASK
-    rows = []
     for turn in range(args.turns):
         t0, ttft, final = time.perf_counter(), None, None
         with client.responses.stream(
@@ -185,16 +194,14 @@ def responses_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]
                 turn, usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens, ttft
             )
         )
-    return rows
 
 
-def messages_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
+def messages_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) -> None:
     import anthropic
 
     client = anthropic.Anthropic(base_url=url, api_key="bench", max_retries=0)
     tool = {"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}
     messages: list[dict] = [{"role": "user", "content": TASK}]
-    rows = []
     for turn in range(args.turns):
         t0, ttft = time.perf_counter(), None
         with client.messages.stream(
@@ -230,7 +237,6 @@ def messages_loop(url: str, model: str, args: argparse.Namespace) -> list[dict]:
         u = final.usage
         prompt = u.input_tokens + (u.cache_read_input_tokens or 0)  # Anthropic counts them apart
         rows.append(_row(turn, prompt, u.cache_read_input_tokens or 0, u.output_tokens, ttft))
-    return rows
 
 
 def _row(turn: int, prompt: int, cached: int, completion: int, ttft: float | None) -> dict:
@@ -309,8 +315,9 @@ def main() -> None:
     results = {"args": vars(args), "cpu": cpu_name(), "apis": {}}
     try:
         for api in args.apis.split(","):
-            rows = LOOPS[api](url, model, args)
-            results["apis"][api] = {"turns": rows, **summary(rows)}
+            rows: list[dict] = []
+            stopped = run_until_full(LOOPS[api], url, model, args, rows)
+            results["apis"][api] = {"turns": rows, "stopped": stopped, **summary(rows)}
     finally:
         if server is not None:
             server.should_exit = True
@@ -322,6 +329,7 @@ def main() -> None:
         print(
             f"{api:<10} {len(run['turns']):>5} {run['last_prompt_tokens']:>11} "
             f"{run['cached_fraction_from_turn_2']:>17.1%} {run['history_reused_from_turn_2']:>13.1%} {run['prefilled_total']:>9} {run['ttft_p50_s'] * 1e3:>7.0f}ms"
+            + (f"  ({run['stopped']})" if run["stopped"] else "")
         )
     save(results, "agent_loop", plot)
 
