@@ -14,8 +14,9 @@ streamed token of text or tool arguments), and per API the cached fraction from 
 - ``messages``: ``/v1/messages`` with ``tool_use`` / ``tool_result`` blocks resent (the
   ``anthropic`` SDK).
 
-The tool choice is forced (``required`` / ``any``), so every turn is a tool call whatever the
-weights; answers are greedy. Each API's system prompt names the API, so no loop reuses another's
+The tool choice is forced (``required`` / ``any``) to one call a turn (parallel calls off: the
+loop answers one call, and a client that sends back fewer calls than the model wrote changes the
+history after the first one), so every turn is a tool call whatever the weights; answers are greedy. Each API's system prompt names the API, so no loop reuses another's
 rows (their conversations differ from the first tokens on).
 
     python bench/agent_loop.py             # default model (--chat-template chatml-tools), CPU, in process
@@ -114,6 +115,7 @@ def chat_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) 
             messages=messages,
             tools=[{"type": "function", "function": TOOL}],
             tool_choice="required",
+            parallel_tool_calls=False,
             max_tokens=args.max_tokens,
             temperature=0,
             stream=True,
@@ -170,6 +172,7 @@ def responses_loop(url: str, model: str, args: argparse.Namespace, rows: list[di
             instructions=SYSTEM.format(api="responses"),
             tools=tools,
             tool_choice="required",
+            parallel_tool_calls=False,
             max_output_tokens=args.max_tokens,
             temperature=0,
             previous_response_id=prev,
@@ -209,7 +212,7 @@ def messages_loop(url: str, model: str, args: argparse.Namespace, rows: list[dic
             system=SYSTEM.format(api="messages"),
             messages=messages,
             tools=[tool],
-            tool_choice={"type": "any"},
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
             max_tokens=args.max_tokens,
             extra_body={"temperature": 0},  # the anthropic 2.x SDK has no sampling arguments
             metadata={"user_id": "agent-messages"},
