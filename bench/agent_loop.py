@@ -21,6 +21,8 @@ rows (their conversations differ from the first tokens on).
 
     python bench/agent_loop.py             # default model (--chat-template chatml-tools), CPU, in process
     python bench/agent_loop.py --url http://127.0.0.1:8000      # a running turnkv serve
+    python bench/agent_loop.py --model random:llama3-8b --device cuda --bank-bytes 40G --tool-tokens 80
+                                           # random weights, byte tokenizer: 80 words ~ 500 tokens
 
 Prints a table, writes ``bench/out/agent_loop.json`` and ``bench/out/agent_loop.png``.
 """
@@ -67,7 +69,7 @@ def tool_output(turn: int, tokens: int) -> str:
     return f"# file {turn}\n" + "\n".join(lines)
 
 
-def serve_in_process(model: str, template: str) -> tuple[str, object]:
+def serve_in_process(model: str, template: str, device: str, bank_bytes: str) -> tuple[str, object]:
     """A server of ``model`` under uvicorn in a thread on a free port."""
     import uvicorn
 
@@ -76,7 +78,9 @@ def serve_in_process(model: str, template: str) -> tuple[str, object]:
     from turnkv.server.app import create_app
     from turnkv.server.run import uvicorn_config
 
-    cfg = EngineConfig(model=model, chat_template=template, device="cpu", bank_bytes="2G", no_disk=True)
+    cfg = EngineConfig(
+        model=model, chat_template=template, device=device, bank_bytes=bank_bytes, no_disk=True
+    )
     app = create_app(build(cfg, "serve"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -308,12 +312,18 @@ def main() -> None:
         default="chatml-tools",
         help="served in process: the template (the default model's own renders no tools)",
     )
+    ap.add_argument("--device", default="cpu", help="served in process: the device")
+    ap.add_argument("--bank-bytes", default="2G", help="served in process: the session bank's budget")
     ap.add_argument("--apis", default="chat,responses,messages")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tool-tokens", type=int, default=500)
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
-    url, server = (args.url, None) if args.url else serve_in_process(args.model, args.chat_template)
+    url, server = (
+        (args.url, None)
+        if args.url
+        else serve_in_process(args.model, args.chat_template, args.device, args.bank_bytes)
+    )
     model = _served_model(url)
     results = {"args": vars(args), "cpu": cpu_name(), "apis": {}}
     try:
