@@ -16,29 +16,17 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetc
 litellm = pytest.importorskip("litellm")
 
 import anthropic  # noqa: E402
+import test_messages  # noqa: E402
 from test_server import MODEL, Live  # noqa: E402
-from tool_models import tool_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# the Messages tests' servers (module-scoped: this module gets its own): the default model, a tool template
+live, tool_live = test_messages.live, test_messages.tool_live
 
 KEY = "sk-litellm"
 USER = [{"role": "user", "content": "Name a colour of the sky."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": CITY}}
-
-
-@pytest.fixture(scope="module")
-def live(default_model):
-    srv = Live(default_model, no_disk=True)
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def tool_live():
-    srv = Live(tool_model("qwen25"), no_disk=True)
-    yield srv
-    srv.close()
 
 
 def via(srv: Live, provider: str, messages: list[dict], **kw):
