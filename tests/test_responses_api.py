@@ -136,6 +136,20 @@ def test_a_chain_reads_the_previous_prompt_and_answer_from_the_bank(live):
     same_as_chat(third, chat(client, convo))
 
 
+def test_a_streamed_turn_continues_a_chain_and_is_a_link_of_it(live):
+    client = live.client()
+    first = respond(client, input="Name a fruit.")
+    whole = respond(client, input="Another.", previous_response_id=first.id)
+    with client.responses.stream(
+        model=MODEL, input="Another.", previous_response_id=first.id, max_output_tokens=12, temperature=0
+    ) as s:
+        final = list(s)[-1].response
+    assert final.output_text == whole.output_text and final.previous_response_id == first.id
+    assert final.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens
+    after = respond(client, input="And one more.", previous_response_id=final.id)
+    assert after.usage.input_tokens_details.cached_tokens >= final.usage.total_tokens
+
+
 def test_two_requests_from_one_id_are_two_branches(live):
     client = live.client()
     root = respond(client, input="Pick an animal.")
