@@ -75,8 +75,8 @@ def test_mixed_steps_replay_bit_for_bit_as_eager_with_drafts_and_a_grammar_besid
     try:
         from turnkv.chat_format.grammar import Grammars
 
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
-                  "required": ["a", "b"]}  # fmt: skip
+        schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                  "b": {"enum": ["x", "yz"]}}, "required": ["a", "b"]}  # fmt: skip
         grammar = Grammars(engine.tokenizer, engine.loaded.config.vocab_size).json_schema(schema)
     except ImportError:  # llguidance: a project dependency (dev_tests.sh installs it on the device)
         pass
@@ -85,7 +85,7 @@ def test_mixed_steps_replay_bit_for_bit_as_eager_with_drafts_and_a_grammar_besid
     for _ in range(3):
         sched.step()
     if grammar is not None:
-        submit("g", TurnRequest(loop(20, 9), SamplingParams(), max_tokens=40, grammar=grammar))
+        submit("g", TurnRequest(loop(20, 9), SamplingParams(), max_tokens=60, grammar=grammar))
     for i in range(3):  # long prompts, prefilled in chunks of the 256-row budget
         submit(f"p{i}", TurnRequest(loop(700 + 333 * i, 5 + i), SamplingParams(ignore_eos=True), 24))
         sched.step()
