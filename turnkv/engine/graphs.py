@@ -23,7 +23,8 @@ Padding sequences have ``q_len`` 0 and are neither read nor written by the kerne
 lazy (the first step of a key captures it: a warm-up forward that compiles the kernels at those
 shapes, then the capture), so no JIT runs inside a capture.
 
-``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``
+``--cuda-graphs off`` stages every step the same way and runs it eagerly on those buffers (so
+graphs on or off change no bit). ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``
 windows of each kind (one-row/narrow, prefill), each with at most ``MAX_SEGMENTS`` views, and
 plain (unpacked) weights for steps with prompt rows; everything else runs eagerly, and
 ``status`` says why graphs are off altogether (``/health.scheduler.graphs``).
@@ -101,9 +102,13 @@ class StepGraphs:
     """Captured steps of one model (see the module docstring). ``threaded``: the step has
     collectives (tensor parallelism), captured in ``thread_local`` mode (``_capture``)."""
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, threaded: bool) -> None:
-        self.model, self.backend, self.threaded = model, backend, threaded
-        self.status = "on"
+    def __init__(
+        self, model: torch.nn.Module, backend: AttentionBackend, threaded: bool, capture: bool = True
+    ) -> None:
+        """``capture`` False (``--cuda-graphs off``): every step is staged alike and runs eagerly
+        on its buffers (``eager``), so a step's bits do not depend on whether graphs are on."""
+        self.model, self.backend, self.threaded, self.capture = model, backend, threaded, capture
+        self.status = "on" if capture else "off: --cuda-graphs off"
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
@@ -179,6 +184,9 @@ class StepGraphs:
         """Replay (capturing first) the graph of ``staged``. ``prev`` (device): the argmax of the
         step in flight, which fed rows read (``carry``: on the device, never on the host)."""
         captured = staged.captured
+        if not self.capture:
+            self.graphs[staged.key] = captured  # (its buffers, for the next step of this shape)
+            return self.eager(staged, prev)
         ids, pos, rows, matmul = self._buffers(staged, prev)
         if self.graphs.get(staged.key) is not captured:
             self._capture(captured, ids, pos, rows, staged.step, matmul)
@@ -231,11 +239,10 @@ class StepGraphs:
 def make_graphs(
     mode: str, model: torch.nn.Module, backend: AttentionBackend, threaded: bool
 ) -> StepGraphs | NoGraphs:
-    """``--cuda-graphs auto|off``: captured decode where possible, else eager with the reason."""
-    if mode == "off":
-        return NoGraphs("off: --cuda-graphs off")
+    """``--cuda-graphs auto|off``: captured steps where possible, else eager with the reason. Off
+    on the fused route, steps are staged as for a capture and run eagerly (``StepGraphs.capture``)."""
     if model.device.type != "cuda":
         return NoGraphs(f"off: no CUDA ({model.device.type})")
     if not backend.captures_graphs:
         return NoGraphs(f"off: the attention route is not fused ({backend.verdict.verdict})")
-    return StepGraphs(model, backend, threaded)
+    return StepGraphs(model, backend, threaded, capture=mode != "off")
