@@ -223,14 +223,14 @@ class StepGraphs:
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
             model(ids, pos, rows, step, matmul)
         torch.cuda.current_stream().wait_stream(stream)
-        mode = "global"
         if self.threaded:
             # the step's NCCL collectives are captured too; NCCL's watchdog thread may still query
-            # events of eager collectives (cudaEventQuery), which a global-mode capture forbids in
-            # every thread (pytorch/pytorch#104487): let them finish, and forbid only this thread
+            # events of eager collectives (cudaEventQuery): let them finish first
             torch.cuda.synchronize()
-            mode = "thread_local"
-        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode=mode):
+        # captures are lazy, so they happen under load while other threads (the RAM tier's
+        # copies, NCCL's watchdog: pytorch/pytorch#104487) make CUDA calls on their own streams; a
+        # global-mode capture forbids those in every thread and fails, so forbid only this one's
+        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode="thread_local"):
             captured.logits = model(ids, pos, rows, step, matmul)
         self.captures += 1
         log.info("captured a step graph for %d rows, %d logit rows", ids.shape[0], rows.shape[0])
