@@ -24,7 +24,14 @@ from turnkv.attention import triton_segments as ts  # noqa: E402
 from turnkv.attention.fused import FusedBackend  # noqa: E402
 from turnkv.attention.reference import reference_attention  # noqa: E402
 from turnkv.attention.routes import Path  # noqa: E402
-from turnkv.attention.segment_table import UnsupportedViews, key_bucket, pack, padded_batch, upload  # noqa: E402
+from turnkv.attention.segment_table import (  # noqa: E402
+    UnsupportedViews,
+    key_bucket,
+    pack,
+    padded_batch,
+    row_bucket,
+    upload,
+)
 from turnkv.attention.selfcheck import error_ratio, tolerance  # noqa: E402
 from turnkv.attention.verdict import Verdict  # noqa: E402
 from turnkv.kv.cache import KVWindow  # noqa: E402
@@ -172,6 +179,40 @@ def test_padding_sequences_are_neither_read_nor_written():
     assert (out[2:] == 3.0).all()
     fresh = FusedBackend(Verdict(), hkv * gqa, hkv).plan(windows)
     assert torch.equal(out[:2], fresh.attend(1, q[:2], d**-0.5))
+
+
+def test_a_mixed_launch_pads_rows_and_sequences_and_attends_the_real_rows_alike():
+    # a step with prompt rows captured whole (engine.graphs): each table padded to its batch, its
+    # grid sized for a bucket of its widest window, the step's rows padded to their bucket; the
+    # real rows store and attend as the oracle says, and no padding row is written
+    hkv, gqa, d, layer = HEADS, 4, 64, 1
+    shapes = [([_len(7), 0], 1), ([_len(3)], 1), ([_len(20)], 40), ([_len(2)], 3), ([_len(5)], 33)]
+    windows = [window4(hkv, lengths, m, d, seed=20 + i) for i, (lengths, m) in enumerate(shapes)]
+    backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
+    launch = backend.mixed_launch(windows)
+    assert (launch.narrow.batch, launch.narrow.rows) == (padded_batch(3), 32)
+    assert (launch.wide.batch, launch.wide.rows) == (2, row_bucket(40))
+    n = sum(w.rows for w in windows)
+    np_ = row_bucket(n)
+    step = backend.plan(windows, launch, out=backend.graph_table(launch.batch))
+    assert [lc.meta.batch for lc in step.launches] == [launch.narrow.batch, launch.wide.batch]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(np_, hkv * gqa, d, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = torch.randn(2, np_, hkv, d, generator=g).to(DEVICE, torch.bfloat16)
+    step.store(layer, k, v)
+    out = torch.full_like(q, 3.0)
+    for table, lc in zip(step._tables, step.launches, strict=True):
+        ts.segment_attention(q, table, lc.meta, layer, d**-0.5, lc.config, out=out)
+    assert (out[n:] == 3.0).all()
+    start = 0
+    for w in windows:
+        rows = slice(start, start + w.rows)
+        views = w.layer_views(layer)
+        assert torch.equal(views[-1][0][:, -w.rows :], k[rows].transpose(0, 1))
+        assert_within(out[rows].transpose(0, 1), q[rows].transpose(0, 1), views, d**-0.5)
+        start += w.rows
+    many = window4(hkv, [1] * (MAX_SEGMENTS + 1), 40, d, seed=4)  # two segment groups: eager
+    assert backend.mixed_launch([*windows, many]) is None
 
 
 @pytest.mark.parametrize("splits", [None, 4])

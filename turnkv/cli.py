@@ -76,7 +76,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add("--attention", "attention", "attention route")
     add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
-    add("--cuda-graphs", "cuda_graphs", "captured decode steps on CUDA")
+    add("--cuda-graphs", "cuda_graphs", "captured steps on CUDA (decode and prompt rows alike)")
     add(
         "--run-ahead",
         "run_ahead",

@@ -121,7 +121,7 @@ class EngineConfig:
     no_ram: bool = False  # serve without the host-RAM tier
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
-    cuda_graphs: CudaGraphs = "auto"  # captured decode steps on CUDA
+    cuda_graphs: CudaGraphs = "auto"  # captured steps on CUDA (decode and prompt rows alike)
     run_ahead: RunAhead = "auto"  # launch each step before the last one's tokens are taken
     speculate: Speculate = "auto"  # context-copy speculative decoding (verify windows)
     max_running: int = 64  # turns in the running set (one window each per step)

@@ -65,6 +65,28 @@ class DecodeLaunch(NamedTuple):
     splits: int  # flash-decoding splits, sized by the step's conversations (fused.conversations)
 
 
+class TableLaunch(NamedTuple):
+    """One table of a step captured with prompt rows (``MixedLaunch``): what its launches bake in."""
+
+    batch: int  # sequences the table is padded to (segment_table.padded_batch)
+    rows: int  # the launch's widest window: 1, MAX_WINDOW_ROWS, or a row bucket (the grid's M)
+    config: object  # triton_segments.LaunchConfig: tiles and splits (by the key bucket)
+
+
+class MixedLaunch(NamedTuple):
+    """The attention launch of a step with prompt rows, captured whole in a CUDA graph: the narrow
+    table (decode and verify rows, short chunks) and the wide one (prefill chunks), either None
+    when the step has no such window. An eager run of the same staged step launches the same."""
+
+    narrow: TableLaunch | None
+    wide: TableLaunch | None
+
+    @property
+    def batch(self) -> int:
+        """Sequences of both tables (``graph_table``'s size, the padded logit rows)."""
+        return sum(t.batch for t in self if t is not None)
+
+
 class AttentionBackend(Protocol):
     """Chosen once at load (``selfcheck.make_backend``); ``verdict`` is what ``/health`` reports."""
 
@@ -74,10 +96,13 @@ class AttentionBackend(Protocol):
     captures_graphs: bool  # decode steps may replay CUDA graphs (``engine.graphs``)
 
     def plan(
-        self, windows: Sequence[KVWindow], launch: DecodeLaunch | None = None, out: torch.Tensor | None = None
+        self,
+        windows: Sequence[KVWindow],
+        launch: DecodeLaunch | MixedLaunch | None = None,
+        out: torch.Tensor | None = None,
     ) -> StepAttention:
-        """The step's attention for ``windows``; for a graph, with ``decode_launch``'s ``launch``
-        into the static table ``out`` (``graph_table``)."""
+        """The step's attention for ``windows``; for a graph, with ``decode_launch``'s (or
+        ``mixed_launch``'s) ``launch`` into the static table ``out`` (``graph_table``)."""
         ...
 
     def verify_rows(self, start: int) -> int:
@@ -90,6 +115,10 @@ class AttentionBackend(Protocol):
 
     def decode_launch(self, windows: Sequence[KVWindow]) -> DecodeLaunch | None:
         """The launch of a decode step over one-row ``windows``; None: the step is not graphable."""
+        ...
+
+    def mixed_launch(self, windows: Sequence[KVWindow]) -> MixedLaunch | None:
+        """The launch of a step with prompt rows over ``windows``; None: not graphable."""
         ...
 
     def graph_table(self, batch: int) -> torch.Tensor:

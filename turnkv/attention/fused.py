@@ -8,7 +8,9 @@ instead of riding in a prefill launch's row blocks.
 
 For a CUDA graph the plan is built into a static buffer (``out``, ``graph_table``) by the step's
 ``DecodeLaunch`` (``decode_launch``: padding sequences up to the captured batch, the split count
-of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.graphs``. The same
+of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.graphs``. A step
+with prompt rows is captured whole the same way by its ``MixedLaunch`` (``mixed_launch``): per
+table, padded batch, widest window (a row bucket) and the tiles and splits of its key bucket. The same
 key bucket bounds a verify window (``verify_rows``), whose rows must split as they would decoded
 alone: the split-count invariant lives here and in ``triton_segments.decode_splits``.
 """
@@ -16,13 +18,22 @@ alone: the split-count invariant lives here and in ``triton_segments.decode_spli
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from turnkv.attention.backend import DecodeLaunch, row_starts
+from turnkv.attention.backend import DecodeLaunch, MixedLaunch, TableLaunch, row_starts
 from turnkv.attention.routes import Path, Route, narrow
-from turnkv.attention.segment_table import FIELDS, TableMeta, key_bucket, pack, padded_batch, upload
+from turnkv.attention.segment_table import (
+    FIELDS,
+    GRAPH_BATCHES,
+    TableMeta,
+    key_bucket,
+    pack,
+    padded_batch,
+    row_bucket,
+    upload,
+)
 from turnkv.attention.verdict import Verdict
 from turnkv.kv.cache import KVWindow
 from turnkv.limits import MAX_SEGMENTS, MAX_WINDOW_ROWS
@@ -101,7 +112,7 @@ class FusedBackend:
     def plan(
         self,
         windows: Sequence[KVWindow],
-        launch: DecodeLaunch | None = None,
+        launch: DecodeLaunch | MixedLaunch | None = None,
         out: torch.Tensor | None = None,
     ) -> FusedStep:
         """Pack and upload the step's tables (into ``out`` by ``launch`` for a graph; see the
@@ -112,12 +123,24 @@ class FusedBackend:
         routes = [
             Route(Path.FUSED_NARROW if narrow(w.rows) else Path.FUSED_WIDE, "fused", w.rows) for w in windows
         ]
-        pad_to, max_keys = (None, None) if launch is None else (launch.batch, launch.keys)
+        mixed = launch if isinstance(launch, MixedLaunch) else None
+        pad_to, max_keys = (None, None) if launch is None or mixed else (launch.batch, launch.keys)
         words: list[int] = []
         launches = []
-        for path in (Path.FUSED_NARROW, Path.FUSED_WIDE):
+        for t, path in enumerate((Path.FUSED_NARROW, Path.FUSED_WIDE)):
             group = [i for i, r in enumerate(routes) if r.path is path]
             if not group:
+                continue
+            if mixed is not None:  # what the graph bakes in: its batch, rows, tiles and splits
+                table = mixed[t]
+                part, meta = pack(
+                    [windows[i].views for i in group],
+                    [windows[i].rows for i in group],
+                    q_starts=[starts[i] for i in group],
+                    pad_to=table.batch,
+                )
+                launches.append(Launch(len(words), replace(meta, max_q=table.rows), table.config))
+                words += part
                 continue
             part, meta = pack(
                 [windows[i].views for i in group],
@@ -158,7 +181,36 @@ class FusedBackend:
         splits = ts.decode_splits(convs, keys, self.kv_heads, self.gqa, self.head_dim, self.device)
         return DecodeLaunch(padded_batch(len(windows)), keys, splits)
 
+    def mixed_launch(self, windows: Sequence[KVWindow]) -> MixedLaunch | None:
+        """``MixedLaunch`` of a step with prompt rows (None past ``MAX_SEGMENTS`` views or
+        ``GRAPH_BATCHES[-1]`` windows of one kind). A table's grid is sized for its padded batch
+        and a bucket of its widest window: one-row windows 1, other narrow ones
+        ``MAX_WINDOW_ROWS``, prefill chunks their row bucket; its tiles and splits for the key
+        bucket of its longest context (decode rows split as in a decode step: ``decode_splits``)."""
+        from turnkv.attention import triton_segments as ts
+
+        if any(len(w.views) > MAX_SEGMENTS for w in windows):
+            return None
+        tables: list[TableLaunch | None] = []
+        for wide in (False, True):
+            group = [w for w in windows if narrow(w.rows) != wide]
+            if not group:
+                tables.append(None)
+                continue
+            batch = padded_batch(len(group))
+            widest = max(w.rows for w in group)
+            rows = row_bucket(widest) if wide else (1 if widest == 1 else MAX_WINDOW_ROWS)
+            if batch > GRAPH_BATCHES[-1] or rows is None:
+                return None
+            keys = key_bucket(max(w.start + w.rows for w in group))
+            dtype = group[0].views[0][0].dtype
+            meta = TableMeta(batch, 1, keys, rows, self.kv_heads, self.head_dim, dtype)
+            config = ts.pick_config(meta, self.gqa, self.device, conversations=conversations(group))
+            tables.append(TableLaunch(batch, rows, config))
+        return MixedLaunch(*tables)
+
     def graph_table(self, batch: int) -> torch.Tensor:
-        # the table of ``batch`` sequences of one group (decode windows: one narrow launch)
+        # the tables of ``batch`` sequences of one group (a decode step's one narrow launch, or a
+        # mixed step's two: ``MixedLaunch.batch``)
         words = batch * (1 + MAX_SEGMENTS) * FIELDS + batch * FIELDS
         return torch.zeros(words, dtype=torch.int64, device=self.device)

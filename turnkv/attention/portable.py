@@ -206,7 +206,7 @@ class PortableBackend:
         self.dtype = dtype
 
     def plan(
-        self, windows: Sequence[KVWindow], launch: DecodeLaunch | None = None, out: torch.Tensor | None = None
+        self, windows: Sequence[KVWindow], launch: object = None, out: torch.Tensor | None = None
     ) -> PortableStep:
         if launch is not None or out is not None:
             raise ValueError("the portable backend captures no graphs")
@@ -220,6 +220,9 @@ class PortableBackend:
         return 2 * heads * rows * (history + rows) * 4
 
     def decode_launch(self, windows: Sequence[KVWindow]) -> DecodeLaunch | None:
+        return None
+
+    def mixed_launch(self, windows: Sequence[KVWindow]) -> None:
         return None
 
     def graph_table(self, batch: int) -> torch.Tensor:

@@ -69,6 +69,16 @@ def padded_batch(b: int) -> int:
     return next((s for s in GRAPH_BATCHES if s >= b), b)
 
 
+# total rows a step with prompt rows is captured at (``engine.graphs``): powers of two and the
+# midpoints between them, so a step pads by at most half its rows
+ROW_BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def row_bucket(rows: int) -> int | None:
+    """The captured row count of a step of ``rows`` rows, or None past the largest bucket."""
+    return next((s for s in ROW_BUCKETS if s >= rows), None)
+
+
 def key_bucket(keys: int) -> int:
     """The context a decode launch's split count is chosen for: the next power of two, >= 4096."""
     return max(4096, 1 << max(keys - 1, 1).bit_length())

@@ -2,10 +2,10 @@
 
 ``Engine.run_step(windows)`` is the only way the model runs: a plan is built once for the step
 (``step.plan_step``), the model runs every layer once over all rows of every window, and the
-logits of the rows that asked for them come back. Decode-only steps on CUDA replay a captured
-graph when ``--cuda-graphs auto`` allows (``graphs.py``). Turns (``turn.py``) decide what goes
-into a step and what to do with its logits; the scheduler (``scheduler.py``) decides which turns
-share a step.
+logits of the rows that asked for them come back. On CUDA a step (decode rows, prompt chunks,
+verify windows, any mix up to 8192 rows) replays a captured graph when ``--cuda-graphs auto``
+allows (``graphs.py``). Turns (``turn.py``) decide what goes into a step and what to do with its
+logits; the scheduler (``scheduler.py``) decides which turns share a step.
 """
 
 from __future__ import annotations

@@ -1,20 +1,33 @@
-"""CUDA graphs for decode steps: one capture per padded batch size and context bucket.
+"""CUDA graphs for every step: one capture per shape bucket, attention included.
 
-A decode step (every window one row) is a pure function of a few device buffers: the step's ids,
-positions and logit rows, and the segment table (``attention/fused.py``). ``DecodeGraphs``
-captures the whole forward once per (padded batch size, split count, solo) into a shared memory
-pool, then each step only writes those buffers (two uploads: ``stage``) and replays (``replay``).
-A verify window of context-copy drafts reaches here cut into one-row windows
-(``step.one_row_windows``); alone in its step it is ``solo``: its matmuls take the one-row GEMV
-for every row, so each row rounds as it would decoded alone.
-Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. The split
-count of the attention launch is fixed by the key bucket (the next power of two of the longest
-context), and the eager fused path picks its splits the same way (``backend.decode_launch``),
-so a replay equals an eager step of the same batch bit for bit.
+A step is a pure function of a few device buffers: its ids, positions and logit rows, and the
+segment table (``attention/fused.py``), which the attention kernels read their whole plan from
+(views, windows, row offsets). ``StepGraphs`` captures the whole forward once per bucket into a
+shared memory pool, then each step only writes those buffers (two uploads: ``stage``) and replays
+(``replay``): no Python per layer, whatever the step holds.
 
-``--cuda-graphs auto`` captures where it can: CUDA, the fused route, windows of one row, at most
-``MAX_GRAPH_BATCH`` of them, each with at most ``MAX_SEGMENTS`` views; everything else runs
-eagerly, and ``status`` says why graphs are off altogether (``/health.scheduler.graphs``).
+- **Decode steps** (every window one row): keyed by (padded batch size, split count, solo). A
+  verify window of context-copy drafts reaches here cut into one-row windows
+  (``step.one_row_windows``); alone in its step it is ``solo``: its matmuls take the one-row GEMV
+  for every row, so each row rounds as it would decoded alone. The eager fused path picks its
+  splits as a graph does (``backend.decode_launch``), so a replay equals an eager step of the
+  same batch bit for bit.
+- **Steps with prompt rows** (prefill chunks, alone or beside decode and verify rows): keyed by
+  the row bucket of their rows (``segment_table.row_bucket``, up to 8192), their padded logit
+  rows and the attention's ``MixedLaunch`` (per table: padded batch, widest-window bucket, tiles
+  and splits of the key bucket). Padding rows read token 0 at position 0 and belong to no
+  window; a replay equals the same staged step run eagerly (``StepGraphs.eager``, what the
+  capture's warm-up runs) bit for bit.
+
+Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. Captures are
+lazy (the first step of a key captures it: a warm-up forward that compiles the kernels at those
+shapes, then the capture), so no JIT runs inside a capture.
+
+``--cuda-graphs off`` stages every step the same way and runs it eagerly on those buffers (so
+graphs on or off change no bit). ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``
+windows of each kind (one-row/narrow, prefill), each with at most ``MAX_SEGMENTS`` views, and
+plain (unpacked) weights for steps with prompt rows; everything else runs eagerly, and
+``status`` says why graphs are off altogether (``/health.scheduler.graphs``).
 """
 
 from __future__ import annotations
@@ -25,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from turnkv.attention.backend import AttentionBackend, StepAttention
-from turnkv.attention.segment_table import GRAPH_BATCHES
+from turnkv.attention.backend import AttentionBackend, MixedLaunch, StepAttention
+from turnkv.attention.segment_table import GRAPH_BATCHES, row_bucket
 from turnkv.engine.step import StepPlan, StepResult, Window, carry, host_inputs, open_kv
 from turnkv.kv.cache import KVWindow
 from turnkv.models.matmul import MatmulPlan
@@ -42,6 +55,7 @@ class NoGraphs:
     def __init__(self, status: str) -> None:
         self.status = status
         self.replays = 0
+        self.mixed_replays = 0
         self.captures = 0
 
     def stage(self, windows: Sequence[Window], solo: bool = False) -> GraphStep | None:
@@ -51,43 +65,72 @@ class NoGraphs:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [5 * bs] int64: ids | positions | logit rows (what the graph reads) | feeds
+    inputs: torch.Tensor  # [2 * rows + 3 * logits] int64: ids | positions | logit rows | feeds
     table: torch.Tensor  # the segment table's words
-    logits: torch.Tensor  # [bs, V]
+    logits: torch.Tensor  # [logits, V]
 
 
 @dataclass
 class GraphStep:
-    """A decode step staged for replay (``DecodeGraphs.stage``)."""
+    """A step staged for replay (``StepGraphs.stage``)."""
 
     windows: list[Window]
     kv: list[KVWindow]
-    key: tuple[int, int, bool]  # (padded batch size, split count, ``solo``): which graph
+    key: tuple  # which graph: (rows, logit rows, the attention's launch, ``solo``)
     captured: _Captured  # its buffers (fresh ones when that graph is not captured yet)
     step: StepAttention  # the segment table's plan, written into ``captured.table``
-    used: int  # words of ``captured.inputs`` written: ids, positions, rows of bs, then the feeds
+    used: int  # words of ``captured.inputs`` written: ids, positions, rows, then the feeds
+    rows: int  # the real rows (of ``key[0]``) and logit rows (of ``key[1]``)
+    logits: int
+    offsets: list[int]  # window i's logits are rows [off_i, ...) of ``logits``
+
+    @property
+    def mixed(self) -> bool:
+        return isinstance(self.key[2], MixedLaunch)
 
 
-class DecodeGraphs:
-    """Captured decode steps of one model (see the module docstring). ``threaded``: the step has
+def padded_inputs(words: list[int], n: int, r: int, np_: int, rp: int) -> list[int]:
+    """``host_inputs``'s ``ids + positions + logit_rows + feeds`` of ``n`` rows and ``r`` logit
+    rows laid out for a graph of ``np_`` rows and ``rp`` logit rows: padding rows read token 0 at
+    position 0 and padding logit rows row 0 (each row's matmuls and norms are its own, and no
+    window's attention reads a padding row, so a real row comes out the same)."""
+    ids, pos, rows, feeds = words[:n], words[n : 2 * n], words[2 * n : 2 * n + r], words[2 * n + r :]
+    return ids + [0] * (np_ - n) + pos + [0] * (np_ - n) + rows + [0] * (rp - r) + feeds
+
+
+class StepGraphs:
+    """Captured steps of one model (see the module docstring). ``threaded``: the step has
     collectives (tensor parallelism), captured in ``thread_local`` mode (``_capture``)."""
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, threaded: bool) -> None:
-        self.model, self.backend, self.threaded = model, backend, threaded
-        self.status = "on"
+    def __init__(
+        self, model: torch.nn.Module, backend: AttentionBackend, threaded: bool, capture: bool = True
+    ) -> None:
+        """``capture`` False (``--cuda-graphs off``): every step is staged alike and runs eagerly
+        on its buffers (``eager``), so a step's bits do not depend on whether graphs are on."""
+        self.model, self.backend, self.threaded, self.capture = model, backend, threaded, capture
+        self.status = "on" if capture else "off: --cuda-graphs off"
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, bool], _Captured] = {}
+        self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
+        self.mixed_replays = 0  # of ``replays``: steps with prompt rows
         self.captures = 0
+        # packed weights choose their matmul path per window (``MatmulPlan.wide``), which a
+        # graph would bake in: steps with prompt rows run eagerly over them
+        self._plain = isinstance(model.layers[0].qkv, torch.Tensor)
 
     def stage(self, windows: Sequence[Window], solo: bool = False) -> GraphStep | None:
-        """The host work of this decode step's replay (KV windows, inputs and segment table
-        written into the graph's buffers, in stream order), or None: it runs eagerly. Needs
-        nothing from the step in flight, so it can run before that step's argmax is launched.
-        ``solo``: the rows are one conversation's (a verify window cut into one-row windows), each
-        to round as alone (``LlamaModel.forward``): graphs of their own."""
+        """The host work of this step's replay (KV windows, inputs and segment table written
+        into the graph's buffers, in stream order), or None: it runs eagerly. Needs nothing from
+        the step in flight, so it can run before that step's argmax is launched. ``solo``: the
+        rows are one conversation's (a verify window cut into one-row windows), each to round as
+        alone (``LlamaModel.forward``): graphs of their own."""
+        if all(len(w.tokens) == 1 == w.logits for w in windows):
+            return self._stage_decode(windows, solo)
+        return self._stage_mixed(windows) if self._plain and not solo else None
+
+    def _stage_decode(self, windows: Sequence[Window], solo: bool) -> GraphStep | None:
         b = len(windows)
-        if b > MAX_GRAPH_BATCH or any(len(w.tokens) != 1 or w.logits != 1 for w in windows):
+        if b > MAX_GRAPH_BATCH:
             return None
         kv = [open_kv(w) for w in windows]
         launch = self.backend.decode_launch(kv)  # the batch and splits an eager step takes too
@@ -95,41 +138,83 @@ class DecodeGraphs:
             return None
         bs = launch.batch
         words, _, _ = host_inputs(windows, kv)
-        pad = bs - b
-        inputs = words[:b] + [0] * pad + words[b : 2 * b] + [0] * pad + list(range(bs)) + words[3 * b :]
-        host = torch.tensor(inputs, dtype=torch.int64, pin_memory=True)
         # one graph per batch size and split count: the split count is all a graph bakes in of the
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
         # by the context bucket instead, a 64-client H200 run spent most of its time capturing
         # (the split count is sized by conversations: a verify window's rows split as one row's)
-        key = (bs, launch.splits, solo)
-        captured = self.graphs.get(key) or self._new_buffers(bs)
+        key = (bs, bs, launch.splits, solo)
+        return self._write(windows, kv, key, launch, padded_inputs(words, b, b, bs, bs), b, b, list(range(b)))
+
+    def _stage_mixed(self, windows: Sequence[Window]) -> GraphStep | None:
+        """A step with prompt rows (prefill chunks beside decode and verify rows, or alone),
+        captured whole: its rows padded to their bucket (``segment_table.row_bucket``), the
+        attention's tables to ``MixedLaunch``'s batches and widest windows."""
+        n = sum(len(w.tokens) for w in windows)
+        np_ = row_bucket(n)
+        if np_ is None:
+            return None
+        kv = [open_kv(w) for w in windows]
+        launch = self.backend.mixed_launch(kv)
+        if launch is None:
+            return None
+        words, _, offsets = host_inputs(windows, kv)
+        r, rp = sum(w.logits for w in windows), launch.batch  # a window asks for <= 1 logit row
+        if r > rp:  # (a verify window not cut into one-row windows)
+            return None
+        inputs = padded_inputs(words, n, r, np_, rp)
+        return self._write(windows, kv, (np_, rp, launch, False), launch, inputs, n, r, offsets)
+
+    def _write(self, windows, kv, key, launch, inputs, n, r, offsets) -> GraphStep:
+        """Write ``inputs`` and the segment table into the buffers of the graph ``key``."""
+        captured = self.graphs.get(key) or self._new_buffers(key[0], key[1], launch.batch)
+        host = torch.tensor(inputs, dtype=torch.int64, pin_memory=True)
         captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
         step = self.backend.plan(kv, launch, out=captured.table)
-        return GraphStep(list(windows), kv, key, captured, step, len(inputs))
+        return GraphStep(list(windows), kv, key, captured, step, len(inputs), n, r, offsets)
+
+    def _buffers(self, staged: GraphStep, prev: torch.Tensor | None):
+        """``ids``, ``positions``, ``logit_rows`` of ``staged``'s graph, the fed ids carried in,
+        and its matmul plan."""
+        inputs, (np_, rp, _, solo) = staged.captured.inputs, staged.key
+        carry(inputs[:np_], prev, inputs[2 * np_ + rp : staged.used])
+        ids, pos, rows = inputs[:np_], inputs[np_ : 2 * np_], inputs[2 * np_ : 2 * np_ + rp]
+        return ids, pos, rows, MatmulPlan(solo=solo)  # (plain weights: no wide rows)
 
     def replay(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
         """Replay (capturing first) the graph of ``staged``. ``prev`` (device): the argmax of the
         step in flight, which fed rows read (``carry``: on the device, never on the host)."""
-        captured, (bs, _, solo) = staged.captured, staged.key
-        b, inputs = len(staged.windows), captured.inputs
-        carry(inputs[:b], prev, inputs[3 * bs : staged.used])
-        ids, pos, rows = inputs[:bs], inputs[bs : 2 * bs], inputs[2 * bs : 3 * bs]
-        matmul = MatmulPlan(solo=solo)  # decode rows: none wide
+        captured = staged.captured
+        if not self.capture:
+            self.graphs[staged.key] = captured  # (its buffers, for the next step of this shape)
+            return self.eager(staged, prev)
+        ids, pos, rows, matmul = self._buffers(staged, prev)
         if self.graphs.get(staged.key) is not captured:
             self._capture(captured, ids, pos, rows, staged.step, matmul)
             self.graphs[staged.key] = captured
         captured.graph.replay()
         self.replays += 1
-        plan = StepPlan(
-            staged.windows, staged.kv, ids[:b], pos[:b], rows[:b], list(range(b)), staged.step, matmul
-        )
-        return StepResult(plan, captured.logits[:b])
+        self.mixed_replays += staged.mixed
+        return self._result(staged, captured.logits, ids, pos, rows, matmul)
 
-    def _new_buffers(self, bs: int) -> _Captured:
+    def eager(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
+        """The forward of ``staged`` run eagerly on its graph's buffers, what its capture's
+        warm-up runs (the reference a replay equals bit for bit: ``tests/test_mixed_graphs.py``)."""
+        ids, pos, rows, matmul = self._buffers(staged, prev)
+        logits = self.model(ids, pos, rows, staged.step, matmul)
+        return self._result(staged, logits, ids, pos, rows, matmul)
+
+    @staticmethod
+    def _result(staged: GraphStep, logits, ids, pos, rows, matmul) -> StepResult:
+        n, r = staged.rows, staged.logits
+        plan = StepPlan(
+            staged.windows, staged.kv, ids[:n], pos[:n], rows[:r], staged.offsets, staged.step, matmul
+        )
+        return StepResult(plan, logits[:r])
+
+    def _new_buffers(self, rows: int, logits: int, tables: int) -> _Captured:
         device = self.model.device
-        inputs = torch.zeros(5 * bs, dtype=torch.int64, device=device)
-        return _Captured(torch.cuda.CUDAGraph(), inputs, self.backend.graph_table(bs), torch.empty(0))
+        inputs = torch.zeros(2 * rows + 3 * logits, dtype=torch.int64, device=device)
+        return _Captured(torch.cuda.CUDAGraph(), inputs, self.backend.graph_table(tables), torch.empty(0))
 
     def _capture(self, captured: _Captured, ids, pos, rows, step, matmul: MatmulPlan) -> None:
         model = self.model
@@ -138,27 +223,26 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
             model(ids, pos, rows, step, matmul)
         torch.cuda.current_stream().wait_stream(stream)
-        mode = "global"
         if self.threaded:
             # the step's NCCL collectives are captured too; NCCL's watchdog thread may still query
-            # events of eager collectives (cudaEventQuery), which a global-mode capture forbids in
-            # every thread (pytorch/pytorch#104487): let them finish, and forbid only this thread
+            # events of eager collectives (cudaEventQuery): let them finish first
             torch.cuda.synchronize()
-            mode = "thread_local"
-        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode=mode):
+        # captures are lazy, so they happen under load while other threads (the RAM tier's
+        # copies, NCCL's watchdog: pytorch/pytorch#104487) make CUDA calls on their own streams; a
+        # global-mode capture forbids those in every thread and fails, so forbid only this one's
+        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode="thread_local"):
             captured.logits = model(ids, pos, rows, step, matmul)
         self.captures += 1
-        log.info("captured a decode graph for %d rows", ids.shape[0])
+        log.info("captured a step graph for %d rows, %d logit rows", ids.shape[0], rows.shape[0])
 
 
 def make_graphs(
     mode: str, model: torch.nn.Module, backend: AttentionBackend, threaded: bool
-) -> DecodeGraphs | NoGraphs:
-    """``--cuda-graphs auto|off``: captured decode where possible, else eager with the reason."""
-    if mode == "off":
-        return NoGraphs("off: --cuda-graphs off")
+) -> StepGraphs | NoGraphs:
+    """``--cuda-graphs auto|off``: captured steps where possible, else eager with the reason. Off
+    on the fused route, steps are staged as for a capture and run eagerly (``StepGraphs.capture``)."""
     if model.device.type != "cuda":
         return NoGraphs(f"off: no CUDA ({model.device.type})")
     if not backend.captures_graphs:
         return NoGraphs(f"off: the attention route is not fused ({backend.verdict.verdict})")
-    return DecodeGraphs(model, backend, threaded)
+    return StepGraphs(model, backend, threaded, capture=mode != "off")

@@ -224,7 +224,12 @@ class Scheduler:
             "steps": s.steps,
             "step_ms": round(s.step_ms, 3),
             "rows_per_step": round(s.rows_per_step, 2),
-            "graphs": {"status": graphs.status, "captures": graphs.captures, "replays": graphs.replays},
+            "graphs": {
+                "status": graphs.status,
+                "captures": graphs.captures,
+                "replays": graphs.replays,
+                "mixed_replays": graphs.mixed_replays,
+            },
             "run_ahead": {"enabled": p.run_ahead, "steps": s.ahead_steps},
             "threads": self.engine.threads.health(),
             "route_counts": dict(s.route_counts),

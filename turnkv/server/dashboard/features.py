@@ -117,9 +117,9 @@ def _graphs(doc: dict, attention: Feature) -> Feature:
     status = str(((doc.get("scheduler") or {}).get("graphs") or {}).get("status", ""))
     label = "CUDA graphs"
     if status == "on":
-        return Feature("graphs", label, "ok", "on", "decode steps replay captured GPU launches")
+        return Feature("graphs", label, "ok", "on", "every step replays captured GPU launches")
     if status.startswith("off: no CUDA"):
-        return Feature("graphs", label, "off", NO_GPU, "captured decode steps need a CUDA GPU")
+        return Feature("graphs", label, "off", NO_GPU, "captured steps need a CUDA GPU")
     if status.startswith("off: the attention route is not fused"):
         tone: Tone = "off" if attention.tone in ("ok", "off") else "warn"  # follows attention's cause
         return Feature(

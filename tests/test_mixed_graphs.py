@@ -1,0 +1,103 @@
+"""Steps with prompt rows replay captured graphs (engine/graphs.py), bit for bit as the same
+staged step run eagerly (CUDA only; CI has no GPU: tests/test_graph_inputs.py and
+tests/test_triton_segments.py cover the host side and the padded attention launch on the CPU).
+
+Through the scheduler: prompts prefilled in chunks beside decode rows, verify windows of
+context-copy drafts and a turn under a grammar in the same steps, run-ahead on (the CUDA
+default). Every step with prompt rows is run eagerly on its graph's buffers first
+(``StepGraphs.eager``, what a capture's warm-up runs), then replayed: logits equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from turnkv.config import EngineConfig
+from turnkv.engine.events import GenEvent, TurnRequest
+from turnkv.engine.sampling import SamplingParams
+from turnkv.runtime import build, load_engine, new_bank
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def loop(n: int, seed: int) -> list[int]:
+    """A prompt the context copy drafts from (a repeated phrase)."""
+    return [256, *([40 + seed, 41, 42, 43, 44, 45, 46] * (n // 7))]
+
+
+def test_mixed_steps_replay_bit_for_bit_as_eager_with_drafts_and_a_grammar_beside():
+    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", attention="auto")
+    engine = load_engine(cfg)
+    graphs = engine.graphs
+    assert engine.backend.name == "fused" and graphs.status == "on"
+    sched = build(cfg, "bench", engine=engine).scheduler(
+        new_bank(engine, "8G"), max_running=8, max_batch_tokens=256
+    )
+    assert sched.pipeline.run_ahead
+    compared, kinds, constrained = [], [], set()
+
+    replay = graphs.replay
+
+    def checked(staged, prev=None):
+        if not staged.mixed:
+            return replay(staged, prev)
+        eager = graphs.eager(staged, prev).logits.clone()
+        got = replay(staged, prev)
+        compared.append(torch.equal(eager, got.logits))
+        kinds.append(
+            {
+                "prefill" if len(w.tokens) > 32 else "decode" if len(w.tokens) == 1 else "short"
+                for w in staged.windows
+            }
+            | ({"verify"} if len(staged.windows) > len({id(w.cache) for w in staged.windows}) else set())
+            | ({"grammar"} if constrained & {id(w.cache) for w in staged.windows} else set())
+        )
+        return got
+
+    graphs.replay = checked
+    launch = sched.pipeline.launch
+
+    def noted(work, *args, **kw):
+        constrained.update(id(w.cache) for e, w in work if e.turn.constraint is not None)
+        return launch(work, *args, **kw)
+
+    sched.pipeline.launch = noted
+    answers: dict[str, list[int]] = {}
+
+    def submit(name, req):
+        got = answers.setdefault(name, [])
+        sched.submit(req, lambda ev: got.append(ev.token_id) if isinstance(ev, GenEvent) else None)
+
+    grammar = None
+    try:
+        from turnkv.chat_format.grammar import Grammars
+
+        schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                  "b": {"enum": ["x", "yz"]}}, "required": ["a", "b"]}  # fmt: skip
+        grammar = Grammars(engine.tokenizer, engine.loaded.config.vocab_size).json_schema(schema)
+    except ImportError:  # llguidance: a project dependency (dev_tests.sh installs it on the device)
+        pass
+    for i in range(3):  # decoding loops that draft, beside the long prompts below
+        submit(f"d{i}", TurnRequest(loop(60 + 30 * i, i), SamplingParams(ignore_eos=True), max_tokens=80))
+    for _ in range(3):
+        sched.step()
+    if grammar is not None:
+        submit("g", TurnRequest(loop(20, 9), SamplingParams(), max_tokens=60, grammar=grammar))
+    for i in range(3):  # long prompts, prefilled in chunks of the 256-row budget
+        submit(f"p{i}", TurnRequest(loop(700 + 333 * i, 5 + i), SamplingParams(ignore_eos=True), 24))
+        sched.step()
+    while sched.busy:
+        sched.step()
+    assert len(compared) > 10 and all(compared)
+    assert graphs.mixed_replays >= len(compared) and graphs.captures > 0
+    assert any({"prefill", "decode"} <= k for k in kinds)
+    assert any({"prefill", "verify"} <= k for k in kinds), kinds
+    assert engine.speculation.stats.drafted > 0
+    if grammar is not None:
+        assert any({"prefill", "grammar"} <= k for k in kinds), kinds
+        text = engine.tokenizer.decode([t for t in answers["g"] if t is not None])
+        assert json.loads(text)["b"] in ("x", "yz")
+    assert all(len(answers[f"p{i}"]) >= 24 for i in range(3))
