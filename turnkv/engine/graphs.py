@@ -138,14 +138,15 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
             model(ids, pos, rows, step, matmul)
         torch.cuda.current_stream().wait_stream(stream)
-        mode = "global"
-        if self.threaded:
-            # the step's NCCL collectives are captured too; NCCL's watchdog thread may still query
-            # events of eager collectives (cudaEventQuery), which a global-mode capture forbids in
-            # every thread (pytorch/pytorch#104487): let them finish, and forbid only this thread
+        if self.threaded:  # NCCL's watchdog queries the events of eager collectives: let them finish
             torch.cuda.synchronize()
-            mode = "thread_local"
-        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode=mode):
+        # thread_local: a global-mode capture forbids "unsafe" calls in *every* thread, and other
+        # threads make them while a step captures: the disk tier's writer (cudaEventSynchronize,
+        # pinned allocations, stream syncs), NCCL's watchdog (cudaEventQuery, pytorch#104487).
+        # One such call invalidates the capture, and the step's next launch fails with "operation
+        # failed due to a previous error during capture" (issue 30's cold run). Their work is on
+        # streams of their own, so only this thread's calls need to be checked.
+        with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode="thread_local"):
             captured.logits = model(ids, pos, rows, step, matmul)
         self.captures += 1
         log.info("captured a decode graph for %d rows", ids.shape[0])
