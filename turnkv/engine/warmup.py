@@ -101,6 +101,11 @@ def _sizes(limit: int) -> list[int]:
     return sorted(out | {limit})
 
 
+def _compiles(engine) -> bool:
+    """Whether steps JIT-compile kernels or capture graphs here (CUDA: Triton, CUDA graphs)."""
+    return engine.shape.device.type == "cuda"
+
+
 Group = list[Arrival]  # turns driven together until the scheduler is idle again
 
 
@@ -108,7 +113,7 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
     """The phases of the warm-up for ``sched``'s engine and limits, each a list of groups."""
     engine = sched.engine
     vocab = engine.loaded.config.vocab_size
-    if engine.shape.device.type != "cuda":
+    if not _compiles(engine):
         return [("smoke", [[Arrival(0, _turn(16, 1, vocab, 2))]])]
     budget, running = sched.max_batch_tokens, sched.max_running
     room = (engine.max_context or 1 << 20) - 16
