@@ -2,7 +2,7 @@
 
 ``turnkv serve --model random:llama3-8b`` in a child process whose cache home (and so its Triton
 cache) is an empty directory; ``/health`` answers 503 while it loads and warms, then ok; a mixed
-workload (staggered streaming clients, documents of 200-3300 tokens and follow-ups, beside each
+workload (staggered clients, documents of 200-3300 tokens and follow-ups, beside each
 other's decode rows) then leaves ``jit_after_ready`` at 0. Skipped without CUDA (run on the device).
 """
 

@@ -88,7 +88,7 @@ def warm_doc(srv) -> dict:
     step) and ``warmup`` (what it did: ``engine.warmup.WarmReport``)."""
     from turnkv.engine.jit_watch import WATCH
 
-    report = srv.warm_report
+    report = getattr(srv, "warm_report", None)  # None: no warm-up ran (tests build apps directly)
     return {
         "warm": report is not None,
         "jit_after_ready": WATCH.after_ready(srv.engine) if report is not None else 0,
