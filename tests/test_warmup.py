@@ -110,7 +110,7 @@ def _cuda_sched(budget=512, running=64, max_context=131072):
 
 def test_the_cuda_plan_covers_every_decode_batch_key_bucket_and_row_count():
     phases = dict(warmup.plan(_cuda_sched(), grammar="G"))
-    assert list(phases) == ["prefill", "decode", "mixed"]
+    assert list(phases) == ["prefill", "decode", "history", "mixed"]
     # prompt chunks alone, one turn per group: every power of two to the budget and one past it
     lengths = [len(g[0].request.prompt) for g in phases["prefill"]]
     assert all(len(g) == 1 for g in phases["prefill"])
@@ -125,6 +125,11 @@ def test_the_cuda_plan_covers_every_decode_batch_key_bucket_and_row_count():
     assert set(warmup.LONG_CONTEXTS) <= longest
     long_prompts = {tuple(a.request.prompt) for g in groups for a in g if len(a.request.prompt) > 4096}
     assert len(long_prompts) == len(warmup.LONG_CONTEXTS)  # one per bucket: the bank restores it
+    # follow-up chunks over every power of two of history, a prefix of the banked long prompt
+    (long,) = [p for p in long_prompts if len(p) == max(map(len, long_prompts))]
+    follow = [g[0].request.prompt for g in phases["history"]]
+    assert {64, 1024, 8192} <= {h for h in (64, 1024, 8192) if any(p[:h] == list(long[:h]) for p in follow)}
+    assert {2, 40, 512} <= {len(p) - h for p in follow for h in (64, 4096) if p[:h] == list(long[:h])}
     # mixed: greedy, sampled, logprob and grammar rows decoding while prompts of every size arrive
     (mixed,) = phases["mixed"]
     decoders = [a.request for a in mixed if a.at == 0]

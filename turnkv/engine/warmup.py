@@ -6,7 +6,9 @@ It drives turns, not kernels or caches: a private bank and a scheduler like the 
 (``Runtime.warm_up`` builds both) run synthetic turns whose arrivals make the steps a server
 meets -- prefill chunks of many row counts (aligned and odd: Triton specializes integers by
 divisibility), decode batches of every captured batch size, each beside a conversation long
-enough to reach the larger key buckets (the split count a decode graph is keyed by), mixed steps
+enough to reach the larger key buckets (the split count a decode graph is keyed by), follow-up
+chunks of several sizes over histories of every power of two of keys (restored from the bank: a
+chunk's split count, and so its combine kernel's variant, follows its keys), mixed steps
 of decode rows plus prompt chunks across the row range, sampled, logprob and grammar-masked rows.
 Whatever those steps compile or capture is then in place; what a serving step still compiles is
 counted (``jit_watch``).
@@ -92,6 +94,11 @@ def _turn(n: int, seed: int, vocab: int, answer: int, **kw) -> TurnRequest:
     return TurnRequest(_prompt(n, seed, vocab), params, max_tokens=answer, namespace=NAMESPACE, **kw)
 
 
+def _keys(limit: int) -> list[int]:
+    """History lengths 64, 128, ... up to ``limit``: one per power of two of the keys read."""
+    return [1 << k for k in range(6, 32) if 1 << k <= limit]
+
+
 def _sizes(limit: int) -> list[int]:
     """Row counts from 1 to ``limit``: each power of two, and one past it."""
     out, p = set(), 1
@@ -130,6 +137,13 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
             if long:  # the same long prompt every time: the bank restores it after the first
                 group.append(_turn(long, 0, vocab, 4))
             decode.append([Arrival(0, r) for r in group])
+    # prompt chunks over a history (follow-ups, restored from the bank): the split count of a
+    # chunk's attention, and so its combine kernel's variant, follows the keys it reads
+    history: list[Group] = []
+    for h in [h for h in _keys(max(longs, default=0)) if h + budget < room]:
+        for r in [2, 8, 16, 40, 200, budget]:
+            ids = _prompt(h, 0, vocab) + _prompt(r, next(seed), vocab)
+            history.append([Arrival(0, TurnRequest(ids, SamplingParams(ignore_eos=True), 2, NAMESPACE))])
     # mixed steps: decode rows (greedy, sampled, logprobs, grammar-masked) beside prompt chunks
     sizes = [n for n in _sizes(budget) if n > 4]
     answer = 3 * len(sizes) + 8
@@ -143,7 +157,7 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
     d = len(decoders)
     mixed = [Arrival(0, r) for r in decoders]
     mixed += [Arrival(2 + 3 * i, _turn(n - d, next(seed), vocab, 1)) for i, n in enumerate(sizes) if n > d]
-    return [("prefill", prefill), ("decode", decode), ("mixed", [mixed])]
+    return [("prefill", prefill), ("decode", decode), ("history", history), ("mixed", [mixed])]
 
 
 def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmReport:
