@@ -77,6 +77,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     add("--max-context", "max_context", "context length in tokens; 0 = the model's own", type=int)
     add("--prefill-chunk", "prefill_chunk", "rows per prefill window", type=int)
     add("--cuda-graphs", "cuda_graphs", "captured steps on CUDA (decode and prompt rows alike)")
+    add("--warmup", "warmup", "compile kernels and capture graphs before /health says ok (serve)")
     add(
         "--run-ahead",
         "run_ahead",

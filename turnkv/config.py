@@ -88,6 +88,7 @@ DType = Literal["auto", "bfloat16", "float16", "float32"]
 KVLayout = Literal["segmented", "contiguous"]
 AttentionChoice = Literal["auto", "fused", "lse"]
 CudaGraphs = Literal["auto", "off"]
+Warmup = Literal["auto", "off"]
 RunAhead = Literal["auto", "on", "off"]
 Weights = Literal["auto", "packed", "dequant"]
 Speculate = Literal["auto", "off"]
@@ -122,6 +123,7 @@ class EngineConfig:
     max_context: int = 0  # 0: the model's max_position
     prefill_chunk: int = 512
     cuda_graphs: CudaGraphs = "auto"  # captured steps on CUDA (decode and prompt rows alike)
+    warmup: Warmup = "auto"  # serve: compile and capture before /health says ok (engine/warmup.py)
     run_ahead: RunAhead = "auto"  # launch each step before the last one's tokens are taken
     speculate: Speculate = "auto"  # context-copy speculative decoding (verify windows)
     max_running: int = 64  # turns in the running set (one window each per step)

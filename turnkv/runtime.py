@@ -15,9 +15,11 @@ imports ``parallel/``.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from turnkv.bank.budget import auto_budget_bytes
 from turnkv.bank.session_bank import SessionBank
@@ -26,6 +28,11 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import TurnEvent, TurnRequest
 from turnkv.engine.scheduler import Scheduler, StepHook, run_turn
 from turnkv.kv.segments import unique_bytes
+
+if TYPE_CHECKING:
+    from turnkv.engine.warmup import WarmProgress, WarmReport
+
+log = logging.getLogger(__name__)
 
 Role = Literal["serve", "chat", "generate", "bench", "follower"]
 KEEPS = ("serve",)  # roles whose bank sits over the RAM and disk tiers (unless --no-ram/--no-disk)
@@ -197,6 +204,7 @@ class Runtime:
     bank: SessionBank | None  # None for a follower (rank 0 tells it which banks to make)
     hook: StepHook | None  # rank 0 of a driven tensor-parallel group: the other ranks replay steps
     auto_bank_bytes: int  # what ``--bank-bytes auto`` means here (``_auto_budget``)
+    warm: WarmReport | None = None  # what ``warm_up`` did (None: it has not run)
 
     def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
         return new_bank(self.engine, budget, disk, self.auto_bank_bytes)
@@ -220,12 +228,54 @@ class Runtime:
             hook=self.hook,
         )
 
+    def warm_up(self, progress: WarmProgress | None = None) -> WarmReport:
+        """Compile and capture what serving steps will use (``engine.warmup``) over a bank of its
+        own (nothing of it stays in the server's bank or tiers), then mark the process ready
+        (``jit_watch.WATCH``: what compiles later is counted). ``--warmup off``, or a driven
+        tensor-parallel group (the other ranks would replay the warm-up's turns), skip it."""
+        from turnkv.engine.jit_watch import WATCH
+        from turnkv.engine.warmup import WarmProgress, WarmReport, warm_up
+
+        progress = progress if progress is not None else WarmProgress()
+        report = WarmReport()
+        if self.cfg.warmup == "off":
+            report.note = "off: --warmup off"
+        elif self.hook is not None or self.engine.tp is not None:
+            report.note = "off: tensor parallelism (each rank compiles on its first steps)"
+        else:
+            report = warm_up(self.scheduler(self.new_bank()), progress, _warm_grammar(self))
+        WATCH.mark_ready(self.engine)
+        self.warm = report
+        return report
+
     def run_turn(
         self, request: TurnRequest, bank: SessionBank | None = None, interruptible: bool = False
     ) -> Iterator[TurnEvent]:
         """Drive one turn to its end on this thread (``scheduler.run_turn``)."""
         sched = self.scheduler(bank, max_running=1)
         return run_turn(sched, request, interruptible)
+
+
+def _warm_grammar(rt: Runtime):
+    """A JSON grammar for the warm-up's masked rows, where grammars are served (else None)."""
+    if rt.effective.grammars_off is not None:
+        return None
+    try:
+        from turnkv.chat_format.grammar import Grammars
+
+        return Grammars(rt.engine.tokenizer, rt.engine.loaded.config.vocab_size).json_object()
+    except Exception as exc:  # llguidance missing or the tokenizer unsupported: requests would say so
+        log.info("warm-up without a grammar row: %s", exc)
+        return None
+
+
+def triton_cache() -> str:
+    """Triton's compile cache beside the KV disk tier and the packed weights
+    (``cbuild.cache_home()/triton``), unless ``TRITON_CACHE_DIR`` names one: a restart loads the
+    kernels it compiled instead of compiling them again."""
+    from turnkv.cbuild import cache_home
+
+    return os.environ.setdefault("TRITON_CACHE_DIR", str(cache_home() / "triton"))
 
 
 def build(
@@ -236,7 +286,12 @@ def build(
         from turnkv.bank.ram_budget import ram_budget
 
         ram_budget(cfg)
+    triton_cache()
     engine = engine if engine is not None else load_engine(cfg, progress)
+    if engine.shape.device.type == "cuda":
+        from turnkv.engine.jit_watch import WATCH
+
+        WATCH.install()  # what compiles from here on is counted (after ready: jit_after_ready)
     hook = None
     group = engine.tp.group if engine.tp is not None else None
     if group is not None and group.driven and group.leader:

@@ -66,9 +66,11 @@ class Engine:
         kv = kv_dtype(cfg.kv_dtype, loaded.dtype, loaded.device)
         self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv, loaded.device)
         self.layout = make_layout(cfg.kv_layout, self.shape)
+        t0 = time.perf_counter()
         self.backend = make_backend(
             cfg.attention, loaded.device, mc.head_dim, mc.num_heads, mc.num_kv_heads, loaded.dtype
         )
+        self.selfcheck_s = time.perf_counter() - t0  # the startup line's "self-check"
         self.max_context = (
             min(cfg.max_context or mc.max_position, mc.max_position) if mc.max_position else cfg.max_context
         )

@@ -228,7 +228,7 @@ class StepGraphs:
             # events of eager collectives (cudaEventQuery): let them finish first
             torch.cuda.synchronize()
         # captures are lazy, so they happen under load while other threads (the RAM tier's
-        # copies, NCCL's watchdog: pytorch/pytorch#104487) make CUDA calls on their own streams; a
+        # copies, the disk writer's event syncs, NCCL's watchdog: pytorch/pytorch#104487) make CUDA calls on their own streams; a
         # global-mode capture forbids those in every thread and fails, so forbid only this one's
         with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode="thread_local"):
             captured.logits = model(ids, pos, rows, step, matmul)

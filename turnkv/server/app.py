@@ -72,6 +72,7 @@ class Server:
         self.cfg = cfg = rt.cfg
         self.effective = rt.effective
         self.bank = bank if bank is not None else rt.bank
+        self.warm_report = rt.warm  # what the warm-up did (None: none ran; ``Runtime.warm_up``)
         scheduler = rt.scheduler(self.bank)
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
         scheduler.pipeline.observe = self.metrics.step
@@ -183,6 +184,14 @@ class Server:
         return TurnStream(self.worker.submit, turn, request)
 
 
+async def shutdown(srv: Server) -> None:
+    """Cancel what still runs (it banks what it computed) and close the tiers, off the event loop
+    (the app's lifespan; ``server.warming.WarmGate`` runs it when it serves the app)."""
+    await asyncio.to_thread(srv.worker.stop, srv.cfg.shutdown_timeout)
+    if srv.bank.tier is not None:
+        await asyncio.to_thread(srv.bank.tier.close)  # finishes the queued block writes
+
+
 def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
     """The FastAPI app serving ``rt`` (``runtime.build``); ``bank`` defaults to ``rt.bank``."""
     srv = Server(rt, bank)
@@ -191,10 +200,7 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        # cancel what still runs (it banks what it computed); never block the event loop
-        await asyncio.to_thread(srv.worker.stop, cfg.shutdown_timeout)
-        if srv.bank.tier is not None:
-            await asyncio.to_thread(srv.bank.tier.close)  # finishes the queued block writes
+        await shutdown(srv)
 
     # no /docs or /redoc: their pages load their scripts from a CDN (server.openapi)
     app = FastAPI(title="turnkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -279,4 +285,4 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
     return app
 
 
-__all__ = ["Server", "create_app"]
+__all__ = ["Server", "create_app", "shutdown"]

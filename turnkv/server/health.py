@@ -79,4 +79,19 @@ def _tensor_parallel(engine: Engine) -> dict:
 def server_health(srv) -> dict:
     """The ``/health`` document of a running ``Server``: the one builder that the route and the
     dashboard share, so their counts always match."""
-    return health(srv.engine, srv.bank, srv.worker.scheduler.snapshot)
+    return health(srv.engine, srv.bank, {**srv.worker.scheduler.snapshot, **warm_doc(srv)})
+
+
+def warm_doc(srv) -> dict:
+    """``/health.scheduler``'s ``warm`` (the warm-up ran and marked the process ready),
+    ``jit_after_ready`` (Triton compiles and graph captures since: 0 when warm-up covered every
+    step) and ``warmup`` (what it did: ``engine.warmup.WarmReport``)."""
+    from turnkv.engine.jit_watch import WATCH
+
+    report = getattr(srv, "warm_report", None)  # None: no warm-up ran (tests build apps directly)
+    return {
+        "warm": report is not None,
+        "jit_after_ready": WATCH.after_ready(srv.engine) if report is not None else 0,
+        "jit_status": WATCH.status,
+        "warmup": report.doc() if report is not None else None,
+    }

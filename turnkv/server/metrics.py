@@ -151,6 +151,25 @@ class _SpeculationCollector(Collector):
         yield accepted
 
 
+class _WarmCollector(Collector):
+    """Compiles and captures after ready (``engine.jit_watch``), read at scrape time."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        from turnkv.engine.jit_watch import WATCH
+
+        yield from _counters(
+            (
+                "turnkv_jit_after_ready",
+                WATCH.after_ready(self.engine),
+                "Triton compiles and CUDA-graph captures after /health said ok (0 when warm-up covered them)",
+            ),
+            ("turnkv_jit_in_capture", WATCH.in_capture, "Triton compiles inside a CUDA-graph capture"),
+        )
+
+
 class Metrics:
     """The registry of one app and the event metrics the routes record."""
 
@@ -200,6 +219,7 @@ class Metrics:
         )
         r.register(_StateCollector(bank, scheduler))
         r.register(_SpeculationCollector(engine.speculation.stats))
+        r.register(_WarmCollector(engine))
 
     def turn(self, stats) -> None:
         """Record one finished turn's ``TurnStats``."""

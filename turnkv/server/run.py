@@ -1,8 +1,11 @@
-"""``turnkv serve``: bind, load, announce, serve under uvicorn, shut down within a bound.
+"""``turnkv serve``: bind, listen, load and warm up, announce, serve under uvicorn, shut down within a bound.
 
 The listening socket is bound *before* the model loads, so a port in use or a host that cannot be
-bound fails in one line within a second rather than after the load (and "serving on" is printed
-only once the socket is ours). On SIGTERM or Ctrl-C the server stops accepting, logs how many turns
+bound fails in one line within a second rather than after the load. uvicorn serves at once: until
+the model is loaded and warm (``Runtime.warm_up``) a ``server.warming.WarmGate`` answers
+``/health`` with 503 ``warming`` and every other route with 503 and ``Retry-After``; then the
+app serves and "serving on ... ready in" is printed. A load that fails stops the server and
+the CLI prints its one line. On SIGTERM or Ctrl-C the server stops accepting, logs how many turns
 it waits for, and lets them run for ``--shutdown-timeout`` seconds; then it cancels them: each stops
 at its next token, banks what it computed, and its answer ends normally with ``finish_reason``
 "cancelled". uvicorn's own graceful-shutdown timeout is ``GRACE_S`` later, a last resort for a turn
@@ -15,6 +18,7 @@ import errno
 import socket
 import sys
 import threading
+import time
 
 import uvicorn
 
@@ -67,54 +71,101 @@ def uvicorn_config(app, cfg: EngineConfig, **kw) -> uvicorn.Config:
 
 
 def serve(cfg: EngineConfig) -> None:
-    """Bind ``cfg.host:cfg.port``, load the model of ``cfg`` and serve it until stopped."""
-    from turnkv.bank.disk import disk_dir, rank_dir
-    from turnkv.bank.tiers import tier_health
-    from turnkv.runtime import build
-    from turnkv.server.app import Server, create_app
+    """Bind ``cfg.host:cfg.port``, listen at once (``/health`` says ``loading``, then ``warming``),
+    load the model and warm it up on a thread (``start``), then serve it until stopped."""
+    from turnkv.engine.warmup import WarmProgress
+    from turnkv.server.warming import WarmGate
 
     sock = bind_socket(cfg.host, cfg.port)
     try:
-        rt = build(cfg, "serve")
-        engine = rt.engine
-        app = create_app(rt)
-        srv: Server = app.state.server
-        server = _Uvicorn(uvicorn_config(app, cfg), srv, cfg.shutdown_timeout)
+        progress = WarmProgress()
+        gate = WarmGate(progress, cfg.model)
+        server = _Uvicorn(uvicorn_config(gate, cfg), gate, cfg.shutdown_timeout)
         port = sock.getsockname()[1]
-        info, tier = engine.info, srv.bank.tier
-        tp = engine.tp  # each rank's bank and tier hold its 1/size of every row, budgets per rank
-        where = disk_dir(cfg.disk_dir) if tp is None else rank_dir(cfg.disk_dir, tp.size, "*")
-        tiers = tier_health(tier)
-        disk = "no disk tier"
-        if tiers["disk"]["enabled"]:
-            disk = f"disk {where} ({tiers['disk']['budget_bytes'] / 2**30:.1f} GiB{' each' if tp else ''})"
-        ram = tiers["ram"]
-        ram_text = f"RAM {ram['budget_bytes'] / 2**30:.1f} GiB" if ram["enabled"] else "no RAM tier"
-        disk = f"{ram_text}, {disk}"
-        if tp is not None:
-            disk = f"tensor parallel {tp.size} (budgets per rank), {disk}"
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                start(cfg, gate, progress, port)
+            except BaseException as exc:  # the CLI prints it as one line once uvicorn has stopped
+                progress.state, progress.error = "failed", f"{type(exc).__name__}: {exc}"
+                failure.append(exc)
+                server.should_exit = True
+
         print(
-            f"turnkv: serving {info.model_name} on http://{cfg.host}:{port}/v1 "
-            f"(kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
-            f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs})",
+            f"turnkv: listening on http://{cfg.host}:{port} (GET /health: 503 until the model is loaded and warm)",
             file=sys.stderr,
             flush=True,
         )
+        threading.Thread(target=run, name="turnkv-start", daemon=True).start()
         server.run(sockets=[sock])
+        if failure:
+            raise failure[0]
     finally:
         sock.close()
+
+
+def start(cfg: EngineConfig, gate, progress, port: int) -> None:
+    """Load, self-check and warm up (``Runtime.warm_up``), then open ``gate`` to the app and print
+    the startup line: where it serves, and what the time to ready went to."""
+    from turnkv.runtime import build
+    from turnkv.server.app import Server, create_app, shutdown
+
+    t0 = time.perf_counter()
+    rt = build(cfg, "serve")
+    loaded = time.perf_counter() - t0
+    report = rt.warm_up(progress)
+    app = create_app(rt)
+    srv: Server = app.state.server
+    gate.srv = srv
+    gate.open(app, lambda: shutdown(srv))
+    ready = time.perf_counter() - t0
+    check = rt.engine.selfcheck_s
+    warm = f"warm-up {report.seconds:.1f} s ({report.turns} turns, {report.steps} steps)"
+    if report.note:
+        warm = f"warm-up {report.note}"
+    print(
+        f"turnkv: serving {rt.engine.info.model_name} on http://{cfg.host}:{port}/v1 ({_facts(cfg, rt, srv)})"
+        f"\nturnkv: ready in {ready:.1f} s: load {loaded - check:.1f} s, self-check {check:.1f} s, {warm}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _facts(cfg: EngineConfig, rt, srv) -> str:
+    from turnkv.bank.disk import disk_dir, rank_dir
+    from turnkv.bank.tiers import tier_health
+
+    engine = rt.engine
+    info, tier = engine.info, srv.bank.tier
+    tp = engine.tp  # each rank's bank and tier hold its 1/size of every row, budgets per rank
+    where = disk_dir(cfg.disk_dir) if tp is None else rank_dir(cfg.disk_dir, tp.size, "*")
+    tiers = tier_health(tier)
+    disk = "no disk tier"
+    if tiers["disk"]["enabled"]:
+        disk = f"disk {where} ({tiers['disk']['budget_bytes'] / 2**30:.1f} GiB{' each' if tp else ''})"
+    ram = tiers["ram"]
+    ram_text = f"RAM {ram['budget_bytes'] / 2**30:.1f} GiB" if ram["enabled"] else "no RAM tier"
+    disk = f"{ram_text}, {disk}"
+    if tp is not None:
+        disk = f"tensor parallel {tp.size} (budgets per rank), {disk}"
+    return (
+        f"kv {cfg.kv_layout}, bank budget {srv.bank.budget_bytes / 2**20:.0f} MiB, {disk}, "
+        f"attention {info.verdict.route}: {info.verdict.verdict}, cuda graphs {info.graphs}"
+    )
 
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, saying on the first stop signal what it waits for and for how long."""
 
-    def __init__(self, config: uvicorn.Config, srv, timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, gate, timeout: float) -> None:
         super().__init__(config)
-        self.srv = srv
+        self.gate = gate  # its ``srv`` once the app is open
         self.timeout = timeout
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
+        self.srv = getattr(self.gate, "srv", None)
+        if not self.should_exit and self.srv is not None:
             running = self.srv.worker.running + self.srv.worker.waiting
             timeout = self.timeout
             timer = threading.Timer(timeout, self.srv.worker.cancel_all)

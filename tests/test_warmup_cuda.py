@@ -1,0 +1,34 @@
+"""On CUDA: a server started with an empty Triton cache compiles and captures nothing after ready.
+
+``turnkv serve --model random:llama3-8b`` in a child process whose cache home (and so its Triton
+cache) is an empty directory; ``/health`` answers 503 while it loads and warms, then ok; a mixed
+workload (staggered clients, documents of 200-3300 tokens and follow-ups, beside each
+other's decode rows) then leaves ``jit_after_ready`` at 0. Skipped without CUDA (run on the device).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_cold_start_then_a_mixed_workload_compiles_nothing_after_ready(tmp_path):
+    from bench.startup_gpu import ServeProcess, measure
+
+    srv = ServeProcess("random:llama3-8b", str(tmp_path), "--device", "cuda", "--no-disk")
+    try:
+        figures = measure("cold", srv)  # ready, two ~3.3K-token requests, the mixed workload
+        print(json.dumps(figures))  # the cold row of bench/startup_gpu.py (run with -s)
+        assert srv.statuses[0] in ("loading", "warming") and srv.statuses[-1] == "ok", srv.statuses
+        assert any((tmp_path / "turnkv" / "triton").iterdir()), "the Triton cache is not under the cache home"
+        assert not figures["mixed"]["errors"], figures["mixed"]["errors"]
+        sched = srv.health()["scheduler"]
+        assert sched["warm"] is True and sched["jit_status"] == "on"
+        assert sched["jit_after_ready"] == 0, (sched, [x for x in srv.lines if "after ready" in x])
+        assert not [x for x in srv.lines if "step failed" in x or "inside a CUDA-graph capture" in x]
+    finally:
+        srv.stop()
