@@ -62,18 +62,30 @@ def get_health(base: str) -> dict:
         return json.loads(r.read())
 
 
-def bytes_per_row(model: str, device: str) -> int:
-    """KV bytes of one row of ``model`` (random shapes from their table; else the loaded engine)."""
+def model_facts(model: str, device: str) -> tuple[int, float, int]:
+    """(KV bytes of one row, tokens per word of ``document``, a turn's transient bytes, which
+    admission reserves beside its KV) of ``model``: random shapes from their table (bf16, the
+    byte tokenizer; the activation bound x4 for fp32 and attention scratch), else the loaded engine's."""
+    from turnkv.config import EngineConfig
+
     if model.startswith("random:"):
         from turnkv.models.load import SHAPES
+        from turnkv.tokenizer import byte_level
 
         c = SHAPES[model.split(":", 1)[1]]
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # k and v, bf16
-    from turnkv.config import EngineConfig
-    from turnkv.runtime import load_engine
+        row, tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2, byte_level()  # k and v, bf16
+        act = 4 * (
+            EngineConfig.prefill_chunk * (6 * c.hidden_size + 3 * c.intermediate_size) * 2 + c.vocab_size * 4
+        )
+    else:
+        from turnkv.engine.admission import activation_bytes
+        from turnkv.runtime import load_engine
 
-    engine = load_engine(EngineConfig(model=model, device=device), progress=False)
-    return engine.shape.bytes_per_row
+        engine = load_engine(EngineConfig(model=model, device=device), progress=False)
+        row, tok = engine.shape.bytes_per_row, engine.tokenizer
+        act = 2 * activation_bytes(engine.footprint, engine.prefill_chunk, 1 << 15)
+    sample = document(random.Random(0), 2000)
+    return row, len(tok.encode(sample)) / 2000, act
 
 
 def document(rng: random.Random, words: int) -> str:
@@ -90,10 +102,11 @@ def pct(xs: list[float], p: float) -> float | None:
 class Conversation:
     def __init__(self, i: int, args) -> None:
         rng = random.Random(i)
+        words = max(1, int(args.doc_tokens / args.tokens_per_word))
         self.i = i
         self.messages = [
             {"role": "system", "content": f"You are assistant number {i}. Answer briefly."},
-            {"role": "user", "content": document(rng, args.doc_tokens) + "\nSummarize the text above."},
+            {"role": "user", "content": document(rng, words) + "\nSummarize the text above."},
         ]
         self.history = 0  # prompt + answer tokens of the previous turn (the rows a tier can hold)
         self.rng = rng
@@ -226,7 +239,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--convs", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--doc-tokens", type=int, default=1200, help="words of each conversation's document")
+    ap.add_argument("--doc-tokens", type=int, default=1500, help="tokens of each conversation's document")
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--ratio", type=float, default=1.3, help="conversations per conversation the bank holds")
@@ -238,13 +251,14 @@ def main() -> None:
     ap.add_argument("--tag", default="capacity")
     args = ap.parse_args()
 
-    args.bytes_per_row = bytes_per_row(
+    args.bytes_per_row, args.tokens_per_word, act = model_facts(
         args.model, "cpu" if args.device == "auto" and not args.model.startswith("random:") else args.device
     )
     conv_rows = int(args.doc_tokens * 1.3) + args.rounds * (
         args.answer_tokens + 40
     )  # a finished conversation
-    bank = args.bank_bytes or str(int(args.convs / args.ratio * conv_rows * args.bytes_per_row))
+    kv = int(args.convs / args.ratio * conv_rows * args.bytes_per_row)  # conversations the bank holds
+    bank = args.bank_bytes or str(kv + args.clients * act)  # and each running turn's transient memory
     ram = args.ram_bytes or str(int(1.5 * args.convs * conv_rows * args.bytes_per_row))
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="capacity-", dir=args.disk_dir or OUT))
