@@ -62,7 +62,7 @@ def get_health(base: str) -> dict:
         return json.loads(r.read())
 
 
-def model_facts(model: str, device: str) -> tuple[int, float, int]:
+def model_facts(model: str, device: str, history: int) -> tuple[int, float, int]:
     """(KV bytes of one row, tokens per word of ``document``, a turn's transient bytes, which
     admission reserves beside its KV) of ``model``: random shapes from their table (bf16, the
     byte tokenizer; the activation bound x4 for fp32 and attention scratch), else the loaded engine's."""
@@ -83,7 +83,7 @@ def model_facts(model: str, device: str) -> tuple[int, float, int]:
 
         engine = load_engine(EngineConfig(model=model, device=device), progress=False)
         row, tok = engine.shape.bytes_per_row, engine.tokenizer
-        act = 2 * activation_bytes(engine.footprint, engine.prefill_chunk, 1 << 15)
+        act = activation_bytes(engine.footprint, engine.prefill_chunk, history)
     sample = document(random.Random(0), 2000)
     return row, len(tok.encode(sample)) / 2000, act
 
@@ -252,13 +252,14 @@ def main() -> None:
     args = ap.parse_args()
 
     args.bytes_per_row, args.tokens_per_word, act = model_facts(
-        args.model, "cpu" if args.device == "auto" and not args.model.startswith("random:") else args.device
+        args.model,
+        "cpu" if args.device == "auto" and not args.model.startswith("random:") else args.device,
+        2 * args.doc_tokens,
     )
-    conv_rows = int(args.doc_tokens * 1.3) + args.rounds * (
-        args.answer_tokens + 40
-    )  # a finished conversation
+    question = int(20 * args.tokens_per_word)  # a follow-up's question and the template's rows, about
+    conv_rows = args.doc_tokens + args.rounds * (args.answer_tokens + question)  # a finished conversation
     kv = int(args.convs / args.ratio * conv_rows * args.bytes_per_row)  # conversations the bank holds
-    bank = args.bank_bytes or str(kv + args.clients * act)  # and each running turn's transient memory
+    bank = args.bank_bytes or str(kv + act)  # and a turn's transient memory
     ram = args.ram_bytes or str(int(1.5 * args.convs * conv_rows * args.bytes_per_row))
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="capacity-", dir=args.disk_dir or OUT))
