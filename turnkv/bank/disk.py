@@ -3,11 +3,13 @@
 The bank calls these methods (see ``SessionBank.tier``; on a server through ``bank.tiers.TierChain``):
 
 - ``write_behind(namespace, snapshot)`` at the end of every turn. The snapshot's whole blocks of
-  256 tokens that the store lacks are queued for one writer thread, which copies their rows to
-  the host (a side stream on CUDA; segments are immutable, so reading them from another thread
-  is safe), writes each durably and adds its index row. It never blocks: when the bounded queue
-  is full the blocks that do not fit are dropped and counted (``dropped_writes``). Blocks the
-  store already holds are not written again (``dedupe_hits``).
+  256 tokens that the store lacks are queued for the writer threads (``WRITERS``), which copy
+  their rows to the host (a side stream on CUDA; segments are immutable, so reading them from
+  another thread is safe) and write them in batches: a batch's files written and fsynced
+  together, then its index rows in one transaction (``LocalDirStore.put_many``, ``disk_files``).
+  It never blocks: when the bounded queue is full the blocks that do not fit are dropped and
+  counted (``dropped_writes``, logged at most once a minute). Blocks the store already holds are
+  not written again (``dedupe_hits``).
 - ``write_host(namespace, tokens, rows, copied)`` instead, when the host-RAM tier (``bank.ram``)
   stands in front: the rows are already in host memory (RAM's pinned slots, filled once
   ``copied`` has passed), so the writer copies nothing from the device; RAM keeps those slots
@@ -76,7 +78,7 @@ QUEUE_BLOCKS = 256  # blocks waiting for the writer at most (each keeps its segm
 # up to BATCH_BYTES of files) by WRITERS threads (one encodes and hashes while another waits for
 # its fsyncs); docs/DISK.md, "The writer", and bench/disk_write.py measure the choice
 BATCH_BYTES = 128 << 20
-WRITERS = max(2, min(4, (os.cpu_count() or 2) // 4))
+WRITERS = max(1, min(4, (os.cpu_count() or 2) // 4))  # 1 on 2 cores: there hashing is the limit
 # readers verifying blocks in parallel (hashing and numpy copies run without the GIL); SHA-256 of
 # one block is one core's work, so a restore scales with the cores up to here
 LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
