@@ -104,7 +104,7 @@ def test_a_failed_write_leaves_nothing_behind(store, monkeypatch, where):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "write":
-        monkeypatch.setattr("turnkv.bank.disk_store.open", lambda *a, **kw: _FullFile(*a), raising=False)
+        monkeypatch.setattr("turnkv.bank.disk_files.open", lambda *a, **kw: _FullFile(*a), raising=False)
     else:
         monkeypatch.setattr(f"turnkv.bank.disk_store.os.{where}", fail)
     with pytest.raises(OSError):
@@ -125,6 +125,9 @@ class _FullFile:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def close(self) -> None:
         self._f.close()
 
     def write(self, data) -> int:

@@ -183,7 +183,7 @@ def test_write_failures_are_counted_logged_once_and_serving_goes_on(engine, tmp_
     def full(*a, **kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bank.tier.store, "put", full)
+    monkeypatch.setattr(bank.tier.store, "put_many", full)
     with caplog.at_level(logging.WARNING, logger="turnkv.bank.disk"):
         for seed in range(2):
             turn(engine, bank, "ns", prompt(800, seed=seed))
@@ -198,8 +198,8 @@ def test_write_failures_are_counted_logged_once_and_serving_goes_on(engine, tmp_
 def test_a_full_queue_drops_and_counts_and_never_blocks(tmp_path, monkeypatch):
     tier = DiskTier.open(tmp_path, "fp", SHAPE, GIB, queue_blocks=2)
     gate = threading.Event()
-    put = tier.store.put
-    monkeypatch.setattr(tier.store, "put", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
+    put = tier.store.put_many
+    monkeypatch.setattr(tier.store, "put_many", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
     snap = synthetic(SHAPE, list(range(5 * B)))
     tier.write_behind("ns", snap)  # returns although the writer is stuck on the disk
     h = tier.health()
@@ -215,8 +215,8 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(tmp_path, monkeypatch):
 def test_dropped_writes_are_logged_at_most_once_a_minute_with_their_count(tmp_path, monkeypatch, caplog):
     tier = DiskTier.open(tmp_path, "fp", SHAPE, GIB, queue_blocks=1)
     gate = threading.Event()
-    put = tier.store.put
-    monkeypatch.setattr(tier.store, "put", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
+    put = tier.store.put_many
+    monkeypatch.setattr(tier.store, "put_many", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
     now = [1000.0]
     monkeypatch.setattr(tier._every, "clock", lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="turnkv.bank.disk"):
@@ -235,7 +235,7 @@ def test_dropped_writes_are_logged_at_most_once_a_minute_with_their_count(tmp_pa
 def test_queued_writes_count_as_used_bank_memory(tmp_path, monkeypatch):
     tier = DiskTier.open(tmp_path, "fp", SHAPE, GIB)
     gate = threading.Event()
-    monkeypatch.setattr(tier.store, "put", lambda *a, **kw: gate.wait(30))
+    monkeypatch.setattr(tier.store, "put_many", lambda *a, **kw: gate.wait(30))
     bank = SessionBank(GIB, SHAPE.bytes_per_row, lambda h: unique_bytes(*h), tier=tier)
     snap = synthetic(SHAPE, list(range(2 * B)))
     tier.write_behind("ns", snap)
@@ -318,8 +318,8 @@ def test_under_tensor_parallelism_queued_rows_leave_the_snapshot_at_once(tmp_pat
     shape = dataclasses.replace(SHAPE, device=torch.device(device))
     tier = DiskTier.open(tmp_path, "fp", shape, GIB, agree=lambda n: n)
     gate = threading.Event()
-    put = tier.store.put
-    monkeypatch.setattr(tier.store, "put", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
+    put = tier.store.put_many
+    monkeypatch.setattr(tier.store, "put_many", lambda *a, **kw: gate.wait(30) and put(*a, **kw))
     tokens = list(range(3 * B + 5))
     ref = synthetic(dataclasses.replace(shape, device=torch.device("cpu")), tokens, seed=3, cuts=(B + 7,))
     want = [ref.read_rows(d * B, (d + 1) * B) for d in range(3)]  # block 1 spans both segments

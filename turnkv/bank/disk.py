@@ -3,11 +3,13 @@
 The bank calls these methods (see ``SessionBank.tier``; on a server through ``bank.tiers.TierChain``):
 
 - ``write_behind(namespace, snapshot)`` at the end of every turn. The snapshot's whole blocks of
-  256 tokens that the store lacks are queued for one writer thread, which copies their rows to
-  the host (a side stream on CUDA; segments are immutable, so reading them from another thread
-  is safe), writes each durably and adds its index row. It never blocks: when the bounded queue
-  is full the blocks that do not fit are dropped and counted (``dropped_writes``). Blocks the
-  store already holds are not written again (``dedupe_hits``).
+  256 tokens that the store lacks are queued for the writer threads (``WRITERS``), which copy
+  their rows to the host (a side stream on CUDA; segments are immutable, so reading them from
+  another thread is safe) and write them in batches: a batch's files written and fsynced
+  together, then its index rows in one transaction (``LocalDirStore.put_many``, ``disk_files``).
+  It never blocks: when the bounded queue is full the blocks that do not fit are dropped and
+  counted (``dropped_writes``, logged at most once a minute). Blocks the store already holds are
+  not written again (``dedupe_hits``).
 - ``write_host(namespace, tokens, rows, copied)`` instead, when the host-RAM tier (``bank.ram``)
   stands in front: the rows are already in host memory (RAM's pinned slots, filled once
   ``copied`` has passed), so the writer copies nothing from the device; RAM keeps those slots
@@ -72,6 +74,11 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 log = logging.getLogger(__name__)
 
 QUEUE_BLOCKS = 256  # blocks waiting for the writer at most (each keeps its segments alive)
+# the writer: blocks made durable together (one round of fsyncs and one index commit per batch,
+# up to BATCH_BYTES of files) by WRITERS threads (one encodes and hashes while another waits for
+# its fsyncs); docs/DISK.md, "The writer", and bench/disk_write.py measure the choice
+BATCH_BYTES = 128 << 20
+WRITERS = max(1, min(4, (os.cpu_count() or 2) // 4))  # 1 on 2 cores: there hashing is the limit
 # readers verifying blocks in parallel (hashing and numpy copies run without the GIL); SHA-256 of
 # one block is one core's work, so a restore scales with the cores up to here
 LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
@@ -125,7 +132,7 @@ class DiskStats:
     faults: int = 0  # store calls that raised at run time: each lookup a miss, each write dropped
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a job is one queued turn
 class _Job:
     snapshot: SegmentedSnapshot | None
     tokens: tuple[int, ...]  # the snapshot's token ids (kept when ``host`` replaces the snapshot)
@@ -135,6 +142,8 @@ class _Job:
     host: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # depth -> rows copied at queue time
     copied: object | None = None  # a CUDA event recorded after those copies (on the queue stream)
     device: list | None = None  # the device rows being copied, kept alive until ``copied``
+    taken: int = 0  # blocks handed to writers
+    left: int = 0  # blocks not yet written (or failed, or dropped)
 
 
 @dataclass
@@ -147,6 +156,8 @@ class DiskTier:
     budget_bytes: int
     queue_blocks: int = QUEUE_BLOCKS
     load_threads: int = LOAD_THREADS
+    writers: int = WRITERS
+    batch_blocks: int | None = None  # blocks per batch (None: BATCH_BYTES' worth; 1: one per fsync)
     stats: DiskStats = field(default_factory=DiskStats)
     name = "disk"
     # tensor parallelism: the minimum of a count over every rank (a collective that every rank's
@@ -157,7 +168,7 @@ class DiskTier:
         self.context = block_context(self.fingerprint, self.shape)
         self._cv = threading.Condition()
         self._jobs: deque[_Job] = deque()
-        self._current: _Job | None = None
+        self._running: list[_Job] = []  # jobs whose blocks writers have taken, not all written
         self._queued = 0  # blocks queued or being written
         self._pending: set[str] = set()  # their keys
         self._closing = False
@@ -167,8 +178,14 @@ class DiskTier:
         self.degraded: str | None = None  # why the last store call raised (None: the store answers)
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None  # the queue-time copies' CUDA stream (tensor parallelism)
-        self._writer = threading.Thread(target=self._write_loop, name="turnkv-disk-writer", daemon=True)
-        self._writer.start()
+        block = BLOCK_TOKENS * self.shape.bytes_per_row
+        self._batch = self.batch_blocks or max(1, BATCH_BYTES // block)
+        self._writers = [
+            threading.Thread(target=self._write_loop, name=f"turnkv-disk-writer-{i}", daemon=True)
+            for i in range(max(1, self.writers))
+        ]
+        for t in self._writers:
+            t.start()
 
     @classmethod
     def open(cls, directory: str | os.PathLike, fingerprint: str, shape: KVShape, budget_bytes: int, **kw):
@@ -409,6 +426,7 @@ class DiskTier:
         return todo, present
 
     def _enqueue(self, job: _Job) -> None:
+        job.left = len(job.blocks)
         self._jobs.append(job)
         self._queued += len(job.blocks)
         self._pending.update(key for _, key, _ in job.blocks)
@@ -424,7 +442,7 @@ class DiskTier:
     def held(self) -> list[SegmentedSnapshot]:
         """Snapshots that queued writes keep alive (the bank counts their memory)."""
         with self._cv:
-            jobs = [*self._jobs, *([self._current] if self._current is not None else [])]
+            jobs = [*self._jobs, *self._running]
             return [j.snapshot for j in jobs if j.snapshot is not None]
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -439,7 +457,8 @@ class DiskTier:
             self._closing = True
             self._abandon = not done
             self._cv.notify_all()
-        self._writer.join(timeout)
+        for t in self._writers:
+            t.join(timeout)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.store.close()
@@ -488,57 +507,79 @@ class DiskTier:
                 stream = torch.cuda.Stream()  # device -> host copies beside, not behind, decode
             except Exception as exc:  # every write will then fail and be counted; none hangs
                 self._warn_once("stream", f"KV disk cache: no CUDA stream for writes: {exc}")
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._closing)
-                if not self._jobs:
-                    return
-                job = self._current = self._jobs.popleft()
-            try:
-                self._write_job(job, stream)
-            finally:
-                with self._cv:
-                    job.snapshot = None
-                    self._current = None
-                    self._cv.notify_all()
+        while (batch := self._take()) is not None:
+            self._write_batch(batch, stream)
 
-    def _write_job(self, job: _Job, stream) -> None:
-        last = job.blocks[-1][1]
-        if job.copied is not None:  # the queue-time copies (``_copy_now``) are done
-            job.copied.synchronize()
-            job.device = None
-        for depth, key, parent in job.blocks:
-            outcome = "dedupe_hits"
-            try:
+    def _take(self) -> list[tuple[_Job, int, str, str]] | None:
+        """Up to a batch of queued blocks, in queue order across jobs; None once closing and empty."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._jobs or self._closing)
+            batch: list[tuple[_Job, int, str, str]] = []
+            while self._jobs and len(batch) < self._batch:
+                job = self._jobs[0]
+                n = min(len(job.blocks) - job.taken, self._batch - len(batch))
+                batch += [(job, *b) for b in job.blocks[job.taken : job.taken + n]]
+                if job.taken == 0:
+                    self._running.append(job)
+                job.taken += n
+                if job.taken == len(job.blocks):
+                    self._jobs.popleft()
+            return batch or None
+
+    def _write_batch(self, batch: list[tuple[_Job, int, str, str]], stream) -> None:
+        """Write ``batch`` as one durable batch (``LocalDirStore.put_many``), then evict once."""
+        outcome: dict[str, str] = {}  # key -> the stats counter it ends in
+        blocks: list[tuple[Block, float]] = []
+        try:
+            for job in dict.fromkeys(job for job, _, _, _ in batch):
+                if job.copied is not None:  # the queue-time copies (``_copy_now``) are done
+                    job.copied.synchronize()
+                    job.device = None
+            for job, depth, key, parent in batch:
                 if self._abandon:
-                    outcome = "dropped_writes"
-                elif not self.store.has(key):  # else an earlier job wrote it meanwhile
+                    outcome[key] = "dropped_writes"
+                elif key in outcome or self.store.has(key):  # an earlier job wrote it meanwhile
+                    outcome.setdefault(key, "dedupe_hits")
+                else:
                     k, v = (
                         job.host.pop(depth) if job.host is not None else self._host_rows(job, depth, stream)
                     )
                     lo = depth * BLOCK_TOKENS
-                    tokens = job.tokens[lo : lo + BLOCK_TOKENS]
-                    self.store.put(Block(key, parent, self.context, depth, tokens, k, v), job.at)
-                    outcome = "writes"
-                    evicted = self.store.evict(self.budget_bytes)
-                    with self._cv:
-                        self.stats.evictions += evicted
-            except Exception as exc:  # disk full, I/O error, a closed store: serving goes on
-                outcome = "write_failures"
-                self._warn_once(
-                    "write",
-                    f"KV disk cache: a block write failed ({type(exc).__name__}: {exc}); turns are "
-                    f"still served, later failures are only counted (disk.write_failures)",
-                )
-            finally:
+                    blocks.append(
+                        (
+                            Block(key, parent, self.context, depth, job.tokens[lo : lo + BLOCK_TOKENS], k, v),
+                            job.at,
+                        )
+                    )
+                    outcome[key] = "writes"
+            if blocks:
+                self.store.put_many([b for b, _ in blocks], [at for _, at in blocks])
+                evicted = self.store.evict(self.budget_bytes)
                 with self._cv:
-                    setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+                    self.stats.evictions += evicted
+        except Exception as exc:  # disk full, I/O error, a closed store: serving goes on
+            for b, _ in blocks:
+                outcome[b.key] = "write_failures"
+            for _, _, key, _ in batch:
+                outcome.setdefault(key, "write_failures")
+            self._warn_once(
+                "write",
+                f"KV disk cache: a block write failed ({type(exc).__name__}: {exc}); turns are "
+                f"still served, later failures are only counted (disk.write_failures)",
+            )
+        finally:
+            blocks.clear()
+            with self._cv:
+                for job, _, key, _ in batch:
+                    name = outcome.get(key, "write_failures")
+                    setattr(self.stats, name, getattr(self.stats, name) + 1)
                     self._queued -= 1
                     self._pending.discard(key)
-                    if key == last:  # release the rows before anyone sees an empty queue
+                    job.left -= 1
+                    if job.left == 0:  # release the rows before anyone sees an empty queue
                         job.snapshot = job.host = None
-                        self._current = None
-                    self._cv.notify_all()
+                        self._running.remove(job)
+                self._cv.notify_all()
 
     def _host_rows(self, job: _Job, depth: int, stream) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of block ``depth`` as contiguous CPU tensors ``[L, Hkv, 256, D]``."""

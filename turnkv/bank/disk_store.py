@@ -22,24 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
 import os
 import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
 from turnkv.bank.disk_blocks import Block, BlockError, decode_block, encode_block
+from turnkv.bank.disk_files import write_durable
 from turnkv.bank.disk_index import (
     INDEX,
     SUFFIX,
     Rebuild,
-    fsync_dir,
     open_db,
     open_index,
     rebuild,
@@ -49,8 +49,6 @@ from turnkv.bank.disk_index import (
 )
 
 log = logging.getLogger(__name__)
-
-_tmp_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -89,6 +87,10 @@ class BlockStore(Protocol):
     def put(self, block: Block, at: float | None = None) -> int:
         """Store ``block`` as used at ``at`` (default now); returns the bytes written (0 if it was
         there). Raises ``OSError`` when the write fails (nothing is then visible)."""
+        ...
+
+    def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
+        """``put`` of each of ``blocks`` at once: durable together, then visible together."""
         ...
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
@@ -150,34 +152,45 @@ class LocalDirStore:
         return self.blocks / key[:2] / (key + SUFFIX)
 
     def put(self, block: Block, at: float | None = None) -> int:
-        if self.has(block.key):
-            return 0
-        data = encode_block(block)
-        final = self.path(block.key)
-        self._make_way(final.parent, stat.S_ISDIR)
-        final.parent.mkdir(parents=True, exist_ok=True)  # blocks/ itself may have been deleted
-        self._make_way(final, stat.S_ISREG)
-        tmp = final.parent / f".{block.key}.{os.getpid()}.{next(_tmp_ids)}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        return self.put_many([block], at)[0]
+
+    def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
+        """Store ``blocks`` (used at ``at``: one time, or one per block) durably as one batch (``disk_files``: their files written, fsynced
+        and renamed together), then their index rows in one transaction; returns each block's
+        bytes written (0 for one already stored). Raises ``OSError`` with nothing visible."""
+        sizes = [0] * len(blocks)
+        todo = {b.key: i for i, b in enumerate(blocks) if not self.has(b.key)}  # one file per key
+        items = []
+        for i in todo.values():
+            final = self.path(blocks[i].key)
+            self._make_way(final.parent, stat.S_ISDIR)
+            final.parent.mkdir(parents=True, exist_ok=True)  # blocks/ itself may have been deleted
+            self._make_way(final, stat.S_ISREG)
+            items.append((final, partial(encode_block, blocks[i])))
+        if not items:
+            return sizes
+        written = write_durable(items)  # durable before visible: the rows come after
+        now = time.time()
+        ats = list(at) if isinstance(at, Sequence) else [at or now] * len(blocks)
         with self._mu:
-            cur = self._db.execute(
-                "INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?, ?, ?)",
-                (block.key, block.parent, block.context, block.depth, len(data), at or time.time()),
-            )
-            if cur.rowcount:
-                self._nbytes += len(data)
-                self._count += 1
-        return len(data)
+            self._db.execute("BEGIN")
+            try:
+                for i, n in zip(todo.values(), written, strict=True):
+                    b = blocks[i]
+                    cur = self._db.execute(
+                        "INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?, ?, ?)",
+                        (b.key, b.parent, b.context, b.depth, n, ats[i] or now),
+                    )
+                    if cur.rowcount:
+                        self._nbytes += n
+                        self._count += 1
+                        sizes[i] = n
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                self._recount()
+                raise  # the files stay: reconcile adopts them at the next start
+        return sizes
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         """The verified block; a bad file raises ``BlockError``, a key whose row or file is gone
