@@ -16,12 +16,15 @@ Measure = Callable[[Iterable[object]], int]
 class Reservation:
     """What a turn asks the bank for beyond its prompt (``engine.admission.reserve``): ``rows``
     for the answer (the rebase ``slack`` included), shrinkable down to ``least`` rows to fit (None:
-    never), and ``activation(new_rows, history_rows)``: the transient bytes of its prefill."""
+    never), and ``activation(new_rows, history_rows)``: the transient bytes of its prefill.
+    ``choices`` > 1: that many answers fork the prompt (``SessionBank.fork``), each priced ``rows``
+    plus its recomputed last prompt row."""
 
     rows: int
     least: int | None = None
     slack: int = 0
     activation: Callable[[int, int], int] | None = None
+    choices: int = 1
 
 
 class Refused(Exception):
@@ -78,6 +81,7 @@ class Lease:
     pinned: bool = False
     live: KVCache | None = None
     done: bool = False
+    fork_bytes: int = 0  # of ``needed_bytes``, what each fork of the prompt takes with it (``fork``)
 
     def attach(self, cache: KVCache) -> None:
         """Count this live cache in the bank's unique bytes until the turn finishes."""

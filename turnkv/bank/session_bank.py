@@ -219,9 +219,12 @@ class SessionBank:
                 prefix, cached = self._extend(namespace, tokens, prefix, cached)
             whole = entry is not None and cached == len(entry.tokens)
 
+            forks = want.choices - 1  # each restores the prompt but its last row, recomputed
+
             def price(copied: int) -> int:
                 new_rows = len(tokens) - cached
                 rows = new_rows + copied + (cached if self.copy_on_restore else 0)
+                rows += forks * (1 + (len(tokens) - 1 if self.copy_on_restore else 0))
                 act = want.activation(new_rows, cached) if want.activation is not None else 0
                 return rows * self.bytes_per_row + act
 
@@ -229,22 +232,23 @@ class SessionBank:
             last = plans[-1]
             reserve_rows = want.rows
             least = reserve_rows if want.least is None else min(want.least, reserve_rows)
-            room = (self.budget_bytes - last.floor - last.fixed) // self.bytes_per_row
+            per_row = self.bytes_per_row * want.choices  # a reserved answer row of every choice
+            room = (self.budget_bytes - last.floor - last.fixed) // per_row
             if room < least:
-                e = Refused(last.fixed + least * self.bytes_per_row, max(self.budget_bytes - last.floor, 0))
+                e = Refused(last.fixed + least * per_row, max(self.budget_bytes - last.floor, 0))
                 # would it fit once the disk tier's queued writes let go of their rows?
                 writing = self.measure(self.tier.held()) if self.tier is not None else 0
                 e.writes_pending = room + writing // self.bytes_per_row >= least and writing > 0
                 # ... or once the live turns (their rows, reservations and the entries they pin)
                 # have finished, everything else evicted?
                 alone = self.measure([last.detach.referenced] if last.detach else [prefix] if prefix else [])
-                free = (self.budget_bytes - alone - last.fixed) // self.bytes_per_row
+                free = (self.budget_bytes - alone - last.fixed) // per_row
                 e.after_running = bool(self._leases) and free >= least
                 raise e
             reserve = min(reserve_rows, room)
             needed, plan = 0, last
             for plan in plans:
-                needed = plan.fixed + reserve * self.bytes_per_row
+                needed = plan.fixed + reserve * per_row
                 if plan.floor + needed <= self.budget_bytes:
                     break
             self._evict_until(needed, plan.order, plan.detach.referenced if plan.detach else prefix)
@@ -271,9 +275,31 @@ class SessionBank:
                 reserve_rows=reserve,
                 copied_rows=copied,
                 pinned=pin,
+                fork_bytes=(reserve + 1) * self.bytes_per_row if forks else 0,
             )
             self._leases.append(lease)
             return lease
+
+    def fork(self, lease: Lease, prefix: Snapshot, k: int) -> list[Lease]:
+        """``k`` leases continuing from ``prefix`` (the prompt ``lease``'s turn prefilled, by
+        reference: no row is copied), each taking its share of what ``lease`` was priced for
+        (``Reservation.choices``). They bank under no session: a session's entry stays the turn's."""
+        with self._lock:
+            lease.needed_bytes -= lease.fork_bytes * k
+            forks = [
+                Lease(
+                    namespace=lease.namespace,
+                    session=None,
+                    entry_id=None,
+                    cached=prefix.num_tokens,
+                    snapshot=prefix,
+                    needed_bytes=lease.fork_bytes,
+                    reserve_rows=lease.reserve_rows,
+                )
+                for _ in range(k)
+            ]
+            self._leases += forks
+            return forks
 
     def _plans(
         self, prefix: Snapshot | None, whole: BankEntry | None, price: Callable[[int], int]

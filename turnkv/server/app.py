@@ -173,6 +173,7 @@ class Server:
             render_history=history,
             grammar=st.grammar,
             logprobs=req.logprobs_top(),
+            n=req.n,
         )
         return self.stream(turn, request), st
 

@@ -5,7 +5,7 @@ where a number belongs is an error, as with the OpenAI API, and invalid JSON is 
 kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
-(``n > 1``, ``echo``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
+(``n`` past ``MAX_CHOICES``, ``echo``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
 naming the field (``refused``: raised from a validator, it leaves pydantic as it is).
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
 ``models.generation``'s).
@@ -28,6 +28,7 @@ from turnkv.engine.sampling import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingP
 from turnkv.models.generation import SamplingDefaults
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
+MAX_CHOICES = 16  # n: the forks of one prompt a request may ask for (each a running turn)
 
 
 class ApiError(Exception):
@@ -206,7 +207,7 @@ class _Sampling(_Body):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension; -1 and 0 mean off
-    n: Annotated[int, only(1)] = 1
+    n: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_CHOICES})] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -223,8 +224,11 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
-        if self.n != 1:
-            raise refused("n", "n must be 1: turnkv generates one choice per request")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise refused(
+                "n",
+                f"n must be between 1 and {MAX_CHOICES} (got {self.n}): the choices are forks of one prompt, at most {MAX_CHOICES} a request",
+            )
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise refused("stop", f"at most {MAX_STOP_STRINGS} stop sequences")
         for key in self.logit_bias or {}:
