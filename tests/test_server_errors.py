@@ -74,7 +74,7 @@ BAD_COMPLETION = {
     "batch of prompts": {"model": MODEL, "prompt": ["a", "b"]},
     "token id out of range": {"model": MODEL, "prompt": [1, 10**9]},
     "prompt a number": {"model": MODEL, "prompt": 7},
-    "echo": {"model": MODEL, "prompt": "a", "echo": True},
+    "echo with logprobs": {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1},
 }
 
 
@@ -99,7 +99,6 @@ REFUSED_CHAT = {
 }
 REFUSED_COMPLETION = {
     "n": 0,
-    "echo": True,
     "logprobs": 6,  # 0-5
     "suffix": "!",
     "best_of": 2,

@@ -212,7 +212,15 @@ def document(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
+        from turnkv.server.tokenize import DetokenizeRequest, TokenizeRequest  # it builds on this module
+
+        for model in (
+            ChatCompletionRequest,
+            CompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ):
             own = model.model_json_schema(ref_template=REF)
             for name, sub in [*own.pop("$defs", {}).items(), (model.__name__, own)]:
                 schemas[name] = _nullable_defaults(sub)

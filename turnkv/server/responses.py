@@ -43,6 +43,8 @@ ROUTES = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
     "/v1/models",
     "/health",
     "/metrics",
@@ -149,12 +151,14 @@ async def respond(
     chat: bool,
     tools: ToolPlan | None = None,
     logprobs: LogprobFormat | None = None,
+    echo: str = "",
 ) -> Response:
     """The response to ``req`` (a parsed body), answered by ``model`` (``system_fingerprint``:
     ``fingerprint``) from the turn of ``stream``: a whole body, or SSE chunks as it generates;
     ``logprobs`` writes the tokens' logprobs when the turn asked for them (``server.logprobs``).
     ``choices`` has one entry per choice (``n``); ``usage`` counts the prompt once and the
-    completion tokens of every choice."""
+    completion tokens of every choice. ``echo`` (completions): text before each choice's (streamed
+    as each choice's first chunk)."""
     admitted = await stream.start()
     asked = logprobs is not None and stream.turn.logprobs is not None
     n = stream.turn.n
@@ -171,7 +175,7 @@ async def respond(
     route = route_label(request)
     if req.stream:
         return StreamingResponse(
-            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, choices),
+            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, choices, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -196,7 +200,9 @@ async def respond(
             fin = finish_reason(final.finish_reason, calls)
             out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": fin})
         else:
-            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": final.finish_reason})
+            out.append(
+                {"index": i, "text": echo + text, "logprobs": lp, "finish_reason": final.finish_reason}
+            )
     body = {**base, "choices": out, "usage": usage}
     if chat:
         body["object"] = "chat.completion"
@@ -212,6 +218,7 @@ async def _sse_events(
     include_usage: bool,
     route: str,
     choices: list[_Choice],
+    echo: str = "",
 ) -> AsyncIterator[str]:
     request = stream.request
     extra = {"usage": None} if include_usage else {}
@@ -249,9 +256,8 @@ async def _sse_events(
 
     finals: list[GenEvent] = []
     try:
-        if chat:
-            for i in range(len(choices)):
-                yield _sse(chunk(i, "", None, role=True))
+        for i in range(len(choices) if chat or echo else 0):
+            yield _sse(chunk(i, "" if chat else echo, None, role=chat))
         async for ev in stream:  # ends at the last choice's last event
             if isinstance(ev, Failed):
                 err = failed_error(ev)
