@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from turnkv.bank.breaks import CacheBreak, Evicted, decide, siblings
 from turnkv.bank.detach import held_segment_ids, plan_detach
 from turnkv.bank.ledger import SegmentLedger
 from turnkv.bank.records import (  # the records are this module's public names too
@@ -100,6 +101,7 @@ class SessionBank:
         self._index: dict[str, TokenIndex] = {}
         self._leases: list[Lease] = []
         self._ledger = SegmentLedger()  # unique bytes of the entries, kept as they come and go
+        self._evicted = Evicted()  # token ids of evicted entries: an eviction is a cache break's reason
         self._sessions = SessionGuard(self.session_ttl_s, self.session_share, self.clock)
         self._next_id = 0
         self._clock = 0
@@ -275,10 +277,23 @@ class SessionBank:
                 reserve_rows=reserve,
                 copied_rows=copied,
                 pinned=pin,
+                cache_break=self._break(namespace, tokens, cached, n, entry),
                 fork_bytes=(reserve + 1) * self.bytes_per_row if forks else 0,
             )
             self._leases.append(lease)
             return lease
+
+    def _break(
+        self, namespace: str, tokens: Sequence[int], cached: int, n: int, entry: BankEntry | None
+    ) -> CacheBreak:
+        """Why this admission's restored prefix ends at ``cached`` (``bank.breaks``), counted."""
+        limit = tokens[: max(len(tokens) - 1, 0)]
+        others = siblings(namespace, list(self._index))
+        elsewhere = max((self._index[ns].longest(limit)[0] for ns in others), default=0)
+        evicted = self._evicted.longest(namespace, limit)
+        brk = decide(tokens, cached, n, entry.tokens if entry is not None else None, evicted, elsewhere)
+        self.stats.breaks[brk.reason] = self.stats.breaks.get(brk.reason, 0) + 1
+        return brk
 
     def fork(self, lease: Lease, prefix: Snapshot, k: int) -> list[Lease]:
         """``k`` leases continuing from ``prefix`` (the prompt ``lease``'s turn prefilled, by
@@ -443,6 +458,7 @@ class SessionBank:
                 continue
             self.stats.protected_evictions += e.id in sessions
             self._remove(e)
+            self._evicted.add(e.namespace, e.tokens)
             self.stats.evictions += 1
 
     def _remove(self, entry: BankEntry) -> None:

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.engine.logprobs import TokenLogprob
 from turnkv.engine.masks import TurnGrammar
 from turnkv.engine.sampling import SamplingParams
@@ -68,6 +69,7 @@ class TurnStats:
     verify_windows: int = 0  # decode windows that carried a draft
     rebase_rows: int = 0
     route_counts: dict[str, int] = field(default_factory=dict)
+    cache_break: CacheBreak | None = None  # the admission's (``bank.breaks``; a fork's: None)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Admitted:
     prompt_tokens: int
     cached_tokens: int
     needed_bytes: int
+    cache_break: CacheBreak | None = None  # why the reused prefix ends where it does (``bank.breaks``)
 
 
 @dataclass

@@ -126,7 +126,8 @@ class Turn:
             msg = f"{e}; retry with {fix} (the server's KV budget is --bank-bytes)"
             return [Failed("kv_memory_exhausted", msg, e.needed_bytes, e.available_bytes)]
         self._start(self.lease, slack)
-        return [Admitted(len(ids), self.lease.cached, self.lease.needed_bytes)]
+        self.stats.cache_break = brk = self.lease.cache_break
+        return [Admitted(len(ids), self.lease.cached, self.lease.needed_bytes, brk)]
 
     def _start(self, lease, slack: int) -> None:
         """Restore the lease's prefix, size the tail, and set up the answer's state."""

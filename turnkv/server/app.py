@@ -174,7 +174,7 @@ class Server:
             render_history=history,
             grammar=st.grammar,
             logprobs=req.logprobs_top(),
-            n=req.n,
+            n=getattr(req, "n", 1),  # chat and completions ask for choices; other APIs answer one
         )
         return self.stream(turn, request), st
 

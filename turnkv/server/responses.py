@@ -3,7 +3,8 @@
 Chat chunks: the first carries ``delta.role``, then ``delta.content`` pieces, then one chunk with
 ``finish_reason`` and an empty delta; with ``stream_options.include_usage`` every chunk carries
 ``"usage": null`` and one last chunk with ``choices: []`` carries the usage; then ``data: [DONE]``.
-Completion chunks carry ``text``. Every ``usage`` has ``prompt_tokens_details.cached_tokens``.
+Completion chunks carry ``text``. Every ``usage`` has ``prompt_tokens_details.cached_tokens`` and
+the ``cache_break`` extension (``break_body``).
 
 When the answer is read as tool calls (``tools``, a ``ToolPlan``), ``message.tool_calls`` holds them
 (``id``, ``type``, ``function.name``, ``function.arguments`` as the JSON text the model wrote),
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 from turnkv.engine.events import Admitted, Failed, GenEvent
 from turnkv.server.logprobs import Collector, LogprobFormat
@@ -72,13 +74,19 @@ def note_usage(request: Request, admitted: Admitted, completion: int, finish: st
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, brk: CacheBreak | None) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "cache_break": break_body(brk),
     }
+
+
+def break_body(brk: CacheBreak | None) -> dict | None:
+    """``usage.cache_break`` of every API: where the reused prefix ended and why (``bank.breaks``)."""
+    return brk.body() if brk is not None else None
 
 
 def _sse(obj: dict | str) -> str:
@@ -190,7 +198,7 @@ async def respond(
     _finished(metrics, route, [f.stats for f in finals])
     completion = sum(f.stats.completion_tokens for f in finals)
     note_usage(request, admitted, completion, finals[0].finish_reason)
-    usage = _usage(admitted.prompt_tokens, completion, finals[0].stats.cached_tokens)
+    usage = _usage(admitted.prompt_tokens, completion, finals[0].stats.cached_tokens, admitted.cache_break)
     out = []
     for i, ((text, final), c) in enumerate(zip(answers, choices, strict=True)):
         lp = c.lps.whole() if c.lps is not None else None
@@ -284,7 +292,9 @@ async def _sse_events(
             completion = sum(f.stats.completion_tokens for f in finals)
             note_usage(request, admitted, completion, finals[0].finish_reason)
             if include_usage:
-                usage = _usage(admitted.prompt_tokens, completion, finals[0].stats.cached_tokens)
+                usage = _usage(
+                    admitted.prompt_tokens, completion, finals[0].stats.cached_tokens, admitted.cache_break
+                )
                 yield _sse({**base, "choices": [], "usage": usage})
             break
         yield _sse("[DONE]")
