@@ -57,7 +57,7 @@ BAD_CHAT = {
     "top_p above one": _chat_body(top_p=1.5),
     "max_tokens zero": _chat_body(max_tokens=0),
     "max_tokens a float": _chat_body(max_tokens=2.5),
-    "n two": _chat_body(n=2),
+    "n past the cap": _chat_body(n=17),
     "five stop strings": _chat_body(stop=["a", "b", "c", "d", "e"]),
     "stream not a bool": _chat_body(stream="yes"),
 }
@@ -74,7 +74,7 @@ BAD_COMPLETION = {
     "batch of prompts": {"model": MODEL, "prompt": ["a", "b"]},
     "token id out of range": {"model": MODEL, "prompt": [1, 10**9]},
     "prompt a number": {"model": MODEL, "prompt": 7},
-    "echo": {"model": MODEL, "prompt": "a", "echo": True},
+    "echo with logprobs": {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1},
 }
 
 
@@ -86,7 +86,7 @@ def test_bad_completion_input_is_a_400(live, name):
 # Fields turnkv refuses rather than ignore (they would change the output): each refusal's `param`
 # names the field, as docs/SERVER.md says (they came back with `param: null`).
 REFUSED_CHAT = {
-    "n": 2,
+    "n": 17,  # past MAX_CHOICES
     "top_logprobs": 2,  # without logprobs: true
     "presence_penalty": 2.5,  # -2..2
     "frequency_penalty": -2.5,
@@ -98,8 +98,7 @@ REFUSED_CHAT = {
     "function_call": "auto",
 }
 REFUSED_COMPLETION = {
-    "n": 3,
-    "echo": True,
+    "n": 0,
     "logprobs": 6,  # 0-5
     "suffix": "!",
     "best_of": 2,
@@ -131,7 +130,7 @@ def test_every_refused_field_is_named_by_param(live, route, field):
         ("five stop strings", "stop"),
         ("stream not a bool", "stream"),
         ("content wrong type", "messages[0].content"),  # not pydantic's union tag (content.str)
-        ("n two", "n"),
+        ("n past the cap", "n"),
         ("missing messages", "messages"),
     ],
 )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.bank.detach import DetachPlan
 from turnkv.kv.cache import KVCache, Snapshot
 
@@ -16,12 +17,15 @@ Measure = Callable[[Iterable[object]], int]
 class Reservation:
     """What a turn asks the bank for beyond its prompt (``engine.admission.reserve``): ``rows``
     for the answer (the rebase ``slack`` included), shrinkable down to ``least`` rows to fit (None:
-    never), and ``activation(new_rows, history_rows)``: the transient bytes of its prefill."""
+    never), and ``activation(new_rows, history_rows)``: the transient bytes of its prefill.
+    ``choices`` > 1: that many answers fork the prompt (``SessionBank.fork``), each priced ``rows``
+    plus its recomputed last prompt row."""
 
     rows: int
     least: int | None = None
     slack: int = 0
     activation: Callable[[int, int], int] | None = None
+    choices: int = 1
 
 
 class Refused(Exception):
@@ -78,6 +82,8 @@ class Lease:
     pinned: bool = False
     live: KVCache | None = None
     done: bool = False
+    cache_break: CacheBreak | None = None  # why the restored prefix ends where it does (``bank.breaks``)
+    fork_bytes: int = 0  # of ``needed_bytes``, what each fork of the prompt takes with it (``fork``)
 
     def attach(self, cache: KVCache) -> None:
         """Count this live cache in the bank's unique bytes until the turn finishes."""
@@ -96,6 +102,7 @@ class BankStats:
     peak_bytes: int = 0  # most unique bytes seen at the end of a turn (bank + live + new snapshot)
     copied_rows: int = 0  # rows of hits copied instead of pinning a segment (``bank.detach``)
     protected_evictions: int = 0  # session-protected entries evicted to admit a turn
+    breaks: dict[str, int] = field(default_factory=dict)  # admitted turns by cache-break reason
 
 
 @dataclass

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from turnkv.bank.breaks import CacheBreak, Evicted, decide, siblings
 from turnkv.bank.detach import held_segment_ids, plan_detach
 from turnkv.bank.ledger import SegmentLedger
 from turnkv.bank.records import (  # the records are this module's public names too
@@ -100,6 +101,7 @@ class SessionBank:
         self._index: dict[str, TokenIndex] = {}
         self._leases: list[Lease] = []
         self._ledger = SegmentLedger()  # unique bytes of the entries, kept as they come and go
+        self._evicted = Evicted()  # token ids of evicted entries: an eviction is a cache break's reason
         self._sessions = SessionGuard(self.session_ttl_s, self.session_share, self.clock)
         self._next_id = 0
         self._clock = 0
@@ -219,9 +221,12 @@ class SessionBank:
                 prefix, cached = self._extend(namespace, tokens, prefix, cached)
             whole = entry is not None and cached == len(entry.tokens)
 
+            forks = want.choices - 1  # each restores the prompt but its last row, recomputed
+
             def price(copied: int) -> int:
                 new_rows = len(tokens) - cached
                 rows = new_rows + copied + (cached if self.copy_on_restore else 0)
+                rows += forks * (1 + (len(tokens) - 1 if self.copy_on_restore else 0))
                 act = want.activation(new_rows, cached) if want.activation is not None else 0
                 return rows * self.bytes_per_row + act
 
@@ -229,22 +234,23 @@ class SessionBank:
             last = plans[-1]
             reserve_rows = want.rows
             least = reserve_rows if want.least is None else min(want.least, reserve_rows)
-            room = (self.budget_bytes - last.floor - last.fixed) // self.bytes_per_row
+            per_row = self.bytes_per_row * want.choices  # a reserved answer row of every choice
+            room = (self.budget_bytes - last.floor - last.fixed) // per_row
             if room < least:
-                e = Refused(last.fixed + least * self.bytes_per_row, max(self.budget_bytes - last.floor, 0))
+                e = Refused(last.fixed + least * per_row, max(self.budget_bytes - last.floor, 0))
                 # would it fit once the disk tier's queued writes let go of their rows?
                 writing = self.measure(self.tier.held()) if self.tier is not None else 0
                 e.writes_pending = room + writing // self.bytes_per_row >= least and writing > 0
                 # ... or once the live turns (their rows, reservations and the entries they pin)
                 # have finished, everything else evicted?
                 alone = self.measure([last.detach.referenced] if last.detach else [prefix] if prefix else [])
-                free = (self.budget_bytes - alone - last.fixed) // self.bytes_per_row
+                free = (self.budget_bytes - alone - last.fixed) // per_row
                 e.after_running = bool(self._leases) and free >= least
                 raise e
             reserve = min(reserve_rows, room)
             needed, plan = 0, last
             for plan in plans:
-                needed = plan.fixed + reserve * self.bytes_per_row
+                needed = plan.fixed + reserve * per_row
                 if plan.floor + needed <= self.budget_bytes:
                     break
             self._evict_until(needed, plan.order, plan.detach.referenced if plan.detach else prefix)
@@ -271,9 +277,44 @@ class SessionBank:
                 reserve_rows=reserve,
                 copied_rows=copied,
                 pinned=pin,
+                cache_break=self._break(namespace, tokens, cached, n, entry),
+                fork_bytes=(reserve + 1) * self.bytes_per_row if forks else 0,
             )
             self._leases.append(lease)
             return lease
+
+    def _break(
+        self, namespace: str, tokens: Sequence[int], cached: int, n: int, entry: BankEntry | None
+    ) -> CacheBreak:
+        """Why this admission's restored prefix ends at ``cached`` (``bank.breaks``), counted."""
+        limit = tokens[: max(len(tokens) - 1, 0)]
+        others = siblings(namespace, list(self._index))
+        elsewhere = max((self._index[ns].longest(limit)[0] for ns in others), default=0)
+        evicted = self._evicted.longest(namespace, limit)
+        brk = decide(tokens, cached, n, entry.tokens if entry is not None else None, evicted, elsewhere)
+        self.stats.breaks[brk.reason] = self.stats.breaks.get(brk.reason, 0) + 1
+        return brk
+
+    def fork(self, lease: Lease, prefix: Snapshot, k: int) -> list[Lease]:
+        """``k`` leases continuing from ``prefix`` (the prompt ``lease``'s turn prefilled, by
+        reference: no row is copied), each taking its share of what ``lease`` was priced for
+        (``Reservation.choices``). They bank under no session: a session's entry stays the turn's."""
+        with self._lock:
+            lease.needed_bytes -= lease.fork_bytes * k
+            forks = [
+                Lease(
+                    namespace=lease.namespace,
+                    session=None,
+                    entry_id=None,
+                    cached=prefix.num_tokens,
+                    snapshot=prefix,
+                    needed_bytes=lease.fork_bytes,
+                    reserve_rows=lease.reserve_rows,
+                )
+                for _ in range(k)
+            ]
+            self._leases += forks
+            return forks
 
     def _plans(
         self, prefix: Snapshot | None, whole: BankEntry | None, price: Callable[[int], int]
@@ -417,6 +458,7 @@ class SessionBank:
                 continue
             self.stats.protected_evictions += e.id in sessions
             self._remove(e)
+            self._evicted.add(e.namespace, e.tokens)
             self.stats.evictions += 1
 
     def _remove(self, entry: BankEntry) -> None:

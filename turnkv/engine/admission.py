@@ -87,4 +87,5 @@ def reserve(req: TurnRequest, ctx: TurnContext) -> Reservation | Failed:
         max_tokens = min(max_tokens, limit - len(ids))
     slack = REBASE_SLACK_ROWS if req.render_history is not None else 0
     least = 1 + slack if req.max_tokens is None else None
-    return Reservation(max_tokens + slack, least, slack, partial(activation_bytes, ctx.footprint))
+    act = partial(activation_bytes, ctx.footprint)
+    return Reservation(max_tokens + slack, least, slack, act, choices=req.n)

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.engine.logprobs import TokenLogprob
 from turnkv.engine.masks import TurnGrammar
 from turnkv.engine.sampling import SamplingParams
@@ -30,6 +31,8 @@ class TurnRequest:
     ``grammar`` (optional, compiled by ``chat_format.grammar``) constrains every answer token: the step
     masks the turn's logits row before any choice, the answer ends when the grammar is complete
     (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
+    ``n`` > 1 answers ``n`` choices of one prompt: prefilled once, then forked (``Turn``'s
+    "Choices"); choice ``i`` samples with ``seed + i``, and every event of it carries ``choice`` i.
     """
 
     prompt: list[int]
@@ -41,6 +44,8 @@ class TurnRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     grammar: TurnGrammar | None = None
     logprobs: int | None = None  # each answer token's logprob, with this many top alternatives
+    n: int = 1  # choices: forks of this prompt once it is prefilled (``Turn``'s "Choices")
+    choice: int = 0  # which of the request's choices this turn is (a fork's is 1..n-1)
 
 
 @dataclass
@@ -64,6 +69,7 @@ class TurnStats:
     verify_windows: int = 0  # decode windows that carried a draft
     rebase_rows: int = 0
     route_counts: dict[str, int] = field(default_factory=dict)
+    cache_break: CacheBreak | None = None  # the admission's (``bank.breaks``; a fork's: None)
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Admitted:
     prompt_tokens: int
     cached_tokens: int
     needed_bytes: int
+    cache_break: CacheBreak | None = None  # why the reused prefix ends where it does (``bank.breaks``)
 
 
 @dataclass
@@ -96,6 +103,7 @@ class GenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     stats: TurnStats | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer ("stop" without one: EOS)
+    choice: int = 0  # which choice of the request (``TurnRequest.n``)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,15 @@ class Banked:
     entry_id: int | None
     banked_tokens: int
     rebase_rows: int  # rows recomputed after the answer so the bank matches the re-rendered history
+    choice: int = 0
+
+
+@dataclass(frozen=True)
+class Forked:
+    """The prompt is prefilled and ``choices - 1`` forks of it run beside the turn (``TurnRequest.n``):
+    that many more ``Banked`` or ``Failed`` events will come, one per fork."""
+
+    choices: int
 
 
 @dataclass(frozen=True)
@@ -127,4 +144,4 @@ class Failed:
 DOWN_CODE = "tensor_parallel_down"  # the Failed code of turns ended by a dead rank
 
 
-TurnEvent = Admitted | GenEvent | Banked | Failed
+TurnEvent = Admitted | GenEvent | Banked | Failed | Forked

@@ -108,6 +108,9 @@ class Scheduler:
             self._step()
         if out.failed:  # outside every stage: what was in flight is unknown, so it is dropped
             self.pipeline.drop()
+        # the other choices of a prompt prefilled this step run from the next step on, as its
+        # turn's (they are one request: ``max_running`` does not hold them back)
+        self.running += [Entry(t, e.emit, e.submitted) for e in self.running for t in e.turn.take_forks()]
         self.running = [e for e in self.running if e.live]
         try:
             self.snapshot = self._info()

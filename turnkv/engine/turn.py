@@ -17,11 +17,19 @@ carries ``finish_reason`` and ``stats`` and comes once the turn is banked), then
 ``Failed`` if the turn broke). The context check and the price are ``admission.reserve``'s; the
 tail is sized here once, for what admission granted. A cancelled turn still seals and banks the
 rows it computed.
+
+Choices (``TurnRequest.n`` > 1): the turn prefills the prompt once; when its last row is computed
+the turn seals the prompt's rows into one segment (``_fork``) and ``n - 1`` forks start from it
+by reference (``take_forks``: the scheduler runs them from the next step, beside the first), each
+recomputing only the prompt's last row with its own seed. The first choice's turn emits
+``Forked``; every choice then ends with its own ``Banked`` (all are banked, sharing the prompt's
+segment; only the first under the request's session).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from turnkv.bank.session_bank import MustWait, Refused, SessionBank
@@ -31,6 +39,7 @@ from turnkv.engine.events import (
     Admitted,
     Banked,
     Failed,
+    Forked,
     GenEvent,
     TurnEvent,
     TurnRequest,
@@ -39,7 +48,7 @@ from turnkv.engine.events import (
 )
 from turnkv.engine.logprobs import TokenLogprob
 from turnkv.engine.masks import Constraint
-from turnkv.engine.sampling import Sampler
+from turnkv.engine.sampling import SEED_MAX, SEED_MIN, Sampler
 from turnkv.engine.step import Window
 from turnkv.engine.stops import StopMatcher
 from turnkv.kv.cache import common_prefix_len
@@ -78,10 +87,21 @@ class Turn:
         self._last: GenEvent | None = None  # the answer's last event, sent once the turn is banked
         self.constraint: Constraint | None = None  # the grammar's state; the step masks its rows
         self._taken: int | None = None  # a token the grammar took before ``advance`` (``take_early``)
+        self._forks: list[Turn] = []  # the other choices, made once the prompt is prefilled
 
     @property
     def done(self) -> bool:
         return self.phase == _DONE
+
+    @property
+    def _will_fork(self) -> bool:
+        """The first choice of several, whose prompt is still being prefilled."""
+        return self.request.n > 1 and self.request.choice == 0 and self.phase == _PREFILL
+
+    def take_forks(self) -> list[Turn]:
+        """The other choices' turns, once, when the prompt is prefilled (the scheduler runs them)."""
+        out, self._forks = self._forks, []
+        return out
 
     # -- begin ----------------------------------------------------------------------------------
     def begin(self) -> list[TurnEvent] | None:
@@ -102,9 +122,17 @@ class Turn:
         except Refused as e:
             self.phase = _DONE
             fix = "a shorter prompt" + (" or a smaller max_tokens" if req.max_tokens is not None else "")
+            fix += f" or fewer choices (n={req.n})" if req.n > 1 else ""
             msg = f"{e}; retry with {fix} (the server's KV budget is --bank-bytes)"
             return [Failed("kv_memory_exhausted", msg, e.needed_bytes, e.available_bytes)]
-        lease = self.lease
+        self._start(self.lease, slack)
+        self.stats.cache_break = brk = self.lease.cache_break
+        return [Admitted(len(ids), self.lease.cached, self.lease.needed_bytes, brk)]
+
+    def _start(self, lease, slack: int) -> None:
+        """Restore the lease's prefix, size the tail, and set up the answer's state."""
+        req, ctx, ids = self.request, self.ctx, self.request.prompt
+        self.lease, self.slack = lease, slack
         max_tokens = self.max_tokens = max(lease.reserve_rows - slack, 1)
         self.cache = ctx.layout.restore(lease.snapshot) if lease.snapshot is not None else ctx.layout.new()
         lease.attach(self.cache)
@@ -122,7 +150,6 @@ class Turn:
         self.eos = set() if ignore else set(ctx.tokenizer.eos_token_ids)
         # a constrained turn never drafts: a verify window would need the mask of every draft row
         self.drafts = ctx.drafts(ids) if self.constraint is None else None  # None: off
-        return [Admitted(len(ids), lease.cached, lease.needed_bytes)]
 
     # -- steps ----------------------------------------------------------------------------------
     def window(self, budget: int, draft: bool = True) -> Window | None:
@@ -180,6 +207,7 @@ class Turn:
             and where(self.sampler, o) is not Where.HOST
             and room >= 0
             and not self.request.cancel.is_set()
+            and not self._will_fork  # the fork seals the tail this window would be written into
         ):
             after = o.tokens[1:] if self.phase == _DECODE else ()
             start = self.cache.num_tokens + len(o.tokens)
@@ -248,11 +276,13 @@ class Turn:
         if self._pending:
             return []
         self.stats.prefill_s = time.perf_counter() - self._t0
+        forked: list[TurnEvent] = self._fork() if self._will_fork else []
         self.phase = _DECODE
         tok = out.tokens[-1]
         if self.drafts is not None:
             self.drafts.push(tok)
         events, finish, flushed = self._take(tok, out.logprobs[-1] if out.logprobs else None)
+        events = forked + events
         return events + self._end(finish, flushed) if finish else events
 
     def fail(self, exc: BaseException) -> list[TurnEvent]:
@@ -271,6 +301,26 @@ class Turn:
         n = min(len(rest), max(1, budget), self.ctx.prefill_chunk)
         last = n == len(rest) and self.phase == _PREFILL
         return Window(self.cache, rest[:n], logits=int(last), ahead=skip)
+
+    def _fork(self) -> list[TurnEvent]:
+        """Choices (``TurnRequest.n``): the prompt's rows become one sealed segment (its one copy),
+        and each other choice continues from all of them but the last by reference -- its own
+        tail recomputes that row, as a bank hit does, and samples with its own seed. What
+        admission priced for them moves to their leases (``SessionBank.fork``)."""
+        req = self.request
+        self.cache.seal()
+        self.cache.share_prefix()
+        prefix = self.cache.snapshot().prefix(len(req.prompt) - 1)
+        self.cache.presize(self.max_tokens + self.slack)
+        for i, lease in enumerate(self.bank.fork(self.lease, prefix, req.n - 1), 1):
+            params = replace(req.params, seed=fork_seed(req.params.seed, i))
+            child = Turn(self.ctx, self.bank, replace(req, params=params, choice=i, session=None))
+            child.params = params
+            child._t0 = self._t0
+            child._start(lease, self.slack)
+            child.cache.share_prefix()
+            self._forks.append(child)
+        return [Forked(req.n)]
 
     def _draft(self, limit: int, start: int, after=(), lag: bool = False) -> tuple[list[int], int]:
         """Tokens from the conversation to verify after a window's first, and the match they
@@ -330,10 +380,10 @@ class Turn:
             self.stats.token_gaps_s.append(now - self._t_last)
         self._t_last = now
         if tok in self.eos:
-            return [GenEvent(tok, "")], "stop", False
+            return [GenEvent(tok, "", choice=self.request.choice)], "stop", False
         text, hit = self.stops.push(self.decoder.push(tok))
         self._text.append(text)
-        events: list[TurnEvent] = [GenEvent(tok, text, lp)]
+        events: list[TurnEvent] = [GenEvent(tok, text, lp, choice=self.request.choice)]
         if hit:
             return events, "stop", True
         if n >= self.max_tokens:
@@ -360,7 +410,14 @@ class Turn:
             )
         # the answer's last event waits until the turn is banked, so a client that has its answer
         # finds it in the bank when it sends the follow-up
-        self._last = GenEvent(None, tail, finish_reason=finish, stats=s, stop_sequence=self.stops.hit)
+        self._last = GenEvent(
+            None,
+            tail,
+            finish_reason=finish,
+            stats=s,
+            stop_sequence=self.stops.hit,
+            choice=self.request.choice,
+        )
         render = self.request.render_history
         # a cancelled answer will not come back in the next request: bank it as generated
         if finish in ("stop", "length") and render is not None:
@@ -392,4 +449,11 @@ class Turn:
         snap = self.cache.snapshot()
         eid = self.bank.finish(self.lease, snap)
         self.stats.route_counts = dict(self.routes)  # the rebase rows' calls included
-        return [self._last, Banked(eid, snap.num_tokens, self.stats.rebase_rows)]
+        return [self._last, Banked(eid, snap.num_tokens, self.stats.rebase_rows, self.request.choice)]
+
+
+def fork_seed(seed: int | None, i: int) -> int | None:
+    """Choice ``i``'s seed: ``seed + i``, wrapped into the seeds' range (None: unseeded)."""
+    if seed is None:
+        return None
+    return (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN

@@ -155,6 +155,10 @@ class KVCache(Protocol):
 
     def seal(self) -> None: ...
 
+    def share_prefix(self) -> None:
+        """The rows held now are shared by other live caches (forks): merges must not copy them."""
+        ...
+
     def snapshot(self) -> Snapshot: ...
 
 

@@ -124,6 +124,9 @@ class ContiguousKV:
             self._dirty = False
         self.stats.max_segments = max(self.stats.max_segments, 1 if self._n else 0)
 
+    def share_prefix(self) -> None:
+        """Nothing is shared: a restore copies (``copies_on_restore``)."""
+
     def snapshot(self) -> SegmentedSnapshot:
         """A copy of rows ``[0, n)`` in a new private segment."""
         if self._n == 0:

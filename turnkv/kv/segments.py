@@ -258,6 +258,7 @@ class ConversationKV:
         self._n_tail = 0
         self._m = 0  # rows reserved by the open window
         self._planned = 0  # tail rows the engine announced for this turn
+        self._shared = 0  # leading refs other caches share this turn: merges leave them alone
         # [L, Hkv, n_i, D] views of every ref, rebuilt only when the refs change
         self._ref_kv = tuple(r.kv() for r in self._refs)
         if len(self._refs) > policy.soft_limit:  # only a hand-built snapshot can get here
@@ -370,6 +371,12 @@ class ConversationKV:
         self._planned = 0
         return seg
 
+    def share_prefix(self) -> None:
+        """The refs held now are shared with other live caches (the forks of one prompt): while
+        this cache stays within the soft limit, a merge never rewrites them (it would copy the
+        shared rows into this cache alone)."""
+        self._shared = len(self._refs)
+
     def snapshot(self) -> SegmentedSnapshot:
         """Seals the tail if it holds rows, then returns the refs; no copy once sealed."""
         if self._n_tail:
@@ -400,7 +407,12 @@ class ConversationKV:
 
     def _compact(self) -> None:
         refs = list(self._refs)
-        while (i := self.policy.next_merge([r.n for r in refs])) is not None:
+        while True:
+            skip = min(self._shared, len(refs)) if len(refs) <= self.policy.soft_limit else 0
+            i = self.policy.next_merge([r.n for r in refs[skip:]])
+            if i is None:
+                break
+            i += skip
             merged = merge_refs(refs[i : i + 2])
             refs[i : i + 2] = [merged]
             self.stats.merges += 1

@@ -71,6 +71,7 @@ class NewTurn:
     namespace: str
     session: str | None
     history: tuple[str, object] | None
+    n: int = 1  # choices: every rank forks the prompt alike (``Turn``)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Leader:
             tkey = next(self._keys)
             self._latched[tkey] = (request.cancel, weakref.ref(mine))
             r = request
-            turn = NewTurn(tkey, list(r.prompt), params, r.max_tokens, r.namespace, r.session, spec)
+            turn = NewTurn(tkey, list(r.prompt), params, r.max_tokens, r.namespace, r.session, spec, r.n)
             self._new.setdefault(skey, []).append(turn)
         return mine
 
@@ -275,7 +276,7 @@ def follow(
             raise Diverged(f"rank {group.rank} diverged from rank 0 before step {step}")
         for t in inputs.turns:
             history = history_from_spec(t.history, tokenizer)
-            req = TurnRequest(t.prompt, t.params, t.max_tokens, t.namespace, t.session, history)
+            req = TurnRequest(t.prompt, t.params, t.max_tokens, t.namespace, t.session, history, n=t.n)
             turns[t.key] = weakref.ref(req)
             sched.submit(req, _drop)
         for tkey in inputs.cancels:

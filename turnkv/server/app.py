@@ -57,6 +57,7 @@ from turnkv.server.schemas import (
 )
 from turnkv.server.stream import TurnStream, failed_error
 from turnkv.server.structured import request_structure
+from turnkv.server.tokenize import register_tokenize
 from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ class Server:
             render_history=history,
             grammar=st.grammar,
             logprobs=req.logprobs_top(),
+            n=getattr(req, "n", 1),  # chat and completions ask for choices; other APIs answer one
         )
         return self.stream(turn, request), st
 
@@ -267,8 +269,9 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
         req = await srv.read_request(request, schema)
         stream, st = await srv.open_turn(request, req, chat)
         info = srv.engine.info
+        echo = "" if chat else req.echo_text(srv.engine.tokenizer)
         return await respond(
-            stream, req, srv.metrics, info.model_name, info.fingerprint, chat, st.plan, srv.logprobs
+            stream, req, srv.metrics, info.model_name, info.fingerprint, chat, st.plan, srv.logprobs, echo
         )
 
     @app.post("/v1/chat/completions", **CHAT_ROUTE)
@@ -282,6 +285,7 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
     register_responses_api(app, srv)
     register_dashboard(app, srv)
     register_messages(app, srv)
+    register_tokenize(app, srv)
     return app
 
 

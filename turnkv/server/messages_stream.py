@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 from turnkv.engine.events import Admitted, Failed, GenEvent
-from turnkv.server.responses import note_usage, route_label
+from turnkv.server.responses import break_body, note_usage, route_label
 from turnkv.server.stream import TurnStream, failed_error
 
 if TYPE_CHECKING:
@@ -84,12 +85,13 @@ def stop_reason(ev: GenEvent, calls: int) -> str:
     return STOP_REASONS.get(ev.finish_reason or "", "end_turn")
 
 
-def usage(prompt: int, cached: int, output: int) -> dict:
+def usage(prompt: int, cached: int, output: int, brk: CacheBreak | None = None) -> dict:
     return {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
         "output_tokens": output,
+        "cache_break": break_body(brk),
     }
 
 
@@ -139,7 +141,9 @@ async def answer(
         "content": content,
         "stop_reason": stop_reason(final, calls),
         "stop_sequence": final.stop_sequence,
-        "usage": usage(admitted.prompt_tokens, stats.cached_tokens, stats.completion_tokens),
+        "usage": usage(
+            admitted.prompt_tokens, stats.cached_tokens, stats.completion_tokens, admitted.cache_break
+        ),
     }
     return JSONResponse(body)
 
@@ -201,7 +205,7 @@ async def _events(
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": usage(prompt, cached, 0),
+        "usage": usage(prompt, cached, 0, admitted.cache_break),
     }
     try:
         yield _sse("message_start", {"type": "message_start", "message": start})
@@ -236,7 +240,7 @@ async def _events(
                 "stop_reason": stop_reason(ev, len(parser.calls) if parser else 0),
                 "stop_sequence": ev.stop_sequence,
             }
-            final = usage(prompt, stats.cached_tokens, stats.completion_tokens)
+            final = usage(prompt, stats.cached_tokens, stats.completion_tokens, admitted.cache_break)
             yield _sse("message_delta", {"type": "message_delta", "delta": delta, "usage": final})
             yield _sse("message_stop", {"type": "message_stop"})
             break

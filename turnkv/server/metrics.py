@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from turnkv.bank.breaks import REASONS
 from turnkv.bank.session_bank import SessionBank
 from turnkv.bank.tiers import tier_health
 
@@ -66,6 +67,14 @@ class _StateCollector(Collector):
             ("turnkv_bank_hits", s.hits, "Admitted turns that restored a banked prefix"),
             ("turnkv_bank_misses", s.misses, "Admitted turns that found no banked prefix"),
         )
+        breaks = CounterMetricFamily(
+            "turnkv_cache_breaks",
+            "Admitted turns by why their reused prefix ended where it did (usage.cache_break.reason)",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            breaks.add_metric([reason], s.breaks.get(reason, 0))
+        yield breaks
         yield from _tier_metrics(bank)
         c = CounterMetricFamily(
             "turnkv_attention_calls", "Attention calls by route and window", labels=["route"]

@@ -275,7 +275,9 @@ async def create(api: ResponsesApi, request: Request) -> Response:
         srv.metrics.request(route, 200)
         srv.metrics.turn(stats)
         note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)
-        use = usage(admitted.prompt_tokens, stats.cached_tokens, stats.completion_tokens)
+        use = usage(
+            admitted.prompt_tokens, stats.cached_tokens, stats.completion_tokens, admitted.cache_break
+        )
         final = finished(base, output, ev.finish_reason, use)
         if req.store and ev.finish_reason != "cancelled":
             await asyncio.to_thread(api.keep, rid, ns, plan, output, "".join(pieces), final)

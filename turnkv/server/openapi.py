@@ -35,11 +35,18 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class CacheBreakBody(BaseModel):
+    reason: Literal["none", "new_conversation", "history_differs", "evicted", "namespace"]
+    at: int  # prompt tokens reused
+    detail: str | None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
+    cache_break: CacheBreakBody | None  # turnkv's extension: where the reused prefix ended, and why
 
 
 class CallFunction(BaseModel):
@@ -118,6 +125,7 @@ class Completion(BaseModel):
 class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: dict[str, int]
+    cache_break: CacheBreakBody | None = None
     output_tokens: int
     output_tokens_details: dict[str, int]
     total_tokens: int
@@ -212,7 +220,15 @@ def document(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
+        from turnkv.server.tokenize import DetokenizeRequest, TokenizeRequest  # it builds on this module
+
+        for model in (
+            ChatCompletionRequest,
+            CompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ):
             own = model.model_json_schema(ref_template=REF)
             for name, sub in [*own.pop("$defs", {}).items(), (model.__name__, own)]:
                 schemas[name] = _nullable_defaults(sub)

@@ -3,7 +3,8 @@
 Chat chunks: the first carries ``delta.role``, then ``delta.content`` pieces, then one chunk with
 ``finish_reason`` and an empty delta; with ``stream_options.include_usage`` every chunk carries
 ``"usage": null`` and one last chunk with ``choices: []`` carries the usage; then ``data: [DONE]``.
-Completion chunks carry ``text``. Every ``usage`` has ``prompt_tokens_details.cached_tokens``.
+Completion chunks carry ``text``. Every ``usage`` has ``prompt_tokens_details.cached_tokens`` and
+the ``cache_break`` extension (``break_body``).
 
 When the answer is read as tool calls (``tools``, a ``ToolPlan``), ``message.tool_calls`` holds them
 (``id``, ``type``, ``function.name``, ``function.arguments`` as the JSON text the model wrote),
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
 from turnkv.engine.events import Admitted, Failed, GenEvent
 from turnkv.server.logprobs import Collector, LogprobFormat
@@ -43,6 +45,8 @@ ROUTES = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
     "/v1/models",
     "/health",
     "/metrics",
@@ -70,13 +74,19 @@ def note_usage(request: Request, admitted: Admitted, completion: int, finish: st
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, brk: CacheBreak | None) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "cache_break": break_body(brk),
     }
+
+
+def break_body(brk: CacheBreak | None) -> dict | None:
+    """``usage.cache_break`` of every API: where the reused prefix ended and why (``bank.breaks``)."""
+    return brk.body() if brk is not None else None
 
 
 def _sse(obj: dict | str) -> str:
@@ -120,10 +130,24 @@ def delta_of(piece: Piece) -> dict:
     return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
 
 
-def _finished(metrics: Metrics, route: str, stats) -> None:
+def _finished(metrics: Metrics, route: str, stats: list) -> None:
+    """A 200 answered; each choice's turn counted."""
     metrics.request(route, 200)
-    if stats is not None:
-        metrics.turn(stats)
+    for st in stats:
+        if st is not None:
+            metrics.turn(st)
+
+
+class _Choice:
+    """One choice's answer as it streams: its tool-call parser and logprobs."""
+
+    def __init__(self, tools: ToolPlan | None, lps: Collector | None) -> None:
+        self.parser = ToolCallParser(tools.fmt, tools.max_calls) if tools is not None else None
+        self.lps = lps
+        self.tokens = 0
+
+    def calls(self) -> int:
+        return len(self.parser.calls) if self.parser is not None else 0
 
 
 async def respond(
@@ -135,13 +159,18 @@ async def respond(
     chat: bool,
     tools: ToolPlan | None = None,
     logprobs: LogprobFormat | None = None,
+    echo: str = "",
 ) -> Response:
     """The response to ``req`` (a parsed body), answered by ``model`` (``system_fingerprint``:
     ``fingerprint``) from the turn of ``stream``: a whole body, or SSE chunks as it generates;
-    ``logprobs`` writes the tokens' logprobs when the turn asked for them (``server.logprobs``)."""
+    ``logprobs`` writes the tokens' logprobs when the turn asked for them (``server.logprobs``).
+    ``choices`` has one entry per choice (``n``); ``usage`` counts the prompt once and the
+    completion tokens of every choice. ``echo`` (completions): text before each choice's (streamed
+    as each choice's first chunk)."""
     admitted = await stream.start()
     asked = logprobs is not None and stream.turn.logprobs is not None
-    lps = Collector(logprobs, chat) if asked else None
+    n = stream.turn.n
+    choices = [_Choice(tools, Collector(logprobs, chat) if asked else None) for _ in range(n)]
     request = stream.request
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     base = {
@@ -154,32 +183,37 @@ async def respond(
     route = route_label(request)
     if req.stream:
         return StreamingResponse(
-            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, tools, lps),
+            _sse_events(stream, metrics, base, admitted, chat, req.include_usage(), route, choices, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    text, final = await stream.whole(None if lps is None else lambda ev: lps.add(ev.logprob, ev.text))
-    stats = final.stats
-    _finished(metrics, route, stats)
-    note_usage(request, admitted, stats.completion_tokens, final.finish_reason)
-    usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+
+    def each(ev: GenEvent) -> None:
+        lps = choices[ev.choice].lps
+        if lps is not None:
+            lps.add(ev.logprob, ev.text)
+
+    answers = await stream.answers(each)
+    finals = [final for _, final in answers]
+    _finished(metrics, route, [f.stats for f in finals])
+    completion = sum(f.stats.completion_tokens for f in finals)
+    note_usage(request, admitted, completion, finals[0].finish_reason)
+    usage = _usage(admitted.prompt_tokens, completion, finals[0].stats.cached_tokens, admitted.cache_break)
+    out = []
+    for i, ((text, final), c) in enumerate(zip(answers, choices, strict=True)):
+        lp = c.lps.whole() if c.lps is not None else None
+        if chat:
+            message = chat_message(text, tools)
+            calls = len(message.get("tool_calls", ()))
+            fin = finish_reason(final.finish_reason, calls)
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": fin})
+        else:
+            out.append(
+                {"index": i, "text": echo + text, "logprobs": lp, "finish_reason": final.finish_reason}
+            )
+    body = {**base, "choices": out, "usage": usage}
     if chat:
-        message = chat_message(text, tools)
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": lps.whole() if lps is not None else None,
-            "finish_reason": finish_reason(final.finish_reason, len(message.get("tool_calls", ()))),
-        }
-        body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": lps.whole() if lps is not None else None,
-            "finish_reason": final.finish_reason,
-        }
-        body = {**base, "choices": [choice], "usage": usage}
+        body["object"] = "chat.completion"
     return JSONResponse(body)
 
 
@@ -191,21 +225,22 @@ async def _sse_events(
     chat: bool,
     include_usage: bool,
     route: str,
-    tools: ToolPlan | None = None,
-    lps: Collector | None = None,
+    choices: list[_Choice],
+    echo: str = "",
 ) -> AsyncIterator[str]:
     request = stream.request
     extra = {"usage": None} if include_usage else {}
-    parser = ToolCallParser(tools.fmt, tools.max_calls) if tools is not None else None
 
     def chunk(
+        i: int,
         content: str | None,
         finish: str | None,
         role: bool = False,
         delta: dict | None = None,
         lp: bool = False,
     ) -> dict:
-        """One chunk; ``lp``: it carries the logprobs of the tokens not sent yet."""
+        """One chunk of choice ``i``; ``lp``: it carries the logprobs of the tokens not sent yet."""
+        lps = choices[i].lps
         logprobs = lps.take() if lp and lps is not None else None
         if chat:
             delta = dict(delta or {})
@@ -213,24 +248,25 @@ async def _sse_events(
                 delta["role"] = "assistant"
             if content is not None:
                 delta["content"] = content
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": i, "text": content or "", "logprobs": logprobs, "finish_reason": finish}
         return {**base, "choices": [choice], **extra}
 
-    def pieces(text: str, last: bool) -> list[str]:
+    def pieces(i: int, text: str, last: bool) -> list[str]:
         """SSE lines of answer text: as is, or through the tool-call parser (the first brings the
         logprobs of the tokens whose text it holds)."""
+        parser = choices[i].parser
         if parser is None:
-            return [_sse(chunk(text, None, lp=True))] if text else []
+            return [_sse(chunk(i, text, None, lp=True))] if text else []
         found = parser.push(text) + (parser.finish() if last else [])
-        return [_sse(chunk(None, None, delta=delta_of(p), lp=i == 0)) for i, p in enumerate(found)]
+        return [_sse(chunk(i, None, None, delta=delta_of(p), lp=j == 0)) for j, p in enumerate(found)]
 
-    tokens = 0
+    finals: list[GenEvent] = []
     try:
-        if chat:
-            yield _sse(chunk("", None, role=True))
-        async for ev in stream:  # ends at the answer's last event
+        for i in range(len(choices) if chat or echo else 0):
+            yield _sse(chunk(i, "" if chat else echo, None, role=chat))
+        async for ev in stream:  # ends at the last choice's last event
             if isinstance(ev, Failed):
                 err = failed_error(ev)
                 metrics.request(route, err.status)
@@ -238,20 +274,27 @@ async def _sse_events(
                 break
             if not isinstance(ev, GenEvent):
                 continue
-            tokens += ev.token_id is not None
-            if lps is not None:
-                lps.add(ev.logprob, ev.text)
-            for line in pieces(ev.text, last=ev.finish_reason is not None):
+            i, c = ev.choice, choices[ev.choice]
+            c.tokens += ev.token_id is not None
+            if c.lps is not None:
+                c.lps.add(ev.logprob, ev.text)
+            for line in pieces(i, ev.text, last=ev.finish_reason is not None):
                 yield line
             if ev.finish_reason is None:
                 continue
-            finish = finish_reason(ev.finish_reason, len(parser.calls) if parser is not None else 0)
-            yield _sse(chunk(None if chat else "", finish, lp=True))  # the entries still held
-            stats = ev.stats
-            _finished(metrics, route, stats)
-            note_usage(request, admitted, stats.completion_tokens, ev.finish_reason)
+            finish = finish_reason(ev.finish_reason, c.calls())
+            yield _sse(chunk(i, None if chat else "", finish, lp=True))  # the entries still held
+            finals.append(ev)
+            if len(finals) < len(choices):
+                continue
+            finals.sort(key=lambda f: f.choice)
+            _finished(metrics, route, [f.stats for f in finals])
+            completion = sum(f.stats.completion_tokens for f in finals)
+            note_usage(request, admitted, completion, finals[0].finish_reason)
             if include_usage:
-                usage = _usage(admitted.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+                usage = _usage(
+                    admitted.prompt_tokens, completion, finals[0].stats.cached_tokens, admitted.cache_break
+                )
                 yield _sse({**base, "choices": [], "usage": usage})
             break
         yield _sse("[DONE]")
@@ -260,4 +303,4 @@ async def _sse_events(
         # worker must stop generating for nobody; it still banks what it computed
         stream.cancel()
         if getattr(request.state, "usage", None) is None:
-            note_usage(request, admitted, tokens, "cancelled")
+            note_usage(request, admitted, sum(c.tokens for c in choices), "cancelled")

@@ -22,8 +22,10 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from turnkv.bank.breaks import CacheBreak
 from turnkv.chat_format.structured import ToolPlan
 from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, ToolCallParser
+from turnkv.server.responses import break_body
 
 
 def new_id(prefix: str) -> str:
@@ -158,13 +160,14 @@ class EventNumbers:
         return f"event: {event['type']}\ndata: {data}\n\n"
 
 
-def usage(prompt: int, cached: int, completion: int) -> dict:
+def usage(prompt: int, cached: int, completion: int, brk: CacheBreak | None = None) -> dict:
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
+        "cache_break": break_body(brk),
     }
 
 

@@ -5,7 +5,7 @@ where a number belongs is an error, as with the OpenAI API, and invalid JSON is 
 kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
-(``n > 1``, ``echo``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
+(``n`` past ``MAX_CHOICES``, ``echo`` with ``logprobs``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
 naming the field (``refused``: raised from a validator, it leaves pydantic as it is).
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
 ``models.generation``'s).
@@ -28,6 +28,7 @@ from turnkv.engine.sampling import LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingP
 from turnkv.models.generation import SamplingDefaults
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
+MAX_CHOICES = 16  # n: the forks of one prompt a request may ask for (each a running turn)
 
 
 class ApiError(Exception):
@@ -206,7 +207,7 @@ class _Sampling(_Body):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's extension; -1 and 0 mean off
-    n: Annotated[int, only(1)] = 1
+    n: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_CHOICES})] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -223,8 +224,11 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
-        if self.n != 1:
-            raise refused("n", "n must be 1: turnkv generates one choice per request")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise refused(
+                "n",
+                f"n must be between 1 and {MAX_CHOICES} (got {self.n}): the choices are forks of one prompt, at most {MAX_CHOICES} a request",
+            )
         if self.stop is not None and isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise refused("stop", f"at most {MAX_STOP_STRINGS} stop sequences")
         for key in self.logit_bias or {}:
@@ -302,7 +306,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # a string, a list of one string, or token ids (a list of ints, or a list of one such list)
     prompt: str | Annotated[list[str], ONE] | TokenIds | Annotated[list[TokenIds], ONE]
-    echo: Annotated[bool, only(False)] = False
+    echo: bool = False  # the prompt's text before each choice's
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
     suffix: Annotated[str, only("")] | None = None
     best_of: Annotated[int, only(1)] | None = None
@@ -314,8 +318,12 @@ class CompletionRequest(_Sampling):
                 raise refused("prompt", "prompt must not be empty")
             if isinstance(self.prompt[0], (str, list)) and len(self.prompt) != 1:
                 raise refused("prompt", "one prompt per request (a batch of prompts is not supported)")
-        if self.echo:
-            raise refused("echo", "echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise refused(
+                "echo",
+                "echo with logprobs is not supported: turnkv computes logprobs for answer tokens only, "
+                "not the prompt's; send echo or logprobs",
+            )
         if self.suffix:
             raise refused("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
@@ -327,6 +335,13 @@ class CompletionRequest(_Sampling):
 
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    def echo_text(self, tokenizer) -> str:
+        """What ``echo`` puts before each choice's text: the prompt as sent (token ids decoded)."""
+        if not self.echo:
+            return ""
+        p = self.single_prompt()
+        return p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt

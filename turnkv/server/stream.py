@@ -3,7 +3,8 @@
 ``TurnStream.start`` submits the turn to the engine worker and waits for its first event: the
 ``Admitted`` it returns, or a refusal it raises as the ``ApiError`` of its code
 (``failed_error``). Iterating the stream then yields the turn's events up to its last answer
-event (a ``Failed``, or the ``GenEvent`` with a ``finish_reason``). A client that goes away while
+event (a ``Failed``, or the ``GenEvent`` with a ``finish_reason`` of its last choice to end:
+``TurnRequest.n`` choices, each event naming its ``choice``). A client that goes away while
 the handler waits sets the turn's cancel flag; the worker still seals and banks what it computed.
 """
 
@@ -63,6 +64,7 @@ class TurnStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._ended = False  # the last answer event was yielded
+        self._open = turn.n  # choices whose answer has not ended yet
 
     async def start(self) -> Admitted:
         """Queue the turn and wait until it is admitted; a refusal or a 400 raises ApiError."""
@@ -85,24 +87,30 @@ class TurnStream:
         if self._ended:
             raise StopAsyncIteration
         ev = await self._next()
-        self._ended = isinstance(ev, Failed) or (isinstance(ev, GenEvent) and ev.finish_reason is not None)
+        if isinstance(ev, GenEvent) and ev.finish_reason is not None:
+            self._open -= 1
+        self._ended = isinstance(ev, Failed) or self._open == 0
         return ev
 
-    async def whole(self, each: Callable[[GenEvent], None] | None = None) -> tuple[str, GenEvent]:
-        """The answer's text and its last event (``each`` sees every answer event); a turn that
-        fails raises its ``ApiError``."""
-        pieces: list[str] = []
-        final: GenEvent | None = None
-        async for ev in self:  # ends at the answer's last event
+    async def answers(self, each: Callable[[GenEvent], None] | None = None) -> list[tuple[str, GenEvent]]:
+        """Each choice's text and last event, by choice (``each`` sees every answer event); a turn
+        that fails (any choice) raises its ``ApiError``."""
+        pieces: list[list[str]] = [[] for _ in range(self.turn.n)]
+        finals: list[GenEvent | None] = [None] * self.turn.n
+        async for ev in self:  # ends at the last choice's last event
             if isinstance(ev, Failed):
                 raise failed_error(ev)
             if isinstance(ev, GenEvent):
-                pieces.append(ev.text)
+                pieces[ev.choice].append(ev.text)
                 if each is not None:
                     each(ev)
-                final = ev
-        assert final is not None and final.stats is not None
-        return "".join(pieces), final
+                finals[ev.choice] = ev
+        assert all(f is not None and f.stats is not None for f in finals)
+        return [("".join(p), f) for p, f in zip(pieces, finals, strict=True)]  # type: ignore[misc]
+
+    async def whole(self, each: Callable[[GenEvent], None] | None = None) -> tuple[str, GenEvent]:
+        """The answer's text and its last event, of a turn of one choice (``answers``)."""
+        return (await self.answers(each))[0]
 
     def _emit(self, item: object) -> None:  # called on the worker thread
         assert self._loop is not None

@@ -15,7 +15,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from turnkv.engine.events import Banked, Failed, TurnRequest
+from turnkv.engine.events import Banked, Failed, Forked, TurnRequest
 from turnkv.engine.scheduler import Emit, Scheduler
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,16 @@ class EngineWorker:
         with self._lock:
             self._requests[id(request)] = request
 
+        left = [1]  # final events still to come: one per choice once it forked
+
         def deliver(ev) -> None:  # forget the request at its last event
-            if isinstance(ev, (Banked, Failed)):
-                with self._lock:
-                    self._requests.pop(id(request), None)
+            if isinstance(ev, Forked):
+                left[0] += ev.choices - 1
+            elif isinstance(ev, (Banked, Failed)):
+                left[0] -= 1
+                if left[0] <= 0:
+                    with self._lock:
+                        self._requests.pop(id(request), None)
             emit(ev)
 
         self._queue.put(Job(request, deliver))
