@@ -53,7 +53,10 @@
 #define GROUP 32
 #define PLANE_BYTES 320
 #define Q8_BYTES 576
-#define MAX_ROWS 10 /* rows per block: a call of up to 10 rows is one block, more go 4 at a time */
+#define MAX_ROWS 10 /* rows per block at most */
+#ifndef TKV_ONE_BLOCK /* a call of up to this many rows is one block, more go BIG_BLOCK at a time */
+#define TKV_ONE_BLOCK MAX_ROWS
+#endif
 #define BIG_BLOCK 4
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -75,7 +78,7 @@ static inline __attribute__((always_inline)) void quad_rows(const int R, const i
 #endif
 
 /* Row m's activations, group by group: q [M][K] int8, d [M][G] and dq = d * sum q [M][G]. AVX2
- * with swap (the 4-bit form): rows of 2K bytes, each quad q0..q3 as 8 (block()'s operands). */
+ * with swap (the 4-bit form): each quad's bytes stored q0 q2 q1 q3, block()'s two pairs. */
 static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, int8_t *q, float *d,
                           float *dq, int swap) {
     (void)swap;
@@ -83,7 +86,7 @@ static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_str
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
             const uint16_t *xg = x + m * x_stride + g * GROUP;
-            int8_t *qg = q + (m * K + g * GROUP) * (swap ? 2 : 1); /* swap: rows of 2K bytes, groups of 64 */
+            int8_t *qg = q + m * K + g * GROUP;
             int sum = 0;
 #if TKV_VNNI
             const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xg)), 16));
@@ -120,13 +123,10 @@ static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_str
             const __m256i p16 = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
             __m256i p8 = _mm256_packs_epi16(p16, p16b);
             p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            if (swap) { /* each quad q0..q3 as 8 bytes q0 q2 q1 q3 q1 q3 q0 q2: block()'s two pair operands */
-                const __m256i pick = _mm256_setr_epi8(0, 2, 1, 3, 1, 3, 0, 2, 4, 6, 5, 7, 5, 7, 4, 6,
-                                                      8, 10, 9, 11, 9, 11, 8, 10, 12, 14, 13, 15, 13, 15, 12, 14);
-                _mm256_storeu_si256((__m256i *)qg, _mm256_shuffle_epi8(_mm256_permute2x128_si256(p8, p8, 0x00), pick));
-                _mm256_storeu_si256((__m256i *)(qg + 32), _mm256_shuffle_epi8(_mm256_permute2x128_si256(p8, p8, 0x11), pick));
-            } else
-                _mm256_storeu_si256((__m256i *)qg, p8);
+            if (swap) /* each quad's bytes as q0 q2 q1 q3, the order block()'s pairs take */
+                p8 = _mm256_shuffle_epi8(p8, _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                                              0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
+            _mm256_storeu_si256((__m256i *)qg, p8);
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -193,27 +193,28 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
                (u0, u2) and (u1, u3) of column c: two vpmaddubsw by the row's (q0, q2) and (q1, q3)
                sum column c's four products in one lane, 16 columns a register. Four quads (16
                products of u <= 15 and |q| <= 127: |sum| <= 30480) stay exact in 16 bits; the two
-               halves of the group are interleaved and summed into int32 by vpmaddwd. */
+               halves of the group are interleaved and summed into int32 by vpmaddwd. (32-bit
+               broadcasts with the pairs blended per column were slower on Zen 4: two more
+               instructions a quad and tile.) */
             __m256i h0[MAX_ROWS * 4], h1[MAX_ROWS * 4];
             const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
             for (int hf = 0; hf < 2; hf++) {
                 __m256i *h = hf ? h1 : h0;
                 for (int j = 0; j < R * T; j++) h[j] = _mm256_setzero_si256();
                 for (int i = 4 * hf; i < 4 * hf + 4; i++) {
-                    __m256i ea[4], eb[4]; /* even columns' lanes: (u0, u2) | (u1, u3); odd ones the other */
+                    __m256i lo[4], hi[4];
                     for (int t = 0; t < T; t++) {
                         const __m256i b = _mm256_loadu_si256((const __m256i *)(w + t * tile_bytes + off + 64 + i * 32));
-                        const __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-                        ea[t] = _mm256_blend_epi16(lo, hi, 0xAA);
-                        eb[t] = _mm256_blend_epi16(hi, lo, 0xAA);
+                        lo[t] = _mm256_and_si256(b, m4);
+                        hi[t] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
                     }
                     for (int r = 0; r < R; r++) {
-                        int32_t pa, pb; /* (q0 q2 | q1 q3) and (q1 q3 | q0 q2), quantize_rows' swap */
-                        memcpy(&pa, q + r * K + g * 2 * GROUP + 8 * i, 4);
-                        memcpy(&pb, q + r * K + g * 2 * GROUP + 8 * i + 4, 4);
-                        const __m256i xa = _mm256_set1_epi32(pa), xb = _mm256_set1_epi32(pb);
+                        int16_t p02, p13; /* the quad as q0 q2 q1 q3 (quantize_rows' swap) */
+                        memcpy(&p02, q + r * K + g * GROUP + 4 * i, 2);
+                        memcpy(&p13, q + r * K + g * GROUP + 4 * i + 2, 2);
+                        const __m256i x02 = _mm256_set1_epi16(p02), x13 = _mm256_set1_epi16(p13);
                         for (int t = 0; t < T; t++)
-                            h[r * T + t] = _mm256_add_epi16(h[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(ea[t], xa), _mm256_maddubs_epi16(eb[t], xb)));
+                            h[r * T + t] = _mm256_add_epi16(h[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], x02), _mm256_maddubs_epi16(hi[t], x13)));
                     }
                 }
             }
@@ -396,7 +397,7 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
 #define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
 #define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
 #elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f */
-#define TILES4 2, 2, 1, 1, 1, 1, 1, 1, 1, 1
+#define TILES4 4, 2, 2, 1, 1, 1, 1, 1, 1, 1
 #define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
 #else /* plain C */
 #define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
@@ -422,10 +423,9 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
     if (K % GROUP) return 1;
     const int64_t G = K / GROUP, tile_bytes = P ? G * P * PLANE_BYTES : G * Q8_BYTES;
     const int64_t rows = M > 0 ? M : 1;
-    const int64_t QK = TKV_AVX2 && P ? 2 * K : K; /* bytes a row of q (quantize_rows' swap) */
-    int8_t *q = (int8_t *)malloc((size_t)(rows * QK + 2 * rows * G * (int64_t)sizeof(float)));
+    int8_t *q = (int8_t *)malloc((size_t)(rows * K + 2 * rows * G * (int64_t)sizeof(float)));
     if (!q) return 2;
-    float *d = (float *)(void *)(q + ((rows * QK + 3) & ~(int64_t)3)), *dq = d + rows * G;
+    float *d = (float *)(void *)(q + ((rows * K + 3) & ~(int64_t)3)), *dq = d + rows * G;
     quantize_rows(M, K, x, x_stride, q, d, dq, TKV_AVX2 && P > 0);
     if (threads > tiles) threads = tiles;
     if (threads < 1) threads = 1;
@@ -438,10 +438,10 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
         int64_t t0 = tiles * part / threads, t1 = tiles * (part + 1) / threads;
         for (int64_t tb = t0; tb < t1; tb += 24) {
             int64_t te = tb + 24 < t1 ? tb + 24 : t1;
-            const int64_t rb = M <= MAX_ROWS ? M : BIG_BLOCK;
+            const int64_t rb = M <= TKV_ONE_BLOCK ? M : BIG_BLOCK;
             for (int64_t r0 = 0; r0 < M; r0 += rb) {
                 int64_t R = M - r0 < rb ? M - r0 : rb;
-                (P ? run_rows4 : run_rows8)(R, tb, te, G, P, q + r0 * QK, QK, d + r0 * G, dq + r0 * G, w,
+                (P ? run_rows4 : run_rows8)(R, tb, te, G, P, q + r0 * K, K, d + r0 * G, dq + r0 * G, w,
                                             tile_bytes, out, out_stride, n_out, r0);
             }
         }
