@@ -15,12 +15,22 @@ llama.cpp's includes the KV cache and compute buffers it allocates for ``n_ctx``
 
 ``turnkv-WEIGHTS@KV`` sets ``--kv-dtype`` (default ``auto``: bfloat16 on a CPU); a ``+torch`` suffix
 (``turnkv-packed+torch``) turns turnkv's C kernels off (``TURNKV_CPU_KERNEL=off``: decode attention
-as torch ops, packed matmuls through torch's int4 kernel), to A/B them in one run.
+as torch ops, packed matmuls through torch's int4 kernel), to A/B them in one run. A ``:ISA`` suffix
+picks the C kernels' variant (``TURNKV_CPU_ISA``: ``turnkv-packed:avx2`` runs the AVX2 build on an
+AVX-512 CPU) and, on ``llama.cpp:avx2``, the llama.cpp built without AVX-512
+(``--build-llama-cpp avx2``, its own venv beside the default one):
+
+    python bench/cpu.py --threads 1,2 --neighbour off --engines turnkv-packed:avx2,llama.cpp:avx2,turnkv-packed,llama.cpp
+
+Every row names the kernels it ran (turnkv's variant, llama.cpp's instruction sets) and the table
+this CPU's model and vector extensions.
 
 llama.cpp runs from its own virtual environment (never a project dependency), by default
-``~/.cache/turnkv-bench/llamacpp-venv``; build it once with ``--build-llama-cpp`` (the sdist,
-AVX-512 on and AMX off: on this VM's CPU llama.cpp's AMX int8 path crashes; ~30 min on 2 cores).
-Without it the llama.cpp rows are skipped with a message. Prints a table, writes
+``~/.cache/turnkv-bench/llamacpp-venv``; build it once with ``--build-llama-cpp avx512`` (the sdist,
+AVX-512 on and AMX off: on this VM's CPU llama.cpp's AMX int8 path crashes).
+``--build-llama-cpp avx2`` builds
+it without AVX-512 (and without its tools, tests and llava: ~5 min on 2 cores). Without it the
+llama.cpp rows are skipped with a message. Prints a table, writes
 ``bench/out/cpu.json`` and ``.png``.
 """
 
@@ -37,11 +47,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_VENV = Path.home() / ".cache" / "turnkv-bench" / "llamacpp-venv"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-LLAMA_CMAKE = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-    "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF "
-    "-DGGML_AMX_BF16=OFF"
+_LLAMA_LEAN = (  # the library alone: no tools, tests, examples or llava (~5 min on 2 cores)
+    " -DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF"
+    " -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF"
 )
+LLAMA_CMAKE = {  # AMX off: on the Zen 4 VM's CPU llama.cpp's AMX int8 path crashes
+    "avx512": "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
+    "-DGGML_AVX512_BF16=ON" + _LLAMA_LEAN,
+    "avx2": "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF "
+    "-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF" + _LLAMA_LEAN,
+}
 PROMPT = "What is the capital of France? Answer in one sentence."
 FILLER = (
     "The history of cartography is the story of how people have tried to describe the shape of the "
@@ -108,6 +123,10 @@ def _child_turnkv(opts: dict) -> dict:
     long = run(long_ids)
     row = _row(opts, rss, answer, short, long, len(long_ids), eng.loaded.weights)
     row["kv_dtype"] = eng.info.kv_dtype
+    from turnkv import cbuild
+    from turnkv.models import cpu_int4
+
+    row["kernels"] = cbuild.variant() if cpu_int4.status() == "ok" else f"torch ({cpu_int4.status()})"
     row["decode_cpu_ms_per_token"] = decode_cpu_ms(answer_ids)
     return row
 
@@ -168,6 +187,11 @@ def _child_llama(opts: dict) -> dict:
     _, pre_s, tps = greedy(long_ids, opts["gen"])
     long = (pre_s, tps, len(long_ids) / pre_s)
     row = _row(opts, rss, answer, short, long, len(long_ids), "gguf")
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()  # "CPU : SSE3 = 1 | AVX2 = 1 | ..."
+    on = [f.split("=")[0].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+    row["kernels"] = " ".join(f.lower() for f in on if f.strip().startswith(("AVX", "AMX")))
     row["decode_cpu_ms_per_token"] = (c1 - c0 - one) / (opts["gen"] - 1) * 1e3
     return row
 
@@ -200,6 +224,8 @@ def _spawn(python: str, opts: dict, neighbour: bool) -> dict:
         )
         if opts.get("cpu_kernel") == "torch":  # the CPU decode attention as torch ops (cpu_native)
             env["TURNKV_CPU_KERNEL"] = "off"
+        if opts["engine"].startswith("turnkv"):
+            env["TURNKV_CPU_ISA"] = opts["isa"]
         out = subprocess.run(
             [python, __file__, "--child", json.dumps(opts)], env=env, capture_output=True, text=True
         )
@@ -212,12 +238,19 @@ def _spawn(python: str, opts: dict, neighbour: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def build_llama_cpp(venv: Path) -> None:
-    """Make ``venv`` and build llama-cpp-python into it from the sdist (AVX-512, no AMX)."""
+def llama_venv(base: Path, isa: str) -> Path:
+    """The venv of llama.cpp's ``isa`` build: ``base`` for avx512, ``base`` with ``-avx2`` else."""
+    return base if isa == "avx512" else base.with_name(base.name.replace("-venv", f"-{isa}-venv"))
+
+
+def build_llama_cpp(venv: Path, isa: str) -> None:
+    """Make ``venv`` and build llama-cpp-python into it from the sdist (``LLAMA_CMAKE[isa]``; no AMX)."""
+    t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-binary", "llama-cpp-python"]
-    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE)
+    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE[isa], CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     subprocess.run([*pip, LLAMA_CPP, "numpy"], check=True, env=env)
+    print(f"built llama.cpp ({isa}) into {venv} in {time.perf_counter() - t0:.0f} s")
 
 
 def _llama_python(venv: Path) -> str | None:
@@ -241,43 +274,51 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="tokens decoded per measurement")
     ap.add_argument("--context", type=int, default=2048, help="tokens of the long context")
     ap.add_argument("--llama-venv", type=Path, default=LLAMA_VENV)
-    ap.add_argument("--build-llama-cpp", action="store_true", help="build llama-cpp-python into --llama-venv")
+    ap.add_argument(
+        "--build-llama-cpp",
+        choices=sorted(LLAMA_CMAKE),
+        help="build llama-cpp-python for these instruction sets into --llama-venv (avx2: its -avx2 sibling)",
+    )
     ap.add_argument("--tag", default="cpu")
     args = ap.parse_args()
     if args.child:
         opts = json.loads(args.child)
-        row = _child_llama(opts) if opts["engine"] == "llama.cpp" else _child_turnkv(opts)
+        row = _child_llama(opts) if opts["engine"].startswith("llama.cpp") else _child_turnkv(opts)
         print(json.dumps(row))
         return
     run_parent(args)
 
 
 def run_parent(args: argparse.Namespace) -> None:
-    from report import save
+    from report import cpu_name, save
 
     from turnkv.models.load import default_model_path
 
     if args.build_llama_cpp:
-        build_llama_cpp(args.llama_venv)
+        build_llama_cpp(llama_venv(args.llama_venv, args.build_llama_cpp), args.build_llama_cpp)
     gguf = default_model_path()
-    engines = args.engines.split(",")
-    llama_py = _llama_python(args.llama_venv) if "llama.cpp" in engines else None
-    if "llama.cpp" in engines and llama_py is None:
-        print(
-            f"llama.cpp skipped: no llama-cpp-python in {args.llama_venv} "
-            f"(build it with: python bench/cpu.py --build-llama-cpp)"
-        )
-        engines.remove("llama.cpp")
+    engines, llama_py = [], {}
+    for engine in args.engines.split(","):
+        if engine.startswith("llama.cpp"):
+            isa = engine.partition(":")[2] or "avx512"
+            venv = llama_venv(args.llama_venv, isa)
+            if (py := _llama_python(venv)) is None:
+                print(f"{engine} skipped: no llama-cpp-python in {venv} (build it: --build-llama-cpp {isa})")
+                continue
+            llama_py[engine] = py
+        engines.append(engine)
     ids, long_ids = _prompt_ids(args.context)
     load = os.getloadavg()
     print(
-        f"# {gguf.name}, {len(ids)}-token prompt, {len(long_ids)}-token context, load average {load[0]:.2f}"
+        f"# {gguf.name}, {len(ids)}-token prompt, {len(long_ids)}-token context, load average {load[0]:.2f}, "
+        f"CPU {cpu_name()}"
     )
     rows = []
     for threads in [0 if t == "auto" else int(t) for t in args.threads.split(",")]:
         for neighbour in [n == "on" for n in args.neighbour.split(",")]:
             for engine in engines:
-                spec, _, kernel = engine.partition("+")
+                engine_spec, _, isa = engine.partition(":")
+                spec, _, kernel = engine_spec.partition("+")
                 weights, _, kv = spec.removeprefix("turnkv-").partition("@")
                 opts = {
                     "engine": engine,
@@ -288,19 +329,20 @@ def run_parent(args: argparse.Namespace) -> None:
                     "weights": weights,
                     "kv_dtype": kv or "auto",
                     "cpu_kernel": kernel or "auto",
+                    "isa": isa or "native",
                     "gguf": str(gguf),
                     "prompt_ids": ids,
                     "long_ids": long_ids,
                 }
-                python = llama_py if engine == "llama.cpp" else sys.executable
+                python = llama_py.get(engine, sys.executable)
                 row = _spawn(python, opts, neighbour)
                 rows.append(row)
                 _print_row(row)
-    results = {"gguf": gguf.name, "gguf_mib": gguf.stat().st_size / 2**20, "rows": rows}
+    results = {"gguf": gguf.name, "gguf_mib": gguf.stat().st_size / 2**20, "rows": rows, "cpu": cpu_name()}
     results["load_average_start"] = load
     results["load_average_end"] = os.getloadavg()
     _ratios(rows)
-    print(markdown(rows))
+    print(markdown(rows, results["cpu"]))
     save(results, args.tag, _plot)
 
 
@@ -316,7 +358,7 @@ def _prompt_ids(context: int) -> tuple[list[int], list[int]]:
 
 def _print_row(r: dict) -> None:
     print(
-        f"{r['engine']:>15} t={r['threads'] or 'auto'} nb={'on ' if r['neighbour'] else 'off'} | "
+        f"{r['engine']:>15} [{r.get('kernels', '?')}] t={r['threads'] or 'auto'} nb={'on ' if r['neighbour'] else 'off'} | "
         f"decode {r['decode_short_tok_s']:6.1f} tok/s short, {r['decode_long_tok_s']:6.1f} at "
         f"{r['long_context']} | prefill {r['prefill_tok_s']:7.1f} tok/s | RSS +{r['rss_mib']:.0f} MiB "
         f"| decode CPU {r['decode_cpu_ms_per_token']:.1f} ms/token "
@@ -326,28 +368,41 @@ def _print_row(r: dict) -> None:
 
 
 def _ratios(rows: list[dict]) -> None:
-    ref = {(r["threads"], r["neighbour"]): r for r in rows if r["engine"] == "llama.cpp"}
+    """Each turnkv row against llama.cpp in the same cell, built for the same instruction sets
+    where the run has that build (``turnkv-packed:avx2`` against ``llama.cpp:avx2``)."""
+    ref = {
+        (r["engine"], r["threads"], r["neighbour"]): r for r in rows if r["engine"].startswith("llama.cpp")
+    }
     for r in rows:
-        base = ref.get((r["threads"], r["neighbour"]))
-        if base is None or r["engine"] == "llama.cpp":
+        if r["engine"].startswith("llama.cpp"):
             continue
+        isa = "avx2" if r["engine"].endswith(":avx2") else ""
+        cell = (r["threads"], r["neighbour"])
+        base = ref.get((f"llama.cpp:{isa}".rstrip(":"), *cell))
+        base = base or next((v for k, v in ref.items() if k[1:] == cell), None)
+        if base is None:
+            continue
+        r["against"] = base["engine"]
         r["vs_llama_cpp"] = {
             k: r[k] / base[k] for k in ("decode_short_tok_s", "decode_long_tok_s", "prefill_tok_s")
         }
         v = r["vs_llama_cpp"]
         print(
-            f"{r['engine']:>15} t={r['threads'] or 'auto'} nb={'on ' if r['neighbour'] else 'off'} / llama.cpp: "
+            f"{r['engine']:>15} t={r['threads'] or 'auto'} nb={'on ' if r['neighbour'] else 'off'} / {r['against']}: "
             f"decode {v['decode_short_tok_s']:.2f}x short, {v['decode_long_tok_s']:.2f}x long; "
             f"prefill {v['prefill_tok_s']:.2f}x"
         )
 
 
-def markdown(rows: list[dict]) -> str:
-    """The rows as the table docs/BENCHMARKS.md keeps (ratios against llama.cpp where it ran)."""
+def markdown(rows: list[dict], cpu: str) -> str:
+    """The rows as the table docs/BENCHMARKS.md keeps (ratios against llama.cpp where it ran), under
+    a line naming the CPU and its vector extensions; each row names the kernels it ran."""
     out = [
-        "| engine | threads | neighbour | decode short tok/s | decode 2K tok/s | prefill tok/s | RSS MiB "
-        "| decode CPU ms/token |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        f"CPU: {cpu}",
+        "",
+        "| engine | kernels | threads | neighbour | decode short tok/s | decode 2K tok/s | prefill tok/s "
+        "| RSS MiB | decode CPU ms/token |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         v = r.get("vs_llama_cpp", {})
@@ -356,7 +411,7 @@ def markdown(rows: list[dict]) -> str:
             return f"{r[key]:.1f}" + (f" ({v[key]:.2f}x)" if key in v else "")
 
         out.append(
-            f"| {r['engine']} | {r['threads'] or 'auto'} | {'busy core' if r['neighbour'] else 'none'} | "
+            f"| {r['engine']} | {r.get('kernels', '?')} | {r['threads'] or 'auto'} | {'busy core' if r['neighbour'] else 'none'} | "
             f"{cell('decode_short_tok_s')} | {cell('decode_long_tok_s')} | {cell('prefill_tok_s')} | "
             f"{r['rss_mib']:.0f} | {r['decode_cpu_ms_per_token']:.1f} |"
         )
@@ -365,7 +420,10 @@ def markdown(rows: list[dict]) -> str:
 
 def _plot(results: dict, plt, path: Path) -> None:
     rows = results["rows"]
-    labels = [f"{r['engine']}\nt{r['threads'] or 'auto'}{' +nb' if r['neighbour'] else ''}" for r in rows]
+    labels = [
+        f"{r['engine']}\n{r.get('kernels', '')}\nt{r['threads'] or 'auto'}{' +nb' if r['neighbour'] else ''}"
+        for r in rows
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key, title in zip(
         axes,
@@ -377,7 +435,9 @@ def _plot(results: dict, plt, path: Path) -> None:
         ax.set_xticks(range(len(rows)), labels, fontsize=6)
         ax.set(title=title, ylabel="tokens/s")
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"{results['gguf']}: turnkv vs llama.cpp ({results['date']}, {results['commit']})")
+    fig.suptitle(
+        f"{results['gguf']}: turnkv vs llama.cpp on {results['cpu']} ({results['date']}, {results['commit']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -5,7 +5,10 @@ Each is compiled at first use with ``$CC`` (default ``cc``), ``-O3 -march=native
 ``~/.cache/turnkv/kernels``), named by a hash of the source, the flags and this CPU's feature
 flags, written under a temporary name and renamed, so concurrent processes never load a
 half-written file. ``TURNKV_CPU_KERNEL=off`` keeps every C kernel off (their torch paths run;
-the tests and benches use it to run both).
+the tests and benches use it to run both). ``TURNKV_CPU_ISA`` picks the variant the kernels compile:
+``native`` (default: this CPU's widest), ``avx2`` (no AVX-512: an AVX2 laptop's build) or ``plain``
+(no AVX2: plain C vectors); a variant this CPU cannot run is refused with the reason. Every variant
+gives the same bits (the tests check it).
 """
 
 from __future__ import annotations
@@ -26,6 +29,34 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shar
 # split over a Python pool instead contended with that team's spinning threads, slower than one
 # thread (docs/BENCHMARKS.md, 'CPU decode attention in C').
 OPENMP = ("-fopenmp",)
+# the variants: the extra flag of each, and the CPU flag it needs (``isa_flags``)
+ISAS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2",)}
+
+
+def isa() -> str:
+    """The variant ``TURNKV_CPU_ISA`` asks for (``native`` unless set)."""
+    name = os.environ.get("TURNKV_CPU_ISA", "native").lower()
+    if name not in ISAS:
+        raise RuntimeError(f"TURNKV_CPU_ISA={name!r}: not one of {', '.join(ISAS)}")
+    return name
+
+
+def isa_flags(name: str) -> tuple[str, ...]:
+    """The compiler flags of variant ``name``; RuntimeError where this CPU cannot run it."""
+    if name == "avx2" and "avx2" not in _cpu_flags().split():
+        raise RuntimeError("TURNKV_CPU_ISA=avx2: this CPU has no AVX2 (use native or plain)")
+    return ISAS[name]
+
+
+def variant() -> str:
+    """The variant the kernels run, in words for tables and /health: ``avx512-vnni``, ``avx2``,
+    ``plain`` (what the compiler's ``-march=native`` less ``TURNKV_CPU_ISA``'s flag leaves)."""
+    name, flags = isa(), set(_cpu_flags().split())
+    if name == "native":
+        if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+            return "avx512-vnni"
+        return "avx2" if {"avx2", "fma", "f16c"} <= flags else "plain"
+    return name
 
 
 def switched_off() -> str | None:
@@ -62,8 +93,9 @@ def build(source: Path) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     src = source.read_bytes()
+    flags = (*FLAGS, *isa_flags(isa()))
     key = hashlib.sha256(
-        src + " ".join((cc, *FLAGS, *OPENMP, platform.machine(), _cpu_flags())).encode()
+        src + " ".join((cc, *flags, *OPENMP, platform.machine(), _cpu_flags())).encode()
     ).hexdigest()
     out = _cache_dir() / f"{source.stem}-{key[:16]}.so"
     if out.exists():
@@ -73,7 +105,7 @@ def build(source: Path) -> Path:
     os.close(fd)
     try:
         for extra in (OPENMP, ()):
-            run = subprocess.run([cc, *FLAGS, *extra, str(source), "-o", tmp], capture_output=True, text=True)
+            run = subprocess.run([cc, *flags, *extra, str(source), "-o", tmp], capture_output=True, text=True)
             if not run.returncode:
                 break
         else:

@@ -53,7 +53,10 @@
 #define GROUP 32
 #define PLANE_BYTES 320
 #define Q8_BYTES 576
-#define MAX_ROWS 10 /* rows per block: a call of up to 10 rows is one block, more go 4 at a time */
+#define MAX_ROWS 10 /* rows per block at most */
+#ifndef TKV_ONE_BLOCK /* a call of up to this many rows is one block, more go BIG_BLOCK at a time */
+#define TKV_ONE_BLOCK MAX_ROWS
+#endif
 #define BIG_BLOCK 4
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -74,9 +77,11 @@ static inline __attribute__((always_inline)) void quad_rows(const int R, const i
 }
 #endif
 
-/* Row m's activations, group by group: q [M][K] int8, d [M][G] and dq = d * sum q [M][G]. */
+/* Row m's activations, group by group: q [M][K] int8, d [M][G] and dq = d * sum q [M][G]. AVX2
+ * with swap (the 4-bit form): each quad's bytes stored q0 q2 q1 q3, block()'s two pairs. */
 static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride, int8_t *q, float *d,
-                          float *dq) {
+                          float *dq, int swap) {
+    (void)swap;
     const int64_t G = K / GROUP;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < G; g++) {
@@ -96,6 +101,36 @@ static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_str
             _mm_storeu_si128((__m128i *)qg, _mm512_cvtepi32_epi8(qlo));
             _mm_storeu_si128((__m128i *)(qg + 16), _mm512_cvtepi32_epi8(qhi));
             sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#elif TKV_AVX2
+            __m256 v[4], mx = _mm256_setzero_ps();
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xg + 8 * j))), 16));
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+            __m256i r[4], acc = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) { /* cvtps rounds to nearest, ties to even, as nearbyintf */
+                r[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), lim), nlim);
+                acc = _mm256_add_epi32(acc, r[j]);
+            }
+            /* int32 -> int8 in order: packs work within 128-bit lanes, the permute puts them back */
+            const __m256i p16 = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+            __m256i p8 = _mm256_packs_epi16(p16, p16b);
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            if (swap) /* each quad's bytes as q0 q2 q1 q3, the order block()'s pairs take */
+                p8 = _mm256_shuffle_epi8(p8, _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                                              0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
+            _mm256_storeu_si256((__m256i *)qg, p8);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            sum = _mm_cvtsi128_si32(s4);
 #else
             float v[GROUP], amax = 0.0f;
             for (int k = 0; k < GROUP; k++) {
@@ -154,34 +189,53 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
                 }
             }
 #elif TKV_AVX2
-            __m256i sum[MAX_ROWS * 8 * 2]; /* [r][t][half of 8 columns] */
-            for (int i = 0; i < R * T * 2; i++) sum[i] = _mm256_setzero_si256();
-            const __m256i lo4 = _mm256_set1_epi16(0x0F0F), ones = _mm256_set1_epi16(1);
-            for (int i = 0; i < QUADS; i++) {
-                __m256i wv[8 * 2];
-                for (int j = 0; j < 2 * T; j++) {
-                    const uint8_t *u = w + (j / 2) * tile_bytes + off + 64 + i * 32 + (j % 2) * 16;
-                    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u));
-                    wv[j] = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi16(b, 4)), lo4);
-                }
-                for (int r = 0; r < R; r++) {
-                    int32_t quad;
-                    memcpy(&quad, q + r * K + g * GROUP + 4 * i, 4);
-                    const __m256i xv = _mm256_set1_epi32(quad);
-                    for (int j = 0; j < 2 * T; j++)
-                        sum[r * 2 * T + j] = _mm256_add_epi32(sum[r * 2 * T + j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xv), ones));
+            /* A quad's 32 bytes split into low and high nibbles give, in 16-bit lane c, the pairs
+               (u0, u2) and (u1, u3) of column c: two vpmaddubsw by the row's (q0, q2) and (q1, q3)
+               sum column c's four products in one lane, 16 columns a register. Four quads (16
+               products of u <= 15 and |q| <= 127: |sum| <= 30480) stay exact in 16 bits; the two
+               halves of the group are interleaved and summed into int32 by vpmaddwd. (32-bit
+               broadcasts with the pairs blended per column were slower on Zen 4: two more
+               instructions a quad and tile.) */
+            __m256i h0[MAX_ROWS * 4], h1[MAX_ROWS * 4];
+            const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+            for (int hf = 0; hf < 2; hf++) {
+                __m256i *h = hf ? h1 : h0;
+                for (int j = 0; j < R * T; j++) h[j] = _mm256_setzero_si256();
+                for (int i = 4 * hf; i < 4 * hf + 4; i++) {
+                    __m256i lo[4], hi[4];
+                    for (int t = 0; t < T; t++) {
+                        const __m256i b = _mm256_loadu_si256((const __m256i *)(w + t * tile_bytes + off + 64 + i * 32));
+                        lo[t] = _mm256_and_si256(b, m4);
+                        hi[t] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+                    }
+                    for (int r = 0; r < R; r++) {
+                        int16_t p02, p13; /* the quad as q0 q2 q1 q3 (quantize_rows' swap) */
+                        memcpy(&p02, q + r * K + g * GROUP + 4 * i, 2);
+                        memcpy(&p13, q + r * K + g * GROUP + 4 * i + 2, 2);
+                        const __m256i x02 = _mm256_set1_epi16(p02), x13 = _mm256_set1_epi16(p13);
+                        for (int t = 0; t < T; t++)
+                            h[r * T + t] = _mm256_add_epi16(h[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], x02), _mm256_maddubs_epi16(hi[t], x13)));
+                    }
                 }
             }
-            for (int j = 0; j < 2 * T; j++) {
-                const uint8_t *sz = w + (j / 2) * tile_bytes + off + (j % 2) * 16;
-                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sz));
-                const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 32)));
+            for (int t = 0; t < T; t++) {
+                const uint8_t *sz = w + t * tile_bytes + off;
+                const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sz));
+                const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 16)));
+                const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 32)));
+                const __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 48)));
                 for (int r = 0; r < R; r++) {
-                    float *a = acc + r * T * TILE + j * 8;
-                    __m256 av = _mm256_loadu_ps(a);
-                    av = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r * 2 * T + j]), _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g])), av);
-                    av = _mm256_fmadd_ps(z, _mm256_set1_ps(dq[r * G + g]), av);
-                    _mm256_storeu_ps(a, av);
+                    /* columns 0-3 | 8-11 and 4-7 | 12-15, then back in order */
+                    const __m256i a = _mm256_madd_epi16(_mm256_unpacklo_epi16(h0[r * T + t], h1[r * T + t]), ones);
+                    const __m256i c = _mm256_madd_epi16(_mm256_unpackhi_epi16(h0[r * T + t], h1[r * T + t]), ones);
+                    const __m256 t0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, c, 0x20));
+                    const __m256 t1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, c, 0x31));
+                    const __m256 dr = _mm256_set1_ps(d[r * G + g]), dqr = _mm256_set1_ps(dq[r * G + g]);
+                    float *acc0 = acc + r * T * TILE + t * TILE;
+                    __m256 v0 = _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, dr), _mm256_loadu_ps(acc0));
+                    __m256 v1 = _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, dr), _mm256_loadu_ps(acc0 + 8));
+                    _mm256_storeu_ps(acc0, _mm256_fmadd_ps(z0, dqr, v0));
+                    _mm256_storeu_ps(acc0 + 8, _mm256_fmadd_ps(z1, dqr, v1));
                 }
             }
 #else
@@ -340,12 +394,26 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
         }                                                                                       \
     }
 #if TKV_VNNI
-RUN_ROWS(run_rows4, block, 4, 3, 4, 3, 3, 2, 2, 1, 1, 1)
-RUN_ROWS(run_rows8, block8, 1, 4, 4, 3, 2, 2, 2, 2, 2, 1)
-#else /* AVX2 (16 registers), measured the same way with -mno-avx512f; plain C takes the same */
-RUN_ROWS(run_rows4, block, 2, 2, 1, 1, 1, 1, 1, 4, 3, 3)
-RUN_ROWS(run_rows8, block8, 1, 2, 1, 1, 1, 1, 1, 1, 1, 4)
+#define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
+#define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
+#elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f */
+#define TILES4 4, 2, 2, 1, 1, 1, 1, 1, 1, 1
+#define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
+#else /* plain C */
+#define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
+#define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
 #endif
+#ifdef TKV_TILES4 /* a tuning run's choice (-DTKV_TILES4=...) */
+#undef TILES4
+#define TILES4 TKV_TILES4
+#endif
+#ifdef TKV_TILES8
+#undef TILES8
+#define TILES8 TKV_TILES8
+#endif
+#define RUN_ROWS_(NAME, BLOCK, ...) RUN_ROWS(NAME, BLOCK, __VA_ARGS__)
+RUN_ROWS_(run_rows4, block, TILES4)
+RUN_ROWS_(run_rows8, block8, TILES8)
 
 /* y[M, n_out] (fp32, row stride out_stride) = x[M, K] (bf16, row stride x_stride) @ W.T.
  * w: the packed planes of N = tiles * 16 columns (n_out <= N real); P = 0: the int8 form.
@@ -358,7 +426,7 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
     int8_t *q = (int8_t *)malloc((size_t)(rows * K + 2 * rows * G * (int64_t)sizeof(float)));
     if (!q) return 2;
     float *d = (float *)(void *)(q + ((rows * K + 3) & ~(int64_t)3)), *dq = d + rows * G;
-    quantize_rows(M, K, x, x_stride, q, d, dq);
+    quantize_rows(M, K, x, x_stride, q, d, dq, TKV_AVX2 && P > 0);
     if (threads > tiles) threads = tiles;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
@@ -370,7 +438,7 @@ int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t 
         int64_t t0 = tiles * part / threads, t1 = tiles * (part + 1) / threads;
         for (int64_t tb = t0; tb < t1; tb += 24) {
             int64_t te = tb + 24 < t1 ? tb + 24 : t1;
-            const int64_t rb = M <= MAX_ROWS ? M : BIG_BLOCK;
+            const int64_t rb = M <= TKV_ONE_BLOCK ? M : BIG_BLOCK;
             for (int64_t r0 = 0; r0 < M; r0 += rb) {
                 int64_t R = M - r0 < rb ? M - r0 : rb;
                 (P ? run_rows4 : run_rows8)(R, tb, te, G, P, q + r0 * K, K, d + r0 * G, dq + r0 * G, w,
