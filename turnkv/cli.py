@@ -181,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _disk_flags(s)
     add("--disk-bytes", "disk_bytes", "byte budget of the KV disk tier: N, 512M, 8G")
+    add(
+        "--disk-store",
+        "disk_store",
+        "a block store replicas share instead of --disk-dir: dir:PATH or redis://host:port/db",
+    )
     add("--ram-bytes", "ram_bytes", "byte budget of the host-RAM KV tier: N, 64G, 0 (off) or auto")
     for name, text in (("no_disk", "the KV disk tier"), ("no_ram", "the host-RAM KV tier")):
         s.add_argument(

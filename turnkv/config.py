@@ -117,6 +117,8 @@ class EngineConfig:
     disk_dir: str = ""  # the KV disk tier's directory; "": $XDG_CACHE_HOME/turnkv/kv or ~/.cache/turnkv/kv
     disk_bytes: str = "8G"  # byte budget of the disk tier (least recently used blocks go first)
     no_disk: bool = False  # serve without the disk tier
+    # a block store shared by replicas instead of --disk-dir: dir:PATH or redis://host:port/db
+    disk_store: str = ""
     ram_bytes: str = "auto"  # N | 0 (off) | auto: the host-RAM tier's budget (bank/ram_budget.py)
     no_ram: bool = False  # serve without the host-RAM tier
     max_context: int = 0  # 0: the model's max_position
@@ -178,6 +180,11 @@ class EngineConfig:
                 raise ConfigError(
                     name, f"must be {either}a positive size such as 512M or 8G (got {value!r})"
                 ) from None
+        if self.disk_store and not self.disk_store.startswith(("dir:", "redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                "disk_store",
+                f"must be dir:PATH (a directory replicas share) or redis://host:port/db (got {self.disk_store!r})",
+            )
         if self.ram_bytes != "auto":
             try:
                 if parse_size(self.ram_bytes) < 0:
