@@ -130,6 +130,7 @@ class EngineConfig:
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     queue_timeout: float = 120.0  # seconds a turn may wait for admission before a 503 with Retry-After
     threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
+    replicas: int = 1  # turnkv serve: servers behind one endpoint on Ray Serve (turnkv/serve_ray.py)
     tensor_parallel: int = 1  # processes (one GPU each) that one model's heads are split over
     host: str = "127.0.0.1"
     port: int = 8000
@@ -197,6 +198,7 @@ class EngineConfig:
         _check_range("max_context", self.max_context, 0, None, "0 means the model's own")
         _check_range("prefill_chunk", self.prefill_chunk, 1, None)
         _check_range("max_running", self.max_running, 1, None)
+        _check_range("replicas", self.replicas, 1, None, "servers behind one endpoint (Ray Serve)")
         _check_range("tensor_parallel", self.tensor_parallel, 1, None, "processes, one GPU each")
         _check_range("threads", self.threads, 0, None, "0 means the cores this process may run on")
         _check_range("max_batch_tokens", self.max_batch_tokens, 0, None, "0 means --prefill-chunk")
