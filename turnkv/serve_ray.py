@@ -3,7 +3,9 @@
 On a cluster of your own (``ray start --head`` and workers; docs/REPLICAS.md)::
 
     import ray
-    from ray import serve
+    from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
     from turnkv.config import EngineConfig
     from turnkv.serve_ray import app
 
@@ -25,8 +27,6 @@ the stream, or a 503 before the head); Serve stops routing to it and starts a re
 With a shared ``--disk-store`` every replica restores every conversation.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import dataclasses
@@ -35,6 +35,8 @@ import os
 from collections import deque
 from collections.abc import AsyncIterator
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from turnkv.config import EngineConfig
@@ -133,9 +135,6 @@ async def _collect(gen) -> tuple[dict, bytes]:
 
 
 def _front(replicas_n: int):
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
     api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
     @serve.deployment
