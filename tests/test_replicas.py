@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from redis_helpers import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
