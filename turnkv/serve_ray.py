@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -40,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from turnkv.config import EngineConfig
-from turnkv.serve_router import AffinityRouter, route_of
+from turnkv.serve_router import DECISIONS, AffinityRouter, route_of
 
 PUBLISH_KEYS = 4096  # chain keys a replica publishes to the router (its newest)
 STATS_PERIOD_S = 0.5  # how often Serve collects them
@@ -157,6 +158,7 @@ def _front(replicas_n: int):
             each = [{"replica": h["replica"], **json.loads(b)} for h, b in await self._each("/health")]
             ok = bool(each) and all(e.get("status") == "ok" for e in each)
             body = {"status": "ok" if ok else "degraded", "replicas": len(each), "expected": replicas_n}
+            body["router"] = _router_times()
             body["each"] = each
             return JSONResponse(body, status_code=200 if each else 503)
 
@@ -170,7 +172,9 @@ def _front(replicas_n: int):
         async def forward(self, path: str, request: Request):
             body = await request.body()
             headers = [(k, v) for k, v in request.headers.items()]
+            t0 = time.perf_counter()
             route = route_of(request.url.path, dict(request.headers), body)
+            ROUTE_OF.append(time.perf_counter() - t0)
             req = {"method": request.method, "path": request.url.path, "query": request.url.query}
             req |= {"headers": headers, "body": body}
             gen = self.replica.forward.remote(req, route)
@@ -197,6 +201,18 @@ async def _rest(gen) -> AsyncIterator[bytes]:
             + json.dumps(_error(f"the replica serving this stream failed: {type(exc).__name__}")).encode()
         )
         yield b"\n\n"
+
+
+ROUTE_OF: deque = deque(maxlen=4096)  # seconds per request computing its route (health)
+
+
+def _router_times() -> dict:
+    """p50/p99 of the front's route computation plus the router's decision, in ms."""
+    both = sorted(a + b for a, b in zip(ROUTE_OF, DECISIONS, strict=False))
+    if not both:
+        return {"requests": 0, "p50_ms": None, "p99_ms": None}
+    pick = lambda q: round(1000 * both[min(len(both) - 1, int(q * len(both)))], 4)  # noqa: E731
+    return {"requests": len(both), "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
 
 
 def _error(message: str) -> dict:

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+DECISIONS: deque[float] = deque(maxlen=4096)  # seconds per routing decision in this process (health)
 KEEP_KEYS = 65536  # chain keys the router remembers (about 100 bytes each)
 ROOT = "turnkv.route/1"
 
@@ -110,6 +112,13 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         self._turn = 0
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        t0 = time.perf_counter()
+        ranks = self._choose(candidate_replicas, pending_request)
+        if "nth" not in _route(pending_request):
+            DECISIONS.append(time.perf_counter() - t0)
+        return ranks
+
+    def _choose(self, candidate_replicas, pending_request):
         if not candidate_replicas:
             return []
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
