@@ -9,7 +9,8 @@ down in turn, a fresh shared block store each):
 - ``1 replica``: one turnkv server behind the Ray Serve front (the reference);
 - ``N affinity``: N replicas, ``serve_router.AffinityRouter`` (longest chain prefix);
 - ``N round-robin``: N replicas, the same router cycling through them (what a router that knows
-  nothing of conversations does).
+  nothing of conversations does), over the shared store (a follow-up restores from it);
+- ``N rr, no store``: round-robin with each replica's bank alone (``--no-disk``).
 
 Per variant: output tok/s (completion tokens over wall time), TTFT p50/p99 at the client, the
 cached fraction of follow-ups (cached / prompt tokens, turns after the first), and the router's
@@ -134,10 +135,13 @@ def main() -> None:
         ("1 replica", 1, "affinity"),
         (f"{a.replicas} affinity", a.replicas, "affinity"),
         (f"{a.replicas} round-robin", a.replicas, "round_robin"),
+        (f"{a.replicas} rr, no store", a.replicas, "round_robin"),
     ]:
         store = tempfile.mkdtemp(prefix="turnkv-bench-store-")
         threads = 1 if gpus == 0 else 0
         cfg = EngineConfig(model=a.model, device=a.device, threads=threads, disk_store=f"dir:{store}")
+        if "no store" in name:  # each replica its bank only: what round-robin costs without sharing
+            cfg = EngineConfig(model=a.model, device=a.device, threads=threads, no_disk=True)
         serve.run(app(cfg, n, gpus, policy), name="turnkv", route_prefix="/")
         base = f"http://127.0.0.1:{a.port}"
         row = workload(base, a.conversations, a.turns, a.clients, a.system_words, a.answer_tokens)
@@ -168,6 +172,7 @@ def plot(results: dict, plt, path) -> None:
         axes,
         ("out_tok_s", "ttft_p50_ms", "cached_fraction"),
         ("out tok/s", "TTFT p50 (ms)", "cached fraction"),
+        strict=False,
     ):
         ax.bar(names, [results["variants"][n][key] for n in names])
         ax.set_title(label)
