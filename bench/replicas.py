@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--conversations", type=int, default=5)  # odd: round-robin alternates replicas
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--system-words", type=int, default=300)

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from turnkv.config import EngineConfig
-from turnkv.serve_router import DECISIONS, AffinityRouter, route_of
+from turnkv.serve_router import DECISIONS, route_of
 
 PUBLISH_KEYS = 4096  # chain keys a replica publishes to the router (its newest)
 STATS_PERIOD_S = 0.5  # how often Serve collects them
@@ -220,7 +220,13 @@ def _router_times() -> dict:
     """p50/p99 of the front's route computation plus the router's decision, in ms."""
     both = sorted(a + b for a, b in zip(ROUTE_OF, DECISIONS, strict=False))
     if not both:
-        return {"requests": 0, "p50_ms": None, "p99_ms": None}
+        return {
+            "requests": 0,
+            "p50_ms": None,
+            "p99_ms": None,
+            "routes": len(ROUTE_OF),
+            "decisions": len(DECISIONS),
+        }
     pick = lambda q: round(1000 * both[min(len(both) - 1, int(q * len(both)))], 4)  # noqa: E731
     return {"requests": len(both), "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
 
@@ -262,13 +268,15 @@ def app(
     each replica's ongoing requests (0: ``cfg.max_running``); past it the router falls back."""
     from ray.serve.config import RequestRouterConfig
 
-    replica = serve.deployment(Replica).options(
+    replica = serve.deployment(
+        Replica
+    ).options(
         name="turnkv-replica",
         num_replicas=replicas,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 0},
         max_ongoing_requests=max_queue or cfg.max_running,
         request_router_config=RequestRouterConfig(
-            request_router_class=AffinityRouter,
+            request_router_class="turnkv.serve_router.AffinityRouter",  # by name: its DECISIONS are this module's
             request_router_kwargs={"policy": policy},
             request_routing_stats_period_s=STATS_PERIOD_S,
         ),
