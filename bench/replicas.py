@@ -159,7 +159,7 @@ def main() -> None:
         rt = r["router"]
         print(
             f"{name:<18}{r['out_tok_s']:>10.1f}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms"
-            f"{r['cached_fraction']:>8.3f}{rt['p50_ms'] or 0:>8.3f}ms{rt['p99_ms'] or 0:>6.3f}ms"
+            f"{r['cached_fraction']:>8.3f}{rt['route_p50_ms'] or 0:>8.3f}ms{rt['route_p99_ms'] or 0:>6.3f}ms"
             f"   x{r['out_tok_s'] / one['out_tok_s']:.2f} tok/s"
         )
     save(results, "replicas", plot)
