@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add("--max-running", "max_running", "turns decoding together per step", type=int)
+    add(
+        "--replicas",
+        "replicas",
+        "servers behind one endpoint on a local Ray Serve instance, with conversation affinity",
+        type=int,
+    )
     add("--max-batch-tokens", "max_batch_tokens", "prefill rows per step (0: --prefill-chunk)", type=int)
     add(
         "--queue-timeout",
@@ -182,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _disk_flags(s)
     add("--disk-bytes", "disk_bytes", "byte budget of the KV disk tier: N, 512M, 8G")
+    add(
+        "--disk-store",
+        "disk_store",
+        "a block store replicas share instead of --disk-dir: dir:PATH or redis://host:port/db",
+    )
     add("--ram-bytes", "ram_bytes", "byte budget of the host-RAM KV tier: N, 64G, 0 (off) or auto")
     for name, text in (("no_disk", "the KV disk tier"), ("no_ram", "the host-RAM KV tier")):
         s.add_argument(
@@ -304,6 +315,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from turnkv.cache_cli import cache_main
 
         return cache_main(args.action, cfg.disk_dir, args.json)
+    if args.command == "serve" and cfg.replicas > 1:
+        if cfg.tensor_parallel > 1:
+            raise ValueError("--replicas with --tensor-parallel is not supported yet; use turnkv.serve_ray")
+        from turnkv.serve_ray import serve_replicas
+
+        serve_replicas(cfg, cfg.replicas)
+        return 0
     from turnkv.threads import set_threads
 
     set_threads(cfg.threads)

@@ -118,6 +118,8 @@ class EngineConfig:
     disk_dir: str = ""  # the KV disk tier's directory; "": $XDG_CACHE_HOME/turnkv/kv or ~/.cache/turnkv/kv
     disk_bytes: str = "8G"  # byte budget of the disk tier (least recently used blocks go first)
     no_disk: bool = False  # serve without the disk tier
+    # a block store shared by replicas instead of --disk-dir: dir:PATH or redis://host:port/db
+    disk_store: str = ""
     ram_bytes: str = "auto"  # N | 0 (off) | auto: the host-RAM tier's budget (bank/ram_budget.py)
     no_ram: bool = False  # serve without the host-RAM tier
     max_context: int = 0  # 0: the model's max_position
@@ -130,6 +132,7 @@ class EngineConfig:
     max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
     queue_timeout: float = 120.0  # seconds a turn may wait for admission before a 503 with Retry-After
     threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
+    replicas: int = 1  # turnkv serve: servers behind one endpoint on Ray Serve (turnkv/serve_ray.py)
     tensor_parallel: int = 1  # processes (one GPU each) that one model's heads are split over
     host: str = "127.0.0.1"
     port: int = 8000
@@ -180,6 +183,11 @@ class EngineConfig:
                 raise ConfigError(
                     name, f"must be {either}a positive size such as 512M or 8G (got {value!r})"
                 ) from None
+        if self.disk_store and not self.disk_store.startswith(("dir:", "redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                "disk_store",
+                f"must be dir:PATH (a directory replicas share) or redis://host:port/db (got {self.disk_store!r})",
+            )
         if self.ram_bytes != "auto":
             try:
                 if parse_size(self.ram_bytes) < 0:
@@ -192,6 +200,7 @@ class EngineConfig:
         _check_range("max_context", self.max_context, 0, None, "0 means the model's own")
         _check_range("prefill_chunk", self.prefill_chunk, 1, None)
         _check_range("max_running", self.max_running, 1, None)
+        _check_range("replicas", self.replicas, 1, None, "servers behind one endpoint (Ray Serve)")
         _check_range("tensor_parallel", self.tensor_parallel, 1, None, "processes, one GPU each")
         _check_range("threads", self.threads, 0, None, "0 means the cores this process may run on")
         _check_range("max_batch_tokens", self.max_batch_tokens, 0, None, "0 means --prefill-chunk")

@@ -182,10 +182,11 @@ def _open_tier(engine: Engine):
     cfg, fingerprint, shape = engine.cfg, engine.info.fingerprint, engine.shape
     budget = parse_size(cfg.disk_bytes)
     if engine.tp is None:
-        return open_tier(cfg.disk_dir, fingerprint, shape, budget)
+        return open_tier(cfg.disk_dir, fingerprint, shape, budget, cfg.disk_store)
     group = engine.tp.group
     where = rank_dir(cfg.disk_dir, group.size, group.rank)
-    tier = open_tier(where, fingerprint, shape, budget, agree=group.agree_min)
+    suffix = where.name  # a shared store keeps each rank's shard apart too
+    tier = open_tier(where, fingerprint, shape, budget, cfg.disk_store, suffix, agree=group.agree_min)
     if tier is None:
         raise RuntimeError(
             f"rank {group.rank} cannot use its KV disk cache {where} (see the warning above); "

@@ -188,17 +188,24 @@ class DiskTier:
             t.start()
 
     @classmethod
-    def open(cls, directory: str | os.PathLike, fingerprint: str, shape: KVShape, budget_bytes: int, **kw):
-        """A tier over ``LocalDirStore(directory)``, reconciled and fitted to ``budget_bytes``.
-        Raises ``StoreBusy`` or ``OSError``/``sqlite3.Error`` for a directory it cannot use."""
-        store = LocalDirStore(directory)
+    def open(
+        cls, where: str | os.PathLike | BlockStore, fingerprint: str, shape: KVShape, budget_bytes: int, **kw
+    ):
+        """A tier over ``where`` (a ``BlockStore``, or a directory: ``LocalDirStore``), reconciled
+        and fitted to ``budget_bytes``. Raises ``StoreBusy`` or ``OSError``/``sqlite3.Error`` for a
+        directory it cannot use. A store that fails its first eviction (a Redis that does not
+        answer) still opens, degraded: its calls are faults until it answers."""
+        store = where if hasattr(where, "get") else LocalDirStore(where)
         fixed = store.reconcile()
         tier = cls(store, fingerprint, shape, budget_bytes, **kw)
         tier.stats.corrupt += fixed["bad_size"]
         tier.stats.vanished += fixed["missing_files"]
-        tier.stats.evictions += store.evict(budget_bytes)
+        try:
+            tier.stats.evictions += store.evict(budget_bytes)
+        except Exception as exc:
+            tier._fault("the store at start", exc)
         if any(fixed.values()):
-            log.warning("KV disk cache %s reconciled at start: %s", directory, fixed)
+            log.warning("KV disk cache %s reconciled at start: %s", where, fixed)
         return tier
 
     # -- restore ----------------------------------------------------------------------------------
@@ -638,11 +645,24 @@ class DiskTier:
 
 
 def open_tier(
-    directory: str | os.PathLike | None, fingerprint: str, shape: KVShape, budget_bytes: int, **kw
+    directory: str | os.PathLike | None,
+    fingerprint: str,
+    shape: KVShape,
+    budget_bytes: int,
+    store: str = "",
+    suffix: str = "",
+    **kw,
 ) -> DiskTier | None:
-    """``DiskTier.open`` for the server: a directory it cannot use disables the tier (one warning)."""
+    """``DiskTier.open`` for the server over ``--disk-store`` (``shared_stores.open_store``; ``""``:
+    this process's ``--disk-dir``): a store it cannot use disables the tier (one warning)."""
     try:
-        return DiskTier.open(disk_dir(directory), fingerprint, shape, budget_bytes, **kw)
+        if store:
+            from turnkv.bank.shared_stores import open_store
+
+            where = open_store(store, suffix)
+        else:
+            where = disk_dir(directory)
+        return DiskTier.open(where, fingerprint, shape, budget_bytes, **kw)
     except Exception as exc:  # busy, unwritable, not a directory, a broken index
         log.warning("KV disk cache disabled: %s (%s)", exc, type(exc).__name__)
         return None

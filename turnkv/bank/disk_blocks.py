@@ -170,26 +170,57 @@ def decode_block(
     try:
         with safe_open(path, framework="pt") as f:
             md = f.metadata() or {}
-            if md.get("format") != FORMAT or md.get("version") != str(FORMAT_VERSION):
-                raise BlockError(
-                    f"not a {FORMAT} v{FORMAT_VERSION} file (format {md.get('format')!r}, "
-                    f"version {md.get('version')!r})"
-                )
-            names = set(f.keys())
-            if names != {"k", "v", "tokens"}:
-                raise BlockError(f"tensors {sorted(names)}, expected k, v, tokens")
+            _check_format(md, set(f.keys()))
             tokens = _private(f.get_tensor("tokens"), False)
-            k, v = f.get_tensor("k"), f.get_tensor("v")
-            if into is not None and k.shape == into[0].shape and v.shape == into[1].shape:
-                if k.dtype != into[0].dtype or v.dtype != into[1].dtype:
-                    raise BlockError(f"block holds {k.dtype}, expected {into[0].dtype}")
-                host_copy(into[0], k)
-                host_copy(into[1], v)
-                k, v = into
-            else:
-                k, v = _private(k, pin), _private(v, pin)
+            k, v = _rows(f.get_tensor("k"), f.get_tensor("v"), pin, into)
     except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
         raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
+    return _verified(key, md, tokens, k, v)
+
+
+def decode_bytes(
+    data: bytes, key: str, pin: bool = False, into: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> Block:
+    """:func:`decode_block` of a block's bytes held in memory (a store that is not a file system)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        if len(data) < 8:
+            raise ValueError(f"{len(data)} bytes is no safetensors header")
+        n = int.from_bytes(data[:8], "little")
+        md = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+        tensors = load(data)
+        _check_format(md, set(tensors))
+        k, v = _rows(tensors["k"], tensors["v"], pin, into)
+        tokens = tensors["tokens"]
+    except (SafetensorError, ValueError, RuntimeError, AttributeError) as exc:
+        raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
+    return _verified(key, md, tokens, k, v)
+
+
+def _check_format(md: dict, names: set[str]) -> None:
+    if md.get("format") != FORMAT or md.get("version") != str(FORMAT_VERSION):
+        raise BlockError(
+            f"not a {FORMAT} v{FORMAT_VERSION} file (format {md.get('format')!r}, version {md.get('version')!r})"
+        )
+    if names != {"k", "v", "tokens"}:
+        raise BlockError(f"tensors {sorted(names)}, expected k, v, tokens")
+
+
+def _rows(k: torch.Tensor, v: torch.Tensor, pin: bool, into) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``, ``v`` copied into ``into`` when it fits, else into private memory (pinned with ``pin``)."""
+    if into is not None and k.shape == into[0].shape and v.shape == into[1].shape:
+        if k.dtype != into[0].dtype or v.dtype != into[1].dtype:
+            raise BlockError(f"block holds {k.dtype}, expected {into[0].dtype}")
+        host_copy(into[0], k)
+        host_copy(into[1], v)
+        return into
+    return _private(k, pin), _private(v, pin)
+
+
+def _verified(key: str, md: dict, tokens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Block:
+    """The block, once every metadata field is what its content implies and the checksum matches."""
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.shape[2] != BLOCK_TOKENS:
         raise BlockError(f"k/v of {list(k.shape)}/{list(v.shape)} is not a block")
     if tokens.dtype != torch.int64 or tuple(tokens.shape) != (BLOCK_TOKENS,):

@@ -140,6 +140,7 @@ def _facts(cfg: EngineConfig, rt, srv) -> str:
     info, tier = engine.info, srv.bank.tier
     tp = engine.tp  # each rank's bank and tier hold its 1/size of every row, budgets per rank
     where = disk_dir(cfg.disk_dir) if tp is None else rank_dir(cfg.disk_dir, tp.size, "*")
+    where = cfg.disk_store or where
     tiers = tier_health(tier)
     disk = "no disk tier"
     if tiers["disk"]["enabled"]:

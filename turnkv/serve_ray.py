@@ -1,0 +1,325 @@
+"""turnkv replicas on Ray Serve: one OpenAI-compatible endpoint in front of N turnkv servers.
+
+On a cluster of your own (``ray start --head`` and workers; docs/REPLICAS.md)::
+
+    import ray
+    from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+    from turnkv.config import EngineConfig
+    from turnkv.serve_ray import app
+
+    ray.init(address="auto")
+    cfg = EngineConfig(model="default", disk_store="redis://10.0.0.5:6379/0")
+    serve.run(app(cfg, replicas=8, gpus_per_replica=1), route_prefix="/")
+
+``turnkv serve --replicas N`` does the same on a local Ray instance (``serve_replicas``).
+
+Each :class:`Replica` is a whole turnkv server (``runtime.build`` and ``server.app.create_app``)
+inside a Serve replica actor, one per GPU (``ray_actor_options={"num_gpus": tp}`` under
+``--tensor-parallel tp``); its routes run in-process through ASGI (``forward``), so every route
+works as on one server, streaming included: the response's head and then its body chunks come
+back through a streaming ``DeploymentHandle``. :class:`Front` is the ingress: it computes the
+request's route (``serve_router.route_of``) and passes it beside the request, which
+:class:`~turnkv.serve_router.AffinityRouter` reads. ``/health`` and ``/metrics`` ask every replica
+and show each one. A replica that dies mid-stream ends only its streams (an error event in
+the stream, or a 503 before the head); Serve stops routing to it and starts a replacement.
+With a shared ``--disk-store`` every replica restores every conversation.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from turnkv.config import EngineConfig
+from turnkv.serve_router import DECISIONS, route_of
+
+PUBLISH_KEYS = 4096  # chain keys a replica publishes to the router (its newest)
+STATS_PERIOD_S = 0.5  # how often Serve collects them
+
+
+class Replica:
+    """One turnkv server (engine, bank, tiers, routes) inside a Ray Serve replica."""
+
+    def __init__(self, cfg: dict) -> None:
+        from turnkv.runtime import build
+        from turnkv.server.app import create_app
+
+        self.cfg = EngineConfig(**cfg)
+        self.rt = build(self.cfg, "serve", progress=False)
+        self.app = create_app(self.rt)
+        self.keys: deque[str] = deque(maxlen=PUBLISH_KEYS)
+        try:
+            self.id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (a test)
+            self.id = f"local-{os.getpid()}"
+
+    def record_routing_stats(self) -> dict:
+        """What the router reads (``RunningReplica.routing_stats``): the chain keys served here."""
+        return {"keys": list(self.keys)}
+
+    async def forward(self, req: dict, route: dict) -> AsyncIterator:
+        """Run one HTTP request through this server's app: yields the head
+        ``{"status", "headers", "replica"}``, then the body's chunks (bytes)."""
+        keys = [*([route["hint"]] if route.get("hint") else []), *route.get("keys", ())]
+        self.keys.extend(keys)
+        out: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": req["body"], "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": req["method"],
+            "scheme": "http",
+            "path": req["path"],
+            "raw_path": req["path"].encode(),
+            "root_path": "",
+            "query_string": req["query"].encode(),
+            "headers": [(k.encode(), v.encode()) for k, v in req["headers"]],
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+        }
+        task = asyncio.create_task(self.app(scope, receive, out.put))
+        try:
+            while True:
+                getter = asyncio.create_task(out.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    task.result()  # the app ended without a response: raise what it raised
+                    return
+                msg = getter.result()
+                if msg["type"] == "http.response.start":
+                    headers = [(k.decode(), v.decode()) for k, v in msg.get("headers", ())]
+                    yield {"status": msg["status"], "headers": headers, "replica": self.id}
+                elif msg["type"] == "http.response.body":
+                    if body := msg.get("body", b""):
+                        yield body
+                    if not msg.get("more_body", False):
+                        return
+        finally:
+            gone.set()  # the client went away: the app cancels the turn (it banks what it computed)
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 5)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+async def _collect(gen) -> tuple[dict, bytes]:
+    head, chunks = None, []
+    async for item in gen:
+        if head is None:
+            head = item
+        else:
+            chunks.append(item)
+    return head, b"".join(chunks)
+
+
+def _front(replicas_n: int):
+    api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @serve.deployment
+    @serve.ingress(api)
+    class Front:
+        def __init__(self, replica) -> None:
+            self.replica = replica.options(stream=True)
+
+        async def _each(self, path: str) -> list[tuple[dict, bytes]]:
+            got: dict[str, tuple[dict, bytes]] = {}
+            for i in range(replicas_n):
+                req = {
+                    "method": "GET",
+                    "path": path,
+                    "query": "",
+                    "headers": [("host", "127.0.0.1")],
+                    "body": b"",
+                }
+                with contextlib.suppress(Exception):
+                    head, body = await _collect(self.replica.forward.remote(req, {"nth": i}))
+                    got[head["replica"]] = (head, body)
+            return list(got.values())
+
+        @api.get("/health")
+        async def health(self):
+            each = [{"replica": h["replica"], **json.loads(b)} for h, b in await self._each("/health")]
+            ok = bool(each) and all(e.get("status") == "ok" for e in each)
+            body = {"status": "ok" if ok else "degraded", "replicas": len(each), "expected": replicas_n}
+            body["router"] = _router_times()
+            body["each"] = each
+            return JSONResponse(body, status_code=200 if each else 503)
+
+        @api.get("/metrics")
+        async def metrics(self):
+            return Response(
+                _merge_metrics(await self._each("/metrics")), media_type="text/plain; version=0.0.4"
+            )
+
+        @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+        async def forward(self, path: str, request: Request):
+            body = await request.body()
+            headers = [(k, v) for k, v in request.headers.items()]
+            t0 = time.perf_counter()
+            route = route_of(request.url.path, dict(request.headers), body)
+            _note_route(time.perf_counter() - t0)
+            req = {"method": request.method, "path": request.url.path, "query": request.url.query}
+            req |= {"headers": headers, "body": body}
+            gen = self.replica.forward.remote(req, route)
+            try:
+                head = await gen.__anext__()
+            except Exception as exc:  # the replica died before answering
+                return JSONResponse(_error(f"the replica failed before answering: {type(exc).__name__}"), 503)
+            headers = {
+                k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")
+            }
+            headers["x-turnkv-replica"] = head["replica"]
+            return StreamingResponse(_rest(gen), status_code=head["status"], headers=headers)
+
+    return Front
+
+
+async def _rest(gen) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in gen:
+            yield chunk
+    except Exception as exc:  # the replica died mid-stream: a clean error event ends this stream only
+        yield (
+            b"data: "
+            + json.dumps(_error(f"the replica serving this stream failed: {type(exc).__name__}")).encode()
+        )
+        yield b"\n\n"
+
+
+ROUTE_OF: deque = deque(maxlen=4096)  # seconds per request computing its route (health)
+
+
+def _note_route(seconds: float) -> None:
+    ROUTE_OF.append(seconds)  # a module function: Front is pickled by value, this module is not
+
+
+def _router_times() -> dict:
+    """p50/p99 in ms of the front's route computation (``route_of``) and, where Serve runs the
+    router in this process, of the router's decisions (``decisions`` 0: it runs elsewhere)."""
+
+    def pick(xs, q):
+        xs = sorted(xs)
+        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
+
+    return {
+        "requests": len(ROUTE_OF),
+        "route_p50_ms": pick(ROUTE_OF, 0.5),
+        "route_p99_ms": pick(ROUTE_OF, 0.99),
+        "decisions": len(DECISIONS),
+        "decide_p50_ms": pick(DECISIONS, 0.5),
+        "decide_p99_ms": pick(DECISIONS, 0.99),
+    }
+
+
+def _error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "code": "replica_failed"}}
+
+
+def _merge_metrics(each: list[tuple[dict, bytes]]) -> str:
+    """Every replica's samples with a ``replica`` label; each metric's HELP and TYPE once."""
+    seen, lines = set(), []
+    for head, body in each:
+        label = f'replica="{head["replica"]}"'
+        for line in body.decode().splitlines():
+            if line.startswith("#"):
+                if line not in seen:
+                    seen.add(line)
+                    lines.append(line)
+                continue
+            if not line.strip():
+                continue
+            name, _, rest = line.partition(" ")
+            if "{" in name:
+                name = name.replace("{", "{" + label + ",", 1)
+            else:
+                name = f"{name}{{{label}}}"
+            lines.append(f"{name} {rest}")
+    return "\n".join(lines) + "\n"
+
+
+def app(
+    cfg: EngineConfig,
+    replicas: int,
+    gpus_per_replica: float = 0,
+    policy: str = "affinity",
+    max_queue: int = 0,
+):
+    """The Serve application: ``replicas`` turnkv servers behind one endpoint. ``max_queue`` bounds
+    each replica's ongoing requests (0: ``cfg.max_running``); past it the router falls back."""
+    from ray.serve.config import RequestRouterConfig
+
+    replica = serve.deployment(
+        Replica
+    ).options(
+        name="turnkv-replica",
+        num_replicas=replicas,
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 0},
+        max_ongoing_requests=max_queue or cfg.max_running,
+        request_router_config=RequestRouterConfig(
+            request_router_class="turnkv.serve_router.AffinityRouter",  # by name: its DECISIONS are this module's
+            request_router_kwargs={"policy": policy},
+            request_routing_stats_period_s=STATS_PERIOD_S,
+        ),
+        health_check_period_s=2,
+    )
+    front = _front(replicas).options(name="turnkv-front", ray_actor_options={"num_cpus": 0})
+    return front.bind(replica.bind(dataclasses.asdict(cfg)))
+
+
+def serve_replicas(cfg: EngineConfig, replicas: int, policy: str = "affinity") -> None:
+    """``turnkv serve --replicas N``: a local Ray instance, N replicas, the endpoint on --host/--port."""
+    import signal
+    import threading
+
+    import ray
+
+    gpus = 0
+    if cfg.device != "cpu":
+        import torch
+
+        gpus = cfg.tensor_parallel if torch.cuda.is_available() else 0
+    if not cfg.disk_store and not cfg.no_disk:  # one directory every replica writes and restores
+        from turnkv.bank.disk import disk_dir
+
+        cfg = dataclasses.replace(cfg, disk_store=f"dir:{disk_dir(cfg.disk_dir) / 'shared'}")
+    if gpus == 0 and cfg.threads == 0:  # replicas on one CPU share its cores
+        cfg = dataclasses.replace(cfg, threads=max(1, (os.cpu_count() or 1) // replicas))
+    ray.init(include_dashboard=False, logging_level="warning")
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(app(cfg, replicas, gpus, policy), name="turnkv", route_prefix="/")
+    print(
+        f"turnkv: serving {replicas} replicas of {cfg.model} on http://{cfg.host}:{cfg.port}/v1 (Ray Serve)",
+        flush=True,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
