@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from turnkv.bank.disk_blocks import Block, BlockError, decode_block, decode_bytes, encode_block
@@ -67,6 +67,13 @@ def _pin_keys(pins: Counter, mu: threading.Lock, keys: list[str]):
             for key in keys:
                 if pins[key] <= 0:
                     pins.pop(key, None)
+
+
+def _put_each(store, blocks: Sequence[Block], at: float | Sequence[float] | None) -> list[int]:
+    """``put_many`` of a shared store: each block durable on its own, in order (its writes are
+    not batched into one fsync; the disk tier's writer calls this with its batches)."""
+    times = at if isinstance(at, Sequence) else [at] * len(blocks)
+    return [store.put(b, t) for b, t in zip(blocks, times, strict=True)]
 
 
 class SharedDirStore:
@@ -112,6 +119,9 @@ class SharedDirStore:
             self._nbytes += len(data)
             self._count += 1
         return len(data)
+
+    def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
+        return _put_each(self, blocks, at)
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         path = self.path(key)
@@ -312,6 +322,9 @@ class RedisStore:
         info = f"{block.parent} {block.context}"
         args = [data, _score(at or time.time(), block.depth), len(data), block.depth, info, block.key]
         return len(data) if self._call(self._put, keys=self._keys(block.key), args=args) else 0
+
+    def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
+        return _put_each(self, blocks, at)
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         data = self._call(self._redis.get, self._block + key)

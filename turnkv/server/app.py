@@ -57,7 +57,7 @@ from turnkv.server.schemas import (
 )
 from turnkv.server.stream import TurnStream, failed_error
 from turnkv.server.structured import request_structure
-from turnkv.server.tokenize import register_tokenize
+from turnkv.server.tokenize import DetokenizeRequest, TokenizeRequest, register_tokenize
 from turnkv.server.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def create_app(rt: Runtime, bank: SessionBank | None = None) -> FastAPI:
     @app.get("/openapi.json", include_in_schema=False)
     async def _openapi(request: Request) -> JSONResponse:
         srv.namespace(request, None)  # 401 without a valid key, as /v1
-        return JSONResponse(document(app))
+        return JSONResponse(document(app, (TokenizeRequest, DetokenizeRequest)))
 
     # response_model=None: documented, not filtered (FastAPI would drop a field the model lacks)
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors(*KEYED)})

@@ -215,19 +215,17 @@ DELETED_RESPONSE = {
 }
 
 
-def document(app: FastAPI) -> dict[str, Any]:
-    """The OpenAPI document of ``app``, built once."""
+def document(app: FastAPI, bodies: tuple[type[BaseModel], ...] = ()) -> dict[str, Any]:
+    """The OpenAPI document of ``app``, built once; ``bodies``: request models of other modules'
+    routes (their schemas are components too; passed in, as those modules build on this one)."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        from turnkv.server.tokenize import DetokenizeRequest, TokenizeRequest  # it builds on this module
-
         for model in (
             ChatCompletionRequest,
             CompletionRequest,
             ResponsesRequest,
-            TokenizeRequest,
-            DetokenizeRequest,
+            *bodies,
         ):
             own = model.model_json_schema(ref_template=REF)
             for name, sub in [*own.pop("$defs", {}).items(), (model.__name__, own)]:

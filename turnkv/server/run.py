@@ -73,9 +73,11 @@ def uvicorn_config(app, cfg: EngineConfig, **kw) -> uvicorn.Config:
 def serve(cfg: EngineConfig) -> None:
     """Bind ``cfg.host:cfg.port``, listen at once (``/health`` says ``loading``, then ``warming``),
     load the model and warm it up on a thread (``start``), then serve it until stopped."""
+    from turnkv.bank.ram_budget import ram_budget
     from turnkv.engine.warmup import WarmProgress
     from turnkv.server.warming import WarmGate
 
+    ram_budget(cfg)  # a --ram-bytes the machine cannot hold fails in one line, before listening
     sock = bind_socket(cfg.host, cfg.port)
     try:
         progress = WarmProgress()
