@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from turnkv.bank.disk_index import fsync_dir
 
 _tmp_ids = itertools.count()
+_HOST = socket.gethostname()  # a shared directory has writers on several machines
 
 
 def _start_writeback(fd: int) -> None:
@@ -44,7 +46,7 @@ def write_durable(items: Sequence[tuple[Path, Callable[[], bytes]]]) -> list[int
     try:
         for final, encode in items:
             data = encode()
-            tmp = final.parent / f".{final.stem}.{os.getpid()}.{next(_tmp_ids)}.tmp"
+            tmp = final.parent / f".{final.stem}.{_HOST}.{os.getpid()}.{next(_tmp_ids)}.tmp"
             f = open(tmp, "wb")
             open_files.append(f)
             staged.append((tmp, final))

@@ -25,24 +25,23 @@ another process's eviction can still take them, which the restore reads as ``Blo
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
-import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 from turnkv.bank.disk_blocks import Block, BlockError, decode_block, decode_bytes, encode_block
-from turnkv.bank.disk_index import SUFFIX, fsync_dir
+from turnkv.bank.disk_files import write_durable
+from turnkv.bank.disk_index import SUFFIX
 from turnkv.bank.disk_store import BlockGone, BlockInfo
 
 RETRY_S = 5.0  # after a connection error, Redis calls fail at once for this long
 TEMP_AGE_S = 600.0  # a temp file older than this is a dead writer's (reconcile removes it)
 RESCAN_S = 5.0  # the shared directory is listed again for its size at most this often
-_tmp_ids = itertools.count()
 
 
 def open_store(spec: str, suffix: str = ""):
@@ -69,13 +68,6 @@ def _pin_keys(pins: Counter, mu: threading.Lock, keys: list[str]):
                     pins.pop(key, None)
 
 
-def _put_each(store, blocks: Sequence[Block], at: float | Sequence[float] | None) -> list[int]:
-    """``put_many`` of a shared store: each block durable on its own, in order (its writes are
-    not batched into one fsync; the disk tier's writer calls this with its batches)."""
-    times = at if isinstance(at, Sequence) else [at] * len(blocks)
-    return [store.put(b, t) for b, t in zip(blocks, times, strict=True)]
-
-
 class SharedDirStore:
     """A :class:`BlockStore` in a directory that many processes write and read at once."""
 
@@ -95,33 +87,34 @@ class SharedDirStore:
         return self.blocks / key[:2] / (key + SUFFIX)
 
     def put(self, block: Block, at: float | None = None) -> int:
-        final = self.path(block.key)
-        if final.exists():
-            return 0
-        data = encode_block(block)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{block.key}.{socket.gethostname()}.{os.getpid()}.{next(_tmp_ids)}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            when = at or time.time()
-            os.utime(tmp, (when, when))
-            os.replace(tmp, final)  # atomic: readers see all of it or nothing
-            fsync_dir(final.parent)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        with self._mu:
-            self._facts[block.key] = (block.parent, block.context, block.depth)
-            self._nbytes += len(data)
-            self._count += 1
-        return len(data)
+        return self.put_many([block], at)[0]
 
     def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
-        return _put_each(self, blocks, at)
+        """Store ``blocks`` (used at ``at``: one time, or one per block) durably as one batch
+        (``disk_files``: temp files fsynced, then renamed: readers see a whole block or none);
+        returns each block's bytes written (0 for one already there)."""
+        sizes = [0] * len(blocks)
+        times = list(at) if isinstance(at, Sequence) else [at] * len(blocks)
+        todo = {b.key: i for i, b in enumerate(blocks) if not self.path(b.key).exists()}
+        items = []
+        for i in todo.values():
+            final = self.path(blocks[i].key)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            items.append((final, partial(encode_block, blocks[i])))
+        if not items:
+            return sizes
+        written = write_durable(items)
+        now = time.time()
+        for i, n in zip(todo.values(), written, strict=True):
+            b, when = blocks[i], times[i] or now
+            with contextlib.suppress(OSError):  # the LRU order is the mtime; gone: evicted already
+                os.utime(self.path(b.key), (when, when))
+            with self._mu:
+                self._facts[b.key] = (b.parent, b.context, b.depth)
+                self._nbytes += n
+                self._count += 1
+            sizes[i] = n
+        return sizes
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         path = self.path(key)
@@ -324,7 +317,8 @@ class RedisStore:
         return len(data) if self._call(self._put, keys=self._keys(block.key), args=args) else 0
 
     def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
-        return _put_each(self, blocks, at)
+        times = at if isinstance(at, Sequence) else [at] * len(blocks)
+        return [self.put(b, t) for b, t in zip(blocks, times, strict=True)]  # one script each
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         data = self._call(self._redis.get, self._block + key)
