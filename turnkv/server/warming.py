@@ -15,6 +15,8 @@ import json
 from collections.abc import Awaitable, Callable
 
 from turnkv.engine.warmup import WarmProgress
+from turnkv.server.messages_stream import anthropic_body
+from turnkv.server.schemas import ApiError
 
 RETRY_AFTER_S = 5  # what a 503 during start-up tells a client
 
@@ -28,9 +30,8 @@ def refusal(path: str, progress: WarmProgress) -> dict:
     """The 503 body of ``path`` before ready, in its API's shape."""
     what = f"the server is {progress.state} ({progress.phase}: {progress.done}/{progress.total})"
     msg = f"{what}; retry in {RETRY_AFTER_S} s (GET /health says ok when it is ready)"
-    if path.startswith("/v1/messages"):
-        return {"type": "error", "error": {"type": "overloaded_error", "message": msg}}
-    return {"error": {"message": msg, "type": "server_error", "param": None, "code": "warming_up"}}
+    error = ApiError(503, msg, "server_error", code="warming_up")
+    return anthropic_body(error) if path.startswith("/v1/messages") else error.body()
 
 
 class WarmGate:
