@@ -154,11 +154,7 @@ class ResponsesApi:
         conversation = before + to_messages(items, call_names(before))
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         messages = system + conversation
-        try:
-            text = tok.render_chat(messages, **({"tools": tools} if tools else {}))
-        except ValueError as e:
-            raise bad_request(f"the prompt cannot be built: {e}", param="input") from None
-        srv.prompts.check_bound(text)
+        text = srv.prompts.chat_text(messages, tools, param="input")
         plan = st.plan
         rest = ChatHistory(
             tok, messages, tools, plan.fmt.name if plan else None, plan.max_calls if plan else None

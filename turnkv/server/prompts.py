@@ -58,19 +58,30 @@ class Prompts:
         if nbytes >= BOUND_MIN_BYTES and least + 1 > self.max_context:
             raise context_error(self.max_context, f"at least {least} ({nbytes} bytes)")
 
+    def chat_text(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        param: str = "messages",
+    ) -> str:
+        """The template's text of ``messages`` (and ``tools``), checked against the context bound;
+        a template that refuses them is a 400 naming ``param`` (the body field they came from)."""
+        extra = {"tools": tools} if tools else {}
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt, **extra)
+        except ValueError as e:
+            raise bad_request(f"the prompt cannot be built: {e}", param=param) from None
+        self.check_bound(text)
+        return text
+
     def chat(
         self, messages: list[dict], tools: list[dict] | None = None, plan: ToolPlan | None = None
     ) -> tuple[list[int], History]:
         """Prompt ids of ``messages`` (and ``tools``, rendered by the template) and the history
         renderer the bank's rebase uses (``plan``: the answer is read as tool calls)."""
         tok = self.tokenizer
-        extra = {"tools": tools} if tools else {}
-        try:
-            text = tok.render_chat(messages, **extra)
-        except ValueError as e:
-            raise bad_request(f"the prompt cannot be built: {e}", param="messages") from None
-        self.check_bound(text)
-        ids = tok.encode(text)
+        ids = tok.encode(self.chat_text(messages, tools))
         if plan is None:
             return ids, ChatHistory(tok, messages, tools or None)
         return ids, ChatHistory(tok, messages, tools or None, plan.fmt.name, plan.max_calls)

@@ -72,18 +72,11 @@ def tokenize(srv: Server, req: TokenizeRequest) -> dict:
     tok = srv.engine.tokenizer
     if req.messages is not None:
         tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools] if req.tools else None
-        try:
-            text = tok.render_chat(
-                [m.template() for m in req.messages],
-                req.add_generation_prompt,
-                **({"tools": tools} if tools else {}),
-            )
-        except ValueError as e:
-            raise bad_request(f"the prompt cannot be built: {e}", param="messages") from None
+        text = srv.prompts.chat_text([m.template() for m in req.messages], tools, req.add_generation_prompt)
         special = bool(req.add_special_tokens)
     else:
         text, special = req.prompt or "", req.add_special_tokens is not False
-    srv.prompts.check_bound(text)
+        srv.prompts.check_bound(text)
     ids = tok.encode(text, add_special_tokens=special)
     out: dict = {"count": len(ids), "max_model_len": srv.engine.max_context, "tokens": ids}
     if req.return_token_strs:
