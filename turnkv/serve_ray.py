@@ -42,6 +42,7 @@ from ray import serve
 
 from turnkv.config import EngineConfig
 from turnkv.serve_router import DECISIONS, route_of
+from turnkv.server.schemas import ApiError
 
 PUBLISH_KEYS = 4096  # chain keys a replica publishes to the router (its newest)
 STATS_PERIOD_S = 0.5  # how often Serve collects them
@@ -235,7 +236,7 @@ def _router_times() -> dict:
 
 
 def _error(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "code": "replica_failed"}}
+    return ApiError(503, message, "server_error", code="replica_failed").body()  # the OpenAI shape
 
 
 def _merge_metrics(each: list[tuple[dict, bytes]]) -> str:
