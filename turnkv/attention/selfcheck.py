@@ -2,7 +2,8 @@
 
 ``decide`` answers once per model load whether multi-segment attention may use the fused Triton
 kernel: never on an unsupported shape or device, and only after the kernel ran at the model's own
-head_dim, GQA group and dtype (``model_shapes``, ``run_step_probe``) and matched the fp32
+head_dim, GQA group and dtype, in steps laid out and launched as serving's (``STEP_PROBES``,
+``run_step_probe``: so the variants it compiles are serving's own), and matched the fp32
 reference (``reference.py``) within ``tolerance``. Any failure keeps the ``lse`` route and
 says why in the ``Verdict``. Triton is imported lazily, so this module imports on any machine.
 
@@ -86,6 +87,7 @@ class ProbeResult:
     tol_ratio: float  # max over elements of |err| / tolerance; <= 1 passes
     ok: bool
     error: str | None = None
+    name: str = ""  # a step probe's (``STEP_PROBES``); "" for a single-sequence probe
 
 
 def probe_views(shape: ProbeShape, dtype: torch.dtype, device: torch.device, seed: int) -> tuple:
@@ -126,19 +128,52 @@ def run_probe(fused: FusedFn, shape: ProbeShape, dtype: torch.dtype, device: tor
     return res
 
 
+# The load-time probes: steps laid out as the engine lays them out and launched as a serving step
+# launches them (``STEP_PROBES``), so the kernel variants they compile are the ones serving
+# replays, and the warm-up that follows finds them compiled instead of paying for a second set.
+# Each window is ``(view lengths of its history, rows)``: its window rows end the last view.
+WindowLayout = tuple[tuple[int, ...], int]
+_MANY = (129,) * 12 + (700,)  # thirteen views: two groups of MAX_SEGMENTS (an eager step)
+STEP_PROBES: dict[str, tuple[str, list[WindowLayout]]] = {
+    # a graphed mixed step: a decode row and a verify-sized window (the narrow table, 32-row
+    # grid) beside a prefill chunk over a history (the wide table, its row bucket)
+    "mixed": ("mixed", [((4099,), 1), ((0, 1, 3001, 517), 4), ((129,) * 8 + (700,), 300)]),
+    # a graphed decode step: one-row windows, the split count of their key bucket
+    "decode": ("decode", [((4099,), 1), ((0, 1, 3001), 1), ((129,) * 11 + (700,), 1)]),
+    # an eager step of a conversation past MAX_SEGMENTS views (two groups per sequence)
+    "groups": ("eager", [(_MANY, 1), (_MANY, 40)]),
+}
+_SMALL = {  # the CPU interpreter's (TRITON_INTERPRET=1): the same structure, few keys
+    "mixed": [((37,), 1), ((0, 1, 45), 4), ((3,) * 5 + (21,), 40)],
+    "decode": [((37,), 1), ((0, 1, 45), 1), ((3,) * 11 + (21,), 1)],
+    "groups": [((3,) * 12 + (21,), 1), ((3,) * 12 + (21,), 40)],
+}
+
+
 def run_step_probe(
-    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device, seed: int = 99
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 99,
+    name: str = "mixed",
 ) -> ProbeResult:
-    """The fused backend as the engine runs it: one plan for a ragged step of three windows (1, 4
-    and a prefill chunk of rows) over all-layer views, then ``store`` and ``attend`` at layer 1,
-    against the fp32 reference per window. Never raises (errors become ``ok=False``)."""
+    """The fused backend as the engine runs it: one plan for a ragged step (``STEP_PROBES[name]``)
+    over all-layer views, launched as serving launches it (``mixed_launch``/``decode_launch``, as a
+    CUDA graph of the step bakes in, or eagerly), then ``rope_store`` (at cos 1, sin 0: k and v
+    stored as given) and ``attend`` at layer 1 with q in the engine's ``[N, Hq, D]`` layout
+    (a slice of one qkv buffer), against the fp32 reference per window. Never raises (errors
+    become ``ok=False``)."""
     from turnkv.attention.fused import FusedBackend
 
-    small = device.type == "cpu"
-    layouts = [((37,), 1), ((0, 1, 45), 4), ((3,) * 5 + (21,), 40)] if small else [
-        ((4099,), 1), ((0, 1, 3001, 517), 4), ((129,) * 8 + (700,), 300)]  # fmt: skip
+    mode, layouts = STEP_PROBES[name]
+    layouts = _SMALL[name] if device.type == "cpu" else layouts
     keys = sum(sum(lengths) + m for lengths, m in layouts)
-    res = ProbeResult(head_dim, num_heads, num_kv_heads, -1, 3, keys, float("nan"), float("nan"), False)
+    rows = sum(m for _, m in layouts)
+    views_n = max(len(lengths) for lengths, _ in layouts)
+    res = ProbeResult(head_dim, num_heads, num_kv_heads, rows, views_n, keys, float("nan"), float("nan"), False,
+                      name=name)  # fmt: skip
     try:
         g = torch.Generator(device="cpu").manual_seed(seed)
         windows = []
@@ -149,19 +184,32 @@ def run_step_probe(
                 kv = kv.to(device, dtype)
                 views.append((kv[0, :, :, :n], kv[1, :, :, :n]))  # [L=2, Hkv, n, D] strided views
             windows.append(KVWindow(tuple(views), sum(lengths), m))
-        n_rows = sum(w.rows for w in windows)
-        q = torch.randn(n_rows, num_heads, head_dim, generator=g).to(device, dtype)
-        k, v = torch.randn(2, n_rows, num_kv_heads, head_dim, generator=g).to(device, dtype)
-        step = FusedBackend(Verdict(), num_heads, num_kv_heads).plan(windows)
-        step.store(1, k, v)
+        backend = FusedBackend(Verdict(), num_heads, num_kv_heads, head_dim, device)
+        launch = None
+        if mode == "mixed":
+            launch = backend.mixed_launch(windows)
+        elif mode == "decode":
+            launch = backend.decode_launch(windows)
+        if mode != "eager" and launch is None:
+            raise AssertionError(f"the {name} probe's step has no {mode} launch (a graph would not take it)")
+        step = backend.plan(windows, launch)
+        heads = num_heads + 2 * num_kv_heads
+        qkv = torch.randn(rows, heads, head_dim, generator=g).to(device, dtype)  # the qkv matmul's output
+        qk, v = qkv.split_with_sizes((num_heads + num_kv_heads, num_kv_heads), 1)
+        cos = torch.ones(rows, head_dim, device=device, dtype=dtype)
+        sin = torch.zeros(rows, head_dim, device=device, dtype=dtype)
+        q = step.rope_store(1, qk, v, cos, sin)  # [N, Hq, D]: q as given (cos 1, sin 0)
+        k = qk[:, num_heads:]
         out = step.attend(1, q, head_dim**-0.5)
+        if not torch.equal(q, qk[:, :num_heads]):
+            raise AssertionError("rope_store at cos 1, sin 0 changed q")
         errs, ratios, start = [], [], 0
         for w in windows:
             qs = q[start : start + w.rows].transpose(0, 1)
             views = w.layer_views(1)
-            stored = views[-1][0][:, -w.rows :]
-            if not torch.equal(stored, k[start : start + w.rows].transpose(0, 1)):
-                raise AssertionError("store_kv wrote the wrong rows")
+            for got_kv, want in ((views[-1][0], k), (views[-1][1], v)):
+                if not torch.equal(got_kv[:, -w.rows :], want[start : start + w.rows].transpose(0, 1)):
+                    raise AssertionError("rope_store wrote the wrong k/v rows")
             ref = reference_attention(qs, views, head_dim**-0.5)
             got = out[start : start + w.rows].transpose(0, 1)
             errs.append((got.float() - ref).abs().max().item())
@@ -172,22 +220,6 @@ def run_step_probe(
     except Exception as exc:  # a compile or launch failure is a failed check, not a crash at load
         res.error = f"{type(exc).__name__}: {exc}"[:300]
     return res
-
-
-def model_shapes(head_dim: int, num_heads: int, num_kv_heads: int, small: bool) -> list[ProbeShape]:
-    """The cases checked at load for one model; ``small`` for the CPU interpreter."""
-    if small:
-        layouts = [(37,), (0, 1, 45), (3,) * 12 + (21,)]
-        prefill = 40
-    else:
-        layouts = [(4099,), (0, 1, 3001, 517), (129,) * 12 + (700,)]
-        prefill = 300
-    out = []
-    for rows in (1, 4, 32, prefill):
-        for lengths in layouts if rows <= 32 else layouts[1:2]:
-            lengths = (*lengths[:-1], lengths[-1] + rows)  # the window's rows end the last view
-            out.append(ProbeShape(head_dim, num_heads, num_kv_heads, rows, lengths))
-    return out
 
 
 def _unsupported(
@@ -241,9 +273,17 @@ def _check(mode, device, head_dim, num_heads, num_kv_heads, dtype) -> tuple[Verd
     if fused is None:
         return Verdict("lse", "triton_missing", f"triton does not import ({why})"), None
     t0 = time.perf_counter()
-    shapes = model_shapes(head_dim, num_heads, num_kv_heads, small=device.type == "cpu")
-    results = [run_probe(fused, s, dtype, device, seed=i) for i, s in enumerate(shapes)]
-    results.append(run_step_probe(head_dim, num_heads, num_kv_heads, dtype, device))
+    # only steps as serving launches them: each kernel variant compiled here is one the warm-up
+    # and serving reuse (a single-sequence probe compiles its own: 23 s of a cold start on the H200)
+    # first the kernel's entry point on one sequence (a one-row window over ~8K keys: the
+    # variant a batch-1 decode step takes), then the steps, once it passed
+    lengths = (0, 1, 45) if device.type == "cpu" else (0, 1, 3001, 5001)
+    results = [run_probe(fused, ProbeShape(head_dim, num_heads, num_kv_heads, 1, lengths), dtype, device)]
+    if results[0].ok:
+        results += [
+            run_step_probe(head_dim, num_heads, num_kv_heads, dtype, device, seed=99 + i, name=name)
+            for i, name in enumerate(STEP_PROBES)
+        ]
     report = _report(results, dtype, time.perf_counter() - t0)
     if not report["passed"]:
         worst = next(r for r in results if not r.ok)
@@ -251,7 +291,8 @@ def _check(mode, device, head_dim, num_heads, num_kv_heads, dtype) -> tuple[Verd
         reason = f"self-check failed at {_label(worst)}: {why}"
         return Verdict("lse", "selfcheck_failed", reason, report), None
     reason = (
-        f"self-check passed: {len(results)} shapes at head_dim {head_dim}, {num_heads}/{num_kv_heads} heads"
+        f"self-check passed: one sequence and {len(STEP_PROBES)} steps ({', '.join(STEP_PROBES)}) at head_dim {head_dim}, "
+        f"{num_heads}/{num_kv_heads} heads"
     )
     return Verdict("fused", "ok", reason, report), fused
 
@@ -273,6 +314,10 @@ def make_backend(
 
 
 def _label(r: ProbeResult) -> str:
+    if r.name:
+        return (
+            f"the {r.name} step (head_dim {r.head_dim}, {r.num_heads}/{r.num_kv_heads} heads, {r.rows} rows)"
+        )
     return f"head_dim {r.head_dim}, {r.num_heads}/{r.num_kv_heads} heads, {r.rows} rows, {r.segments} views"
 
 
