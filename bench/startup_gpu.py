@@ -12,8 +12,10 @@ its own ``XDG_CACHE_HOME`` (so the Triton cache, which defaults under it, starts
 Per case: seconds to listening and to ``/health`` ok, the startup line's split (load, self-check,
 warm-up), the TTFT of the first request after ready (a ~3.3K-token user message, one answer token) and of a
 second one like it (the warm TTFT), then a mixed workload (``mixed``: 16 staggered
-clients, two rounds each (answers of 16-48 tokens), documents of 200-3300 tokens, 150-token follow-ups) and ``/health``'s
-``jit_after_ready`` after it. Prints a table, writes JSON (and a PNG where matplotlib is installed).
+clients, two rounds each (answers of 16-48 tokens), documents of 200-3300 tokens or short
+questions, 150-token follow-ups, greedy, sampled, grammar and logprob rows, then one client alone)
+and ``/health``'s ``jit_after_ready`` (with ``jit_late``: what compiled) and ``graph_misses``
+(steps run eagerly because the warm-up did not capture their graph) after it. Prints a table, writes JSON (and a PNG where matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -96,12 +98,13 @@ class ServeProcess:
                 self.proc.kill()
 
 
-def stream(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+def stream(url: str, messages: list[dict], max_tokens: int, **extra) -> tuple[float, str]:
     """(seconds, answer text) of one chat completion answered to its length; with ``max_tokens``
     1 the seconds are its time to first token. Not streamed: a random-weight model's tokens are
-    mostly ids its byte-level tokenizer decodes to nothing, so a stream may carry no text at all."""
+    mostly ids its byte-level tokenizer decodes to nothing, so a stream may carry no text at all.
+    ``extra``: more fields of the body (sampling, ``response_format``)."""
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, **extra}
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
@@ -113,31 +116,47 @@ def document(rng: random.Random, n: int) -> str:
     return "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(n))
 
 
+# the kinds of rows the mixed workload's clients ask for, in turn: greedy, sampled, a JSON grammar
+# (masked rows), greedy with logprobs
+KINDS = (
+    {},
+    {"temperature": 0.8, "top_p": 0.9, "seed": 3},
+    {"response_format": {"type": "json_object"}},
+    {"logprobs": True, "top_logprobs": 2},
+)
+
+
 def mixed(url: str, clients: int = 16, seed: int = 0) -> dict:
-    """Staggered clients, two rounds each (answers of 16-48 tokens): a document, then a follow-up on the same history."""
+    """Staggered clients, two rounds each (answers of 16-48 tokens): a document (or a short
+    question, every fifth client), then a follow-up on the same history; their rows greedy,
+    sampled, grammar-masked or with logprobs (``KINDS``), so prefill chunks ride beside decode rows
+    of every kind at many batch sizes. Then one client alone with a longer answer (decode and
+    verify windows of a lone conversation: the solo graphs)."""
     errors: list[str] = []
 
-    def client(i: int) -> None:
+    def client(i: int, delay: float, answers: tuple[int, ...]) -> None:
         rng = random.Random(seed * 1000 + i)
-        time.sleep(i * 0.15)
-        messages = [{"role": "user", "content": document(rng, rng.randint(200, 3300))}]
+        time.sleep(delay)
+        size = rng.randint(10, 60) if i % 5 == 4 else rng.randint(200, 3300)
+        messages = [{"role": "user", "content": document(rng, size)}]
         try:
             for _ in range(2):
-                _, text = stream(url, messages, rng.choice((16, 32, 48)))
+                _, text = stream(url, messages, rng.choice(answers), **KINDS[i % len(KINDS)])
                 messages += [
                     {"role": "assistant", "content": text},
                     {"role": "user", "content": document(rng, 150)},
                 ]
         except Exception as exc:  # counted, reported
-            errors.append(f"{type(exc).__name__}: {exc}")
+            errors.append(f"client {i} ({KINDS[i % len(KINDS)] or 'greedy'}): {type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i, i * 0.15, (16, 32, 48))) for i in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"clients": clients, "seconds": round(time.perf_counter() - t0, 2), "errors": errors}
+    client(clients, 0.0, (96,))  # alone
+    return {"clients": clients + 1, "seconds": round(time.perf_counter() - t0, 2), "errors": errors}
 
 
 def run_case(name: str, model: str, cache: str, flags: list[str]) -> dict:
@@ -167,6 +186,8 @@ def measure(name: str, srv: ServeProcess) -> dict:
         "ratio": round(first / second, 2),
         "mixed": work,
         "jit_after_ready": sched.get("jit_after_ready"),
+        "jit_late": sched.get("jit_late"),
+        "graph_misses": sched.get("graph_misses"),
         "graphs": sched.get("graphs"),
         "warmup": sched.get("warmup"),
     }
@@ -191,13 +212,17 @@ def main() -> None:
             Path(args.out, "startup_gpu.json").write_text(
                 json.dumps({"model": model, "results": results}, indent=1)
             )
-    print("| case | listening | ready | first TTFT | warm TTFT | ratio | jit after ready | startup line |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "| case | listening | ready | first TTFT | warm TTFT | ratio | jit after ready | graph misses | startup line |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in results:
         line = r["startup_line"].split("ready in ")[-1]
+        misses = (r.get("graph_misses") or {}).get("steps")
         print(
             f"| {r['case']} | {r['listening_s']} s | {r['ready_s']} s | {r['first_ttft_s']} s | {r['warm_ttft_s']} s "
-            f"| {r['ratio']}x | {r['jit_after_ready']} | {line} |"
+            f"| {r['ratio']}x | {r['jit_after_ready']} | {misses} of {(r.get('graphs') or {}).get('replays')} replays "
+            f"| {line} |"
         )
     try:
         import matplotlib

@@ -130,14 +130,54 @@ def test_the_cuda_plan_covers_every_decode_batch_key_bucket_and_row_count():
     follow = [g[0].request.prompt for g in phases["history"]]
     assert {64, 1024, 8192} <= {h for h in (64, 1024, 8192) if any(p[:h] == list(long[:h]) for p in follow)}
     assert {2, 40, 512} <= {len(p) - h for p in follow for h in (64, 4096) if p[:h] == list(long[:h])}
-    # mixed: greedy, sampled, logprob and grammar rows decoding while prompts of every size arrive
-    (mixed,) = phases["mixed"]
-    decoders = [a.request for a in mixed if a.at == 0]
-    assert any(r.grammar == "G" for r in decoders) and any(r.logprobs for r in decoders)
-    assert any(r.params.temperature > 0 for r in decoders)
-    arriving = [len(a.request.prompt) + len(decoders) for a in mixed if a.at > 0]
-    assert {16, 17, 128, 129, 512} <= set(arriving)
+    # mixed: for each captured batch of decode rows (greedy, sampled, logprob and grammar rows
+    # among them), prompts that fill the step to each power-of-two row bucket, a short one, a pair
+    mixed = phases["mixed"]
+    assert sorted({len([a for a in g if a.at == 0]) for g in mixed}) == [1, 2, 4, 8, 16, 32, 62]
+    for g in mixed:
+        decoders = [a.request for a in g if a.at == 0]
+        b = len(decoders)
+        totals = {len(a.request.prompt) + b for a in g if a.at > 0}
+        assert {r for r in (64, 128, 256, 512) if r - b > 32} <= totals
+        assert 17 + b in totals  # a narrow window beside the decode rows
+        ats = [a.at for a in g if a.at > 0]
+        assert ats.count(max(ats)) == 2  # two prompts arrive together: a wide table of two
+        assert max(r.max_tokens for r in decoders) >= 2 * len(ats)  # still decoding at the pair
+        if b >= 8:
+            assert sum(r.grammar == "G" for r in decoders) == 2 and any(r.logprobs for r in decoders)
+            assert any(r.params.temperature > 0 for r in decoders)
     assert all(a.request.params.ignore_eos for g in groups for a in g)
+
+
+def test_verify_steps_cover_solo_and_company_decode_graphs():
+    """Verify windows: alone at each padded row count, beside 1, 3 and 7 other conversations."""
+    runs = []
+
+    class Engine:
+        loaded = SimpleNamespace(config=SimpleNamespace(vocab_size=128256))
+        shape = SimpleNamespace(device=torch.device("cuda"))
+        backend = SimpleNamespace(cuts_verify_windows=True)
+        max_context = 131072
+
+        def new_cache(self):
+            return SimpleNamespace(n=0)
+
+        def prefill(self, cache, tokens):
+            cache.n = len(tokens)
+
+        def run_step(self, windows):
+            runs.append([(w.cache.n, len(w.tokens), w.logits) for w in windows])
+
+    assert warmup.verify_steps(Engine()) == len(runs)
+    solo = {(run[0][0], run[0][1]) for run in runs if len(run) == 1}
+    assert solo == {(c, r) for c in (64, warmup.LONG_CONTEXTS[0]) for r in (2, 3, 5, 9, 17)}
+    for run in runs:
+        (ctx, rows, logits), *others = run
+        assert logits == rows > 1 and all(o == (ctx, 1, 1) for o in others)  # a verify window first
+        padded = next(b for b in GRAPH_BATCHES if b >= rows + len(others))
+        assert rows + len(others) in (padded, rows + len(others)) and rows <= 32
+    company = {(len(run), run[0][1] + len(run) - 1) for run in runs if len(run) > 1}
+    assert {(2, 4), (4, 8), (8, 16), (8, 32), (2, 32)} <= company  # (conversations, rows)
 
 
 def test_the_plan_stays_inside_the_context_and_the_running_set():

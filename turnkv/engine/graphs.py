@@ -21,7 +21,13 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
 
 Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. Captures are
 lazy (the first step of a key captures it: a warm-up forward that compiles the kernels at those
-shapes, then the capture), so no JIT runs inside a capture.
+shapes, then the capture), so no JIT runs inside a capture. Once the server's warm-up has run
+(``engine.warmup``) the graphs are ``sealed``: a step whose key the warm-up did not capture runs
+eagerly on its staged buffers (``eager``: the same bits a replay would give) and is counted in
+``misses`` instead of capturing while serving (a capture stalls every running turn for a forward
+and more, and captured under load it shares the device with the tiers' copy threads). The
+mixed keys multiply (row bucket x each table's batch, rows and splits), so the warm-up captures
+the common ones and the rest stay eager.
 
 ``--cuda-graphs off`` stages every step the same way and runs it eagerly on those buffers (so
 graphs on or off change no bit). ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``
@@ -57,6 +63,11 @@ class NoGraphs:
         self.replays = 0
         self.mixed_replays = 0
         self.captures = 0
+        self.misses = 0
+        self.missed: set[tuple] = set()
+
+    def seal(self) -> None:
+        pass
 
     def stage(self, windows: Sequence[Window], solo: bool = False) -> GraphStep | None:
         return None
@@ -114,9 +125,16 @@ class StepGraphs:
         self.replays = 0
         self.mixed_replays = 0  # of ``replays``: steps with prompt rows
         self.captures = 0
+        self.sealed = False  # after the warm-up: uncaptured keys run eagerly (``seal``)
+        self.misses = 0  # steps run eagerly since ``seal`` because their key was not captured
+        self.missed: set[tuple] = set()  # those keys (each logged once)
         # packed weights choose their matmul path per window (``MatmulPlan.wide``), which a
         # graph would bake in: steps with prompt rows run eagerly over them
         self._plain = isinstance(model.layers[0].qkv, torch.Tensor)
+
+    def seal(self) -> None:
+        """From now on capture nothing: a step of a key not captured yet runs eagerly (a miss)."""
+        self.sealed = True
 
     def stage(self, windows: Sequence[Window], solo: bool = False) -> GraphStep | None:
         """The host work of this step's replay (KV windows, inputs and segment table written
@@ -187,6 +205,8 @@ class StepGraphs:
         if not self.capture:
             self.graphs[staged.key] = captured  # (its buffers, for the next step of this shape)
             return self.eager(staged, prev)
+        if self.graphs.get(staged.key) is not captured and self.sealed:
+            return self._miss(staged, prev)
         ids, pos, rows, matmul = self._buffers(staged, prev)
         if self.graphs.get(staged.key) is not captured:
             self._capture(captured, ids, pos, rows, staged.step, matmul)
@@ -195,6 +215,13 @@ class StepGraphs:
         self.replays += 1
         self.mixed_replays += staged.mixed
         return self._result(staged, captured.logits, ids, pos, rows, matmul)
+
+    def _miss(self, staged: GraphStep, prev: torch.Tensor | None) -> StepResult:
+        self.misses += 1
+        if staged.key not in self.missed:
+            self.missed.add(staged.key)
+            log.warning("step graph not captured in the warm-up, running eagerly: %s", describe(staged.key))
+        return self.eager(staged, prev)
 
     def eager(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
         """The forward of ``staged`` run eagerly on its graph's buffers, what its capture's
@@ -234,6 +261,20 @@ class StepGraphs:
             captured.logits = model(ids, pos, rows, step, matmul)
         self.captures += 1
         log.info("captured a step graph for %d rows, %d logit rows", ids.shape[0], rows.shape[0])
+
+
+def describe(key: tuple) -> str:
+    """A graph key in words (logs, ``/health.scheduler.graph_misses``)."""
+    rows, logits, launch, solo = key
+    if isinstance(launch, MixedLaunch):
+        tables = [
+            f"{name} batch {t.batch} x {t.rows} rows, tiles {t.config.block_m}x{t.config.block_n}, "
+            f"splits {t.config.splits}"
+            for name, t in zip(("narrow", "wide"), launch, strict=True)
+            if t is not None
+        ]
+        return f"mixed {rows} rows, {logits} logit rows: " + "; ".join(tables)
+    return f"decode batch {rows}, splits {launch.splits}{', solo' if solo else ''}"
 
 
 def make_graphs(

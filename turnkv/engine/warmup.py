@@ -9,9 +9,12 @@ divisibility), decode batches of every captured batch size, each beside a conver
 enough to reach the larger key buckets (the split count a decode graph is keyed by), follow-up
 chunks of several sizes over histories of every power of two of keys (restored from the bank: a
 chunk's split count, and so its combine kernel's variant, follows its keys), mixed steps
-of decode rows plus prompt chunks across the row range, sampled, logprob and grammar-masked rows.
-Whatever those steps compile or capture is then in place; what a serving step still compiles is
-counted (``jit_watch``).
+of decode rows plus prompt chunks for each captured batch of decode rows (``mixed_groups``),
+sampled, logprob and grammar-masked rows; then verify windows driven on the engine directly
+(``verify_steps``: drafts cannot be forced through turns). Whatever those steps compile or
+capture is then in place, and the step graphs are sealed (``graphs.StepGraphs.seal``): a mixed
+key the warm-up did not reach runs eagerly on its staged buffers (the same bits) instead of
+capturing while serving. What a serving step still compiles is counted (``jit_watch``).
 
 On a CPU there is no JIT (the C kernels are built at load): one short turn (``smoke``) checks the
 path end to end and touches torch's kernels once.
@@ -23,10 +26,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from turnkv.attention.segment_table import GRAPH_BATCHES
+from turnkv.attention.segment_table import GRAPH_BATCHES, ROW_BUCKETS, row_bucket
 from turnkv.engine.events import Banked, Failed, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.limits import MAX_WINDOW_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,7 @@ class WarmReport:
     turns: int = 0
     steps: int = 0
     failed: int = 0  # turns that ended in a Failed (logged; the server still starts)
+    captures: int = 0  # step graphs captured by the end of it (``graphs.StepGraphs``)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     note: str = ""
 
@@ -78,6 +83,7 @@ class WarmReport:
             "turns": self.turns,
             "steps": self.steps,
             "failed": self.failed,
+            "captures": self.captures,
             "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "note": self.note,
         }
@@ -144,20 +150,95 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
         for r in [2, 8, 16, 40, 200, budget]:
             ids = _prompt(h, 0, vocab) + _prompt(r, next(seed), vocab)
             history.append([Arrival(0, TurnRequest(ids, SamplingParams(ignore_eos=True), 2, NAMESPACE))])
-    # mixed steps: decode rows (greedy, sampled, logprobs, grammar-masked) beside prompt chunks
-    sizes = [n for n in _sizes(budget) if n > 4]
-    answer = 3 * len(sizes) + 8
-    decoders = [
-        _turn(12, next(seed), vocab, answer),
-        _turn(13, next(seed), vocab, answer, sampling={"temperature": 0.8, "top_p": 0.9, "seed": 1}),
-        _turn(14, next(seed), vocab, answer, logprobs=2),
+    return [
+        ("prefill", prefill),
+        ("decode", decode),
+        ("history", history),
+        ("mixed", mixed_groups(sched, grammar, seed)),
     ]
-    if grammar is not None:
-        decoders.append(_turn(15, next(seed), vocab, answer, grammar=grammar))
-    d = len(decoders)
-    mixed = [Arrival(0, r) for r in decoders]
-    mixed += [Arrival(2 + 3 * i, _turn(n - d, next(seed), vocab, 1)) for i, n in enumerate(sizes) if n > d]
-    return [("prefill", prefill), ("decode", decode), ("history", history), ("mixed", [mixed])]
+
+
+def mixed_groups(sched: Scheduler, grammar, seed) -> list[Group]:
+    """Decode rows beside prompt chunks, for each captured batch of decode rows: ``b`` turns
+    decoding (greedy, sampled, logprobs and grammar-masked among them) while prompts arrive one
+    every other step, each filling the step to a row bucket (the graph's rows and its wide table's
+    widest window), a short one (the narrow table's 32-row grid beside the decode rows) and two
+    together (a wide table of two chunks: a head beside another prompt's tail under load).
+
+    A mixed graph is keyed by the row bucket and each table's batch, rows and splits: too many
+    keys to capture all; these are the ones a loaded server meets most (``graphs.StepGraphs.seal``
+    runs the rest eagerly), and between them they compile every Triton variant a mixed step
+    takes (row-count classes, split counts, direct and split launches, one and two masked rows)."""
+    engine = sched.engine
+    vocab = engine.loaded.config.vocab_size
+    budget, running = sched.max_batch_tokens, sched.max_running
+    groups: list[Group] = []
+    for b in sorted({min(b, running - 2) for b in GRAPH_BATCHES if b < budget and running > 2}):
+        chunks = [r - b for r in ROW_BUCKETS if r <= budget and r - b > MAX_WINDOW_ROWS and _hot(r, budget)]
+        chunks.append(min(17, budget - b))  # a short prompt: a narrow window beside the decode rows
+        pair = (budget - b) // 2
+        arrivals = len(chunks) + 2
+        answer = 2 * arrivals + 8 + (b * 16) // budget  # long enough to decode beside every arrival
+        decoders = [_turn(12 + i % 7, next(seed), vocab, answer) for i in range(b)]
+        kinds = [{"sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 1}}, {"logprobs": 2}]
+        if grammar is not None:  # one masked row, or two (the mask kernel's row count varies)
+            kinds += [{"grammar": grammar}] * (1 if b < 8 else 2)
+        for i, kw in enumerate(kinds[: max(0, b - 1)]):  # the first decoder stays greedy
+            decoders[i + 1] = _turn(12 + i, next(seed), vocab, answer, **kw)
+        start = 2 + (b * 19) // budget  # the decoders' prompts are in: they decode from here
+        group = [Arrival(0, r) for r in decoders]
+        group += [
+            Arrival(start + 2 * i, _turn(n, next(seed), vocab, 1)) for i, n in enumerate(chunks) if n > 0
+        ]
+        at = start + 2 * len(chunks)
+        if pair > MAX_WINDOW_ROWS:
+            group += [
+                Arrival(at, _turn(pair + 3, next(seed), vocab, 1)),
+                Arrival(at, _turn(pair - 3, next(seed), vocab, 1)),
+            ]
+        groups.append(group)
+    return groups
+
+
+def _hot(rows: int, budget: int) -> bool:
+    """The row buckets each batch of decode rows is warmed at: the powers of two and the budget's
+    (the midpoints are left to the eager path: a capture costs start-up time)."""
+    return rows & (rows - 1) == 0 or rows == row_bucket(budget)
+
+
+def verify_steps(engine) -> int:
+    """Verify windows (context-copy drafts) run as one-row windows in decode graphs: alone in
+    their step (``solo``: every row through the one-row GEMV, which compiles per row-count class)
+    or beside other conversations' decode rows (a graph per batch and split count, the splits
+    sized by conversations, not rows). Drafts come from the model's own output repeating, which
+    synthetic turns cannot force, so these steps are driven on the engine directly, over caches
+    of their own that are dropped after (nothing is committed). Returns the steps run."""
+    from turnkv.engine.step import Window
+
+    if not _compiles(engine) or not getattr(engine.backend, "cuts_verify_windows", False):
+        return 0
+    vocab = engine.loaded.config.vocab_size
+    room = (engine.max_context or 1 << 20) - 64
+    steps = 0
+    # short contexts, and one past the first key bucket (a lone conversation's split count
+    # doubles there; for two or more it no longer changes)
+    for context, convs_list in ((64, (1, 2, 4, 8)), (LONG_CONTEXTS[0], (1, 2))):
+        if context >= room:
+            continue
+        caches = [engine.new_cache() for _ in range(max(convs_list))]
+        for c, cache in enumerate(caches):
+            engine.prefill(cache, _prompt(context, 7000 + c, vocab))
+        for convs in convs_list:
+            # alone (solo): padded to 2, 4, 8, 16, 32 rows; in company: one verify window beside
+            # convs - 1 decode rows, a graph per padded batch
+            sizes = (2, 3, 5, 9, 17) if convs == 1 else [b - convs + 1 for b in GRAPH_BATCHES if b > convs]
+            for rows in [r for r in sizes if 1 < r <= MAX_WINDOW_ROWS]:
+                windows = [Window(caches[0], _prompt(rows, 9000 + rows, vocab), logits=rows)]
+                windows += [Window(caches[c], [101 + c]) for c in range(1, convs)]
+                engine.run_step(windows)
+                steps += 1
+        del caches
+    return steps
 
 
 def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmReport:
@@ -174,6 +255,14 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
         for group in groups:
             report.steps += _drive(sched, group, progress, report)
         report.phases[name] = time.perf_counter() - t
+    progress.phase = "verify"
+    t = time.perf_counter()
+    report.steps += verify_steps(sched.engine)
+    report.phases["verify"] = time.perf_counter() - t
+    graphs = getattr(sched.engine, "graphs", None)
+    if graphs is not None:
+        report.captures = int(getattr(graphs, "captures", 0))
+        graphs.seal()  # from here a key not captured runs eagerly: nothing captures while serving
     report.seconds = time.perf_counter() - t0
     report.turns = progress.total
     if report.failed:

@@ -85,13 +85,17 @@ def server_health(srv) -> dict:
 def warm_doc(srv) -> dict:
     """``/health.scheduler``'s ``warm`` (the warm-up ran and marked the process ready),
     ``jit_after_ready`` (Triton compiles and graph captures since: 0 when warm-up covered every
-    step) and ``warmup`` (what it did: ``engine.warmup.WarmReport``)."""
-    from turnkv.engine.jit_watch import WATCH
+    step), ``jit_late`` (what those were: kernel and key), ``graph_misses`` (steps run eagerly
+    because the warm-up did not capture their graph, and the keys) and ``warmup`` (what it did:
+    ``engine.warmup.WarmReport``)."""
+    from turnkv.engine.jit_watch import WATCH, graph_misses
 
     report = getattr(srv, "warm_report", None)  # None: no warm-up ran (tests build apps directly)
     return {
         "warm": report is not None,
         "jit_after_ready": WATCH.after_ready(srv.engine) if report is not None else 0,
         "jit_status": WATCH.status,
+        "jit_late": list(WATCH.late),
+        "graph_misses": graph_misses(srv.engine),
         "warmup": report.doc() if report is not None else None,
     }
