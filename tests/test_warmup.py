@@ -211,3 +211,17 @@ def test_jit_watch_counts_compiles_and_captures_after_ready():
         assert w.after_ready(engine) == 2 and w.late == ["late_kernel"] and w.in_capture == 0
     finally:
         knobs.runtime.jit_post_compile_hook = before
+
+
+def test_graph_keys_in_words():
+    from turnkv.attention.backend import MixedLaunch, TableLaunch
+    from turnkv.engine.graphs import describe
+
+    assert describe((8, 8, 4, False)) == "decode batch 8, splits 4"  # (batch, logit rows, splits, solo)
+    assert describe((2, 2, 16, True)) == "decode batch 2, splits 16, solo"
+    cfg = SimpleNamespace(block_m=128, block_n=128, splits=3)
+    key = (512, 5, MixedLaunch(TableLaunch(4, 1, cfg), TableLaunch(1, 512, cfg)), False)
+    assert describe(key) == (
+        "mixed 512 rows, 5 logit rows: narrow batch 4 x 1 rows, tiles 128x128, splits 3; "
+        "wide batch 1 x 512 rows, tiles 128x128, splits 3"
+    )

@@ -38,6 +38,8 @@ def test_cold_start_then_a_mixed_workload_compiles_nothing_after_ready(tmp_path)
         assert not [x for x in srv.lines if "step failed" in x or "inside a CUDA-graph capture" in x]
     finally:
         srv.stop()
+        # what the server warned about (late compiles, graph misses), for the log of a run with -s
+        print("\n".join(x for x in srv.lines if "WARNING" in x or "ERROR" in x or "ready in" in x)[-12000:])
 
 
 def test_a_sealed_graph_set_runs_an_uncaptured_step_eagerly_with_the_bits_of_its_replay():

@@ -274,7 +274,7 @@ def describe(key: tuple) -> str:
             if t is not None
         ]
         return f"mixed {rows} rows, {logits} logit rows: " + "; ".join(tables)
-    return f"decode batch {rows}, splits {launch.splits}{', solo' if solo else ''}"
+    return f"decode batch {rows}, splits {launch}{', solo' if solo else ''}"  # (launch: the split count)
 
 
 def make_graphs(
