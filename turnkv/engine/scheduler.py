@@ -88,6 +88,8 @@ class Scheduler:
         self.budget: StepBudget = max_batch_tokens  # the one owner of the prompt rows' decision
         self.max_batch_tokens = self.budget.ceiling  # the most rows of a step (the warm-up's bound)
         self._observed = 0  # steps told to the budget
+        self._mixed = False  # the step being gathered has prompt rows
+        self.host_ms = {"mixed": 0.0, "decode": 0.0}  # host time of a step() (not waiting), moving average
         self.waiting: deque[Entry] = deque()
         self.running: list[Entry] = []
         self.pipeline = Pipeline(engine, run_ahead)
@@ -110,8 +112,13 @@ class Scheduler:
         """Admit what fits, run one forward over every running turn's window, deliver events;
         with run-ahead, launch this step before the one in flight hands out its tokens. Never
         raises an ``Exception``: a fault ends the turns it concerns (module docstring)."""
+        t0, waited = time.perf_counter(), self.pipeline.stats.wait_s
         with Guard("the step loop", lambda: [(e, None) for e in self.running]) as out:
+            self._mixed = False
             self._step()
+        host = (time.perf_counter() - t0 - (self.pipeline.stats.wait_s - waited)) * 1e3
+        kind = "mixed" if self._mixed else "decode"
+        self.host_ms[kind] += (0.1 if self.host_ms[kind] else 1.0) * (host - self.host_ms[kind])
         if out.failed:  # outside every stage: what was in flight is unknown, so it is dropped
             self.pipeline.drop()
         # the other choices of a prompt prefilled this step run from the next step on, as its
@@ -170,6 +177,7 @@ class Scheduler:
             if (w := window(e, max(budget, 1))) is not None:
                 budget -= len(w.tokens)
                 prefill.append((e, w))
+        self._mixed = bool(prefill)
         if not prompts:  # drafts may take what decode rows leave of the ceiling
             budget = self.budget.ceiling - len(decode)
         work: Work = []
@@ -249,6 +257,7 @@ class Scheduler:
             },
             "run_ahead": {"enabled": p.run_ahead, "steps": s.ahead_steps},
             "budget": self.budget.health(),
+            "host_ms": {k: round(v, 3) for k, v in self.host_ms.items()},
             "threads": self.engine.threads.health(),
             "route_counts": dict(s.route_counts),
         }
