@@ -264,7 +264,11 @@ def main() -> None:
         cache = args.cache or tempfile.mkdtemp(prefix="cache-", dir=base)
         for variant in args.variants.split(","):
             results.append(run_variant(variant, args, cache, base))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "budget"}), flush=True)
+            b = results[-1].get("budget") or {}
+            brief = {
+                k: b.get(k) for k in ("mode", "max_batch_tokens", "itl_target_ms", "curve", "residual_ms")
+            }
+            print(json.dumps({**results[-1], "budget": brief}), flush=True)
     table(results)
     if args.model.startswith("random:llama3-8b") and args.device == "cuda":
         for r in results:
