@@ -224,9 +224,11 @@ class Runtime:
             return FixedBudget(self.engine.prefill_chunk, self.probe_note)
         p = self.probe
         ceiling = p.ceiling(self.engine.prefill_chunk)
-        return AdaptiveBudget(
-            p.curve, ceiling, self.cfg.itl_target(), min(p.curve.rows[0], ceiling), p.seconds
-        )
+        # on a CPU a step's cost grows with its rows from the first: an ITL target would cost
+        # prefill throughput one for one, so auto sets none there (a given --itl-target-ms applies)
+        relative = self.engine.shape.device.type == "cuda"
+        floor = min(p.curve.rows[0], ceiling)
+        return AdaptiveBudget(p.curve, ceiling, self.cfg.itl_target(), floor, p.seconds, relative)
 
     def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
         return new_bank(self.engine, budget, disk, self.auto_bank_bytes)

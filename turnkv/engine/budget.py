@@ -132,11 +132,18 @@ class Decision:
 
 class AdaptiveBudget:
     """``--max-batch-tokens auto`` over a measured ``curve`` (module docstring). ``target_ms``:
-    ``--itl-target-ms`` (None: auto, twice the decode rows' predicted cost); ``floor``: prompt rows
-    every step at least; ``ceiling``: the most rows of a step."""
+    ``--itl-target-ms`` (None: auto, twice the decode rows' predicted cost where ``relative``,
+    else no target: the ceiling every step); ``floor``: prompt rows every step at least;
+    ``ceiling``: the most rows of a step."""
 
     def __init__(
-        self, curve: StepCurve, ceiling: int, target_ms: float | None, floor: int, probe_s: float = 0.0
+        self,
+        curve: StepCurve,
+        ceiling: int,
+        target_ms: float | None,
+        floor: int,
+        probe_s: float = 0.0,
+        relative: bool = True,
     ) -> None:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"the prompt floor must be in 1..{ceiling} rows (got {floor})")
@@ -145,6 +152,7 @@ class AdaptiveBudget:
         self.target_ms = target_ms
         self.floor = floor
         self.probe_s = probe_s
+        self.relative = relative
         self.residual_ms = 0.0  # measured minus predicted, moving average (attention, overlap)
         self.last = Decision()
         self.observed = 0
@@ -157,7 +165,7 @@ class AdaptiveBudget:
         return self.target_ms if self.target_ms is not None else 2.0 * self.predict(decode)
 
     def prompt_rows(self, decode: int) -> int:
-        if decode == 0:  # nobody waits for a token: the device's best rows
+        if decode == 0 or (self.target_ms is None and not self.relative):  # the device's best rows
             self.last = Decision(0, self.ceiling, self.predict(self.ceiling), 0.0)
             return self.ceiling
         target = self.target(decode)
@@ -176,13 +184,19 @@ class AdaptiveBudget:
         self.observed += 1
         a = RESIDUAL_ALPHA if self.observed > 1 else 1.0
         self.residual_ms += a * (ms - self.curve.predict(rows) - self.residual_ms)
+        # a probe timed on a busier machine than now: no prediction below half the curve's
+        self.residual_ms = max(self.residual_ms, -0.5 * self.curve.ms[0])
 
     def health(self) -> dict:
         last = self.last
         return {
             "mode": "auto",
             "max_batch_tokens": self.ceiling,
-            "itl_target_ms": self.target_ms if self.target_ms is not None else "auto",
+            "itl_target_ms": self.target_ms
+            if self.target_ms is not None
+            else "auto"
+            if self.relative
+            else None,
             "floor": self.floor,
             "residual_ms": round(self.residual_ms, 3),
             "curve": {"rows": list(self.curve.rows), "ms": [round(m, 3) for m in self.curve.ms]},

@@ -6,9 +6,8 @@ step stops getting cheaper per row (``StepCurve.knee``: the budget's ceiling).
 A step of ``n`` rows is ``ceil(n / --prefill-chunk)`` fresh one-chunk prompts prefilled together
 (one answer token each). Each size runs ``reps`` times and the fastest counts (the first may
 compile kernels and capture a graph, which the warm-up that follows would do anyway). The probe
-stops once it has spent ``SPEND_S`` (a slow or busy CPU): where the sizes it reached were still
-getting cheaper per row, the ceiling is the larger of the last one and ``--prefill-chunk``
-(``Probe.ceiling``). ``Runtime.measure_budget`` runs it before the warm-up (which compiles up to
+stops once it has spent ``SPEND_S`` (a slow or busy CPU). The ceiling is the knee, never below
+``--prefill-chunk`` (``Probe.ceiling``). ``Runtime.measure_budget`` runs it before the warm-up (which compiles up to
 the chosen ceiling).
 """
 
@@ -39,12 +38,10 @@ class Probe:
     complete: bool  # every size of ``probe_sizes`` ran
 
     def ceiling(self, prefill_chunk: int) -> int:
-        """The most rows of a step: the knee, unless the probe stopped while steps were still
-        getting cheaper per row (then at least ``prefill_chunk``, the fixed default)."""
-        knee = self.curve.knee()
-        if self.complete or knee < self.curve.rows[-1]:
-            return knee
-        return max(knee, prefill_chunk)
+        """The most rows of a step: the knee, never fewer than ``prefill_chunk`` (the fixed
+        default: a probe timed on a noisy machine may find a knee too low, and fewer rows a
+        step never prefill faster)."""
+        return max(self.curve.knee(), prefill_chunk)
 
 
 def probe_sizes(device: str, room: int) -> list[int]:
