@@ -179,7 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
         "servers behind one endpoint on a local Ray Serve instance, with conversation affinity",
         type=int,
     )
-    add("--max-batch-tokens", "max_batch_tokens", "prefill rows per step (0: --prefill-chunk)", type=int)
+    add(
+        "--max-batch-tokens",
+        "max_batch_tokens",
+        "rows per step: auto (measured at start-up, prompt rows adapt to --itl-target-ms) or N (fixed)",
+    )
+    add(
+        "--itl-target-ms",
+        "itl_target_ms",
+        "the step time a step with decode rows may reach (auto: twice its decode rows alone)",
+    )
     add(
         "--queue-timeout",
         "queue_timeout",

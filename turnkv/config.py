@@ -129,7 +129,9 @@ class EngineConfig:
     run_ahead: RunAhead = "auto"  # launch each step before the last one's tokens are taken
     speculate: Speculate = "auto"  # context-copy speculative decoding (verify windows)
     max_running: int = 64  # turns in the running set (one window each per step)
-    max_batch_tokens: int = 0  # prefill rows per step beside the decode rows; 0: --prefill-chunk
+    # rows of a step: auto (measured at start-up, adaptive under load: engine/budget.py) | N (fixed)
+    max_batch_tokens: str = "auto"
+    itl_target_ms: str = "auto"  # a step with decode rows: auto (2x its decode rows alone) | ms
     queue_timeout: float = 120.0  # seconds a turn may wait for admission before a 503 with Retry-After
     threads: int = 0  # torch CPU threads; 0: the cores this process may run on (turnkv/threads.py)
     replicas: int = 1  # turnkv serve: servers behind one endpoint on Ray Serve (turnkv/serve_ray.py)
@@ -203,7 +205,8 @@ class EngineConfig:
         _check_range("replicas", self.replicas, 1, None, "servers behind one endpoint (Ray Serve)")
         _check_range("tensor_parallel", self.tensor_parallel, 1, None, "processes, one GPU each")
         _check_range("threads", self.threads, 0, None, "0 means the cores this process may run on")
-        _check_range("max_batch_tokens", self.max_batch_tokens, 0, None, "0 means --prefill-chunk")
+        self.batch_tokens()  # auto or a positive row count (and the same for the target)
+        self.itl_target()
         _check_range("port", self.port, 0, MAX_PORT, "0 means any free port")
         _check_range("session_ttl", self.session_ttl, 0, None, "seconds; 0 turns session protection off")
         _check_range("session_share", self.session_share, 0, 1, "a share of the bank budget")
@@ -218,6 +221,14 @@ class EngineConfig:
         if bad:
             name = next(iter(bad))
             raise ConfigError(name, bad[name])
+
+    def batch_tokens(self) -> int | None:
+        """``--max-batch-tokens``: a fixed row count, or None for ``auto``."""
+        return _auto_number("max_batch_tokens", self.max_batch_tokens, int, "a row count such as 512")
+
+    def itl_target(self) -> float | None:
+        """``--itl-target-ms``: milliseconds, or None for ``auto``."""
+        return _auto_number("itl_target_ms", self.itl_target_ms, float, "milliseconds such as 50")
 
     def sampling_flags(self) -> SamplingDefaults:
         """The sampling flags (None: not given), the first level of ``generation.resolve``."""
@@ -317,6 +328,20 @@ def _host_patterns(values: list[str]) -> list[str]:
                 )
             out.append(entry)
     return out
+
+
+def _auto_number(name: str, value: str, kind: type, example: str) -> int | float | None:
+    """None for ``auto``, else ``value`` as a positive ``kind``; ConfigError with the fix."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        number = kind(text)
+        if not (math.isfinite(number) and number > 0):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(name, f"must be auto or {example} (> 0); got {value!r}") from None
+    return number
 
 
 def _check_range(name: str, value: float, lo: float, hi: float | None, note: str = "") -> None:

@@ -30,6 +30,8 @@ from turnkv.engine.scheduler import Scheduler, StepHook, run_turn
 from turnkv.kv.segments import unique_bytes
 
 if TYPE_CHECKING:
+    from turnkv.engine.budget import StepBudget
+    from turnkv.engine.budget_probe import Probe
     from turnkv.engine.warmup import WarmProgress, WarmReport
 
 log = logging.getLogger(__name__)
@@ -206,6 +208,27 @@ class Runtime:
     hook: StepHook | None  # rank 0 of a driven tensor-parallel group: the other ranks replay steps
     auto_bank_bytes: int  # what ``--bank-bytes auto`` means here (``_auto_budget``)
     warm: WarmReport | None = None  # what ``warm_up`` did (None: it has not run)
+    probe: Probe | None = None  # ``--max-batch-tokens auto``'s measurement (``warm_up`` runs it)
+    probe_note: str = "auto: not measured (only turnkv serve measures it)"
+
+    def step_budget(self) -> StepBudget:
+        """The prompt budget of a new scheduler (``engine.budget``): fixed where
+        ``--max-batch-tokens`` gives rows or nothing was measured (``warm_up`` measures it),
+        else adaptive over the measured curve, with ``--itl-target-ms``."""
+        from turnkv.engine.budget import AdaptiveBudget, FixedBudget
+
+        fixed = self.cfg.batch_tokens()
+        if fixed is not None:
+            return FixedBudget(fixed)
+        if self.probe is None:
+            return FixedBudget(self.engine.prefill_chunk, self.probe_note)
+        p = self.probe
+        ceiling = p.ceiling(self.engine.prefill_chunk)
+        # on a CPU a step's cost grows with its rows from the first: an ITL target would cost
+        # prefill throughput one for one, so auto sets none there (a given --itl-target-ms applies)
+        relative = self.engine.shape.device.type == "cuda"
+        floor = min(p.curve.rows[0], ceiling)
+        return AdaptiveBudget(p.curve, ceiling, self.cfg.itl_target(), floor, p.seconds, relative)
 
     def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
         return new_bank(self.engine, budget, disk, self.auto_bank_bytes)
@@ -217,13 +240,14 @@ class Runtime:
         max_batch_tokens: int | None = None,
         run_ahead: bool | None = None,
     ) -> Scheduler:
-        """A scheduler over ``bank`` (default: this runtime's), limits as ``cfg`` says unless given."""
+        """A scheduler over ``bank`` (default: this runtime's), limits as ``cfg`` says unless given
+        (``max_batch_tokens``: fixed rows instead of ``step_budget``)."""
         cfg, eff = self.cfg, self.effective
         return Scheduler(
             self.engine,
             bank if bank is not None else self.bank,
             cfg.max_running if max_running is None else max_running,
-            cfg.max_batch_tokens if max_batch_tokens is None else max_batch_tokens,
+            self.step_budget() if max_batch_tokens is None else max_batch_tokens,
             eff.queue_timeout,
             run_ahead=eff.run_ahead if run_ahead is None else run_ahead,
             hook=self.hook,
@@ -244,10 +268,29 @@ class Runtime:
         elif self.hook is not None or self.engine.tp is not None:
             report.note = "off: tensor parallelism (each rank compiles on its first steps)"
         else:
+            self.measure_budget(progress)
             report = warm_up(self.scheduler(self.new_bank()), progress, _warm_grammar(self))
         WATCH.mark_ready(self.engine)
         self.warm = report
         return report
+
+    def measure_budget(self, progress: WarmProgress | None = None) -> None:
+        """``--max-batch-tokens auto``: time steps of prompt rows (``engine.budget_probe``) over a
+        bank of its own, before the warm-up (which compiles up to the ceiling chosen here). Not
+        under tensor parallelism (every rank must decide alike: the budget stays fixed)."""
+        from turnkv.engine.budget_probe import probe, probe_sizes
+
+        if self.cfg.batch_tokens() is not None or self.probe is not None:
+            return
+        if self.hook is not None or self.engine.tp is not None:
+            self.probe_note = "auto: fixed at --prefill-chunk under tensor parallelism (ranks decide alike)"
+            return
+        if progress is not None:
+            progress.phase = "budget"
+        room = (self.engine.max_context or 1 << 20) - 8
+        most = max(probe_sizes(self.engine.shape.device.type, room))
+        running = max(self.cfg.max_running, -(-most // self.engine.prefill_chunk))
+        self.probe = probe(self.scheduler(self.new_bank(), running, most, run_ahead=False))
 
     def run_turn(
         self, request: TurnRequest, bank: SessionBank | None = None, interruptible: bool = False

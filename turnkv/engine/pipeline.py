@@ -70,6 +70,8 @@ class StepStats:
     wait_s: float = 0.0  # host time spent waiting for the device's results (the rest is host work)
     step_ms: float = 0.0  # moving averages over recent steps
     rows_per_step: float = 0.0
+    last_rows: int = 0  # the last completed step's rows and milliseconds (the prompt budget's)
+    last_ms: float = 0.0
 
 
 class Pipeline:
@@ -222,6 +224,7 @@ class Pipeline:
         self._done_at = now
         a = 0.1 if s.steps > 1 else 1.0
         s.step_ms += a * (seconds * 1e3 - s.step_ms)
+        s.last_rows, s.last_ms = rows, seconds * 1e3
         with Guard("the step observer", ()):  # no turn fails: they have their tokens
             if self.observe is not None:
                 self.observe(len(windows), rows, seconds)

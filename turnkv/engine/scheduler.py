@@ -3,8 +3,8 @@
 Each ``step()`` admits waiting turns while the running set has room (``Turn.begin``: the bank's
 admission), then takes one window from every running turn -- a decode row (or a verify window of
 context-copy drafts) from each decoding turn first, then prefill chunks (and rebase rows) of the
-others in arrival order within the token budget (``max_batch_tokens``) -- and hands them to the
-step pipeline (``pipeline.Pipeline.advance``: stage, launch, finalize, complete), which runs them
+others within the step's prompt budget (``budget.StepBudget``: how many rows and in what order,
+``--max-batch-tokens``, docs/SCHEDULER.md "The prompt budget") -- and hands them to the step pipeline (``pipeline.Pipeline.advance``: stage, launch, finalize, complete), which runs them
 as one forward, chooses every row's token (``chooser``) and hands each turn its tokens.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from turnkv.bank.session_bank import SessionBank
+from turnkv.engine.budget import FixedBudget, StepBudget
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, TurnEvent, TurnRequest
 from turnkv.engine.guard import Emit, Entry, Guard
@@ -70,18 +71,25 @@ class Scheduler:
         engine: Engine,
         bank: SessionBank,
         max_running: int = 64,
-        max_batch_tokens: int = 0,
+        max_batch_tokens: int | StepBudget = 0,
         queue_timeout: float = 0.0,
         run_ahead: bool = False,
         hook: StepHook | None = None,
     ) -> None:
         """``queue_timeout`` (s, 0 = none): a turn still waiting for admission after it fails with
-        ``queue_timeout`` (HTTP 503). ``run_ahead``: the pipeline's (``Pipeline``)."""
+        ``queue_timeout`` (HTTP 503). ``run_ahead``: the pipeline's (``Pipeline``).
+        ``max_batch_tokens``: the prompt budget, or a fixed row count (0: ``--prefill-chunk``)."""
         self.engine = engine
         self.queue_timeout = queue_timeout
         self.bank = bank
         self.max_running = max(1, max_running)
-        self.max_batch_tokens = max_batch_tokens or engine.prefill_chunk
+        if isinstance(max_batch_tokens, int):
+            max_batch_tokens = FixedBudget(max_batch_tokens or engine.prefill_chunk)
+        self.budget: StepBudget = max_batch_tokens  # the one owner of the prompt rows' decision
+        self.max_batch_tokens = self.budget.ceiling  # the most rows of a step (the warm-up's bound)
+        self._observed = 0  # steps told to the budget
+        self._mixed = False  # the step being gathered has prompt rows
+        self.host_ms = {"mixed": 0.0, "decode": 0.0}  # host time of a step() (not waiting), moving average
         self.waiting: deque[Entry] = deque()
         self.running: list[Entry] = []
         self.pipeline = Pipeline(engine, run_ahead)
@@ -104,8 +112,13 @@ class Scheduler:
         """Admit what fits, run one forward over every running turn's window, deliver events;
         with run-ahead, launch this step before the one in flight hands out its tokens. Never
         raises an ``Exception``: a fault ends the turns it concerns (module docstring)."""
+        t0, waited = time.perf_counter(), self.pipeline.stats.wait_s
         with Guard("the step loop", lambda: [(e, None) for e in self.running]) as out:
+            self._mixed = False
             self._step()
+        host = (time.perf_counter() - t0 - (self.pipeline.stats.wait_s - waited)) * 1e3
+        kind = "mixed" if self._mixed else "decode"
+        self.host_ms[kind] += (0.1 if self.host_ms[kind] else 1.0) * (host - self.host_ms[kind])
         if out.failed:  # outside every stage: what was in flight is unknown, so it is dropped
             self.pipeline.drop()
         # the other choices of a prompt prefilled this step run from the next step on, as its
@@ -125,14 +138,19 @@ class Scheduler:
             self.running = [e for e in self.running if e.live]
         self._admit()
         self.pipeline.advance(self._gather(self.pipeline.inflight))
+        s = self.pipeline.stats
+        if s.steps != self._observed:  # what the last completed step cost, to the budget's model
+            self._observed = s.steps
+            self.budget.observe(s.last_rows, s.last_ms)
 
     def _gather(self, run: InFlight | None) -> Work:
         """This step's windows: a decode row (or a verify window of drafts) from each decoding
         turn first, so decode never waits behind a prefill; then prefill chunks (and rebase rows)
-        of the others in arrival order within the token budget (a long prompt stalls the others
-        one chunk); drafts share what prefill left. Prefill chunk sizes then never depend on
-        speculation: a row's bits depend on its own window only, so turns answer alike with
-        speculation on and off also in company (tests/test_scheduler.py).
+        of the others in the budget's order within its prompt rows (``self.budget``: a long
+        prompt stalls the others one chunk); drafts share what prefill left. Prefill chunk sizes
+        then never depend on speculation: a row's bits depend on its own window only, so turns
+        answer alike with speculation on and off also in company (tests/test_scheduler.py; a
+        fixed budget: an adaptive one follows the measured step times).
 
         A turn whose window is in ``run`` (in flight) gets the window after it if that is known
         before ``run``'s tokens come back (``Turn.window_ahead``), else none this step."""
@@ -150,14 +168,18 @@ class Scheduler:
             return None  # it raised: the turn failed
 
         decode = [e for e in self.running if e.turn.decodes_next()]
-        budget = self.max_batch_tokens - len(decode)
+        prompts = [e for e in self.running if not e.turn.decodes_next()]
+        budget = self.budget.prompt_rows(len(decode)) if prompts else 0
         prefill: Work = []
-        for e in self.running:
-            if e.turn.decodes_next() or (budget <= 0 and (prefill or decode)):
-                continue  # decodes (below), or waits for a later step
+        for e in self.budget.order(prompts, _rows_left):
+            if budget <= 0 and (prefill or decode):
+                continue  # waits for a later step
             if (w := window(e, max(budget, 1))) is not None:
                 budget -= len(w.tokens)
                 prefill.append((e, w))
+        self._mixed = bool(prefill)
+        if not prompts:  # drafts may take what decode rows leave of the ceiling
+            budget = self.budget.ceiling - len(decode)
         work: Work = []
         spec = self.engine.speculation
         cost = spec.cost  # what the drafts are priced with: this step's company
@@ -234,9 +256,17 @@ class Scheduler:
                 "mixed_replays": graphs.mixed_replays,
             },
             "run_ahead": {"enabled": p.run_ahead, "steps": s.ahead_steps},
+            "budget": self.budget.health(),
+            "host_ms": {k: round(v, 3) for k, v in self.host_ms.items()},
             "threads": self.engine.threads.health(),
             "route_counts": dict(s.route_counts),
         }
+
+
+def _rows_left(e: Entry) -> int:
+    """About how many prompt rows ``e``'s turn has left (the budget's order: a key, not a count)."""
+    cache = e.turn.cache
+    return len(e.turn.request.prompt) - (cache.num_tokens if cache is not None else 0)
 
 
 def run_turn(sched: Scheduler, request: TurnRequest, interruptible: bool = False) -> Iterator[TurnEvent]:

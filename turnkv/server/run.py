@@ -126,6 +126,8 @@ def start(cfg: EngineConfig, gate, progress, port: int) -> None:
     warm = f"warm-up {report.seconds:.1f} s ({report.turns} turns, {report.steps} steps)"
     if report.note:
         warm = f"warm-up {report.note}"
+    if rt.probe is not None:  # --max-batch-tokens auto's measurement (before the warm-up)
+        warm = f"budget probe {rt.probe.seconds:.1f} s (ceiling {rt.step_budget().ceiling} rows), {warm}"
     print(
         f"turnkv: serving {rt.engine.info.model_name} on http://{cfg.host}:{port}/v1 ({_facts(cfg, rt, srv)})"
         f"\nturnkv: ready in {ready:.1f} s: load {loaded - check:.1f} s, self-check {check:.1f} s, {warm}",
