@@ -6,7 +6,9 @@ the server writes it as ``usage.cache_break`` on every API and counts it in ``/m
 one computed); ``reason`` one of:
 
 - ``none``: nothing reusable was lost: the banked conversation was reused whole (the rest of the
-  prompt is new), or every prompt row but the last (always recomputed) was restored;
+  prompt is new), or every prompt row but the last (always recomputed) was restored; ``detail``
+  names the rows a lower tier brought back (``rows restored from a lower tier: ram 11776, disk
+  256``), else None;
 - ``new_conversation``: nothing banked in the namespace starts like this prompt;
 - ``history_differs``: the prompt leaves a banked conversation at token ``at`` (an edited or
   re-rendered earlier turn, a changed system prompt, a tool result sent differently);
@@ -85,13 +87,17 @@ def decide(
     entry: tuple[int, ...] | None,
     evicted: int,
     elsewhere: int,
+    restored: dict[str, int] | None = None,
 ) -> CacheBreak:
     """The break of a turn whose prompt is ``tokens``: ``cached`` rows restored, ``match`` tokens
     shared with the banked ``entry`` (its token ids) in memory, ``evicted`` shared with an
-    evicted entry, ``elsewhere`` with an entry of a sibling namespace (``siblings``)."""
+    evicted entry, ``elsewhere`` with an entry of a sibling namespace (``siblings``);
+    ``restored``: the rows each lower tier brought back (a ``none`` break's detail names them)."""
     limit = max(len(tokens) - 1, 0)  # the last prompt row is always recomputed
+    tiers = ", ".join(f"{name} {rows}" for name, rows in (restored or {}).items() if rows > 0)
+    from_tiers = f"rows restored from a lower tier: {tiers}" if tiers else None
     if cached >= limit:
-        return CacheBreak("none", cached)
+        return CacheBreak("none", cached, from_tiers)
     if min(evicted, limit) > cached:
         return CacheBreak(
             "evicted",
@@ -107,7 +113,7 @@ def decide(
             "this key; namespaces never share rows",
         )
     if cached > match or (entry is not None and match >= len(entry)):
-        return CacheBreak("none", cached)  # a lower tier restored past the memory match, or it was whole
+        return CacheBreak("none", cached, from_tiers)  # a lower tier restored past the memory match, or whole
     if cached == 0 and match == 0:
         return CacheBreak("new_conversation", 0)
     if entry is not None and match < min(len(entry), len(tokens)):

@@ -114,7 +114,7 @@ def disk_dir(directory: str | os.PathLike | None) -> Path:
 
 def disabled_health() -> dict:
     """``/health.disk`` without a tier: ``enabled: false``, nothing degraded and zeros."""
-    return {"enabled": False, "degraded": None, **dict.fromkeys(DISK_KEYS, 0)}
+    return {"enabled": False, "degraded": None, "restore_gbps": 0.0, **dict.fromkeys(DISK_KEYS, 0)}
 
 
 @dataclass
@@ -130,6 +130,8 @@ class DiskStats:
     evictions: int = 0  # blocks removed for the byte budget
     dedupe_hits: int = 0  # blocks not written because the store already held them
     faults: int = 0  # store calls that raised at run time: each lookup a miss, each write dropped
+    restore_bytes: int = 0  # bytes of the restores that loaded rows ...
+    restore_s: float = 0.0  # ... and their time (lookup, reads, checks, the copies' launch)
 
 
 @dataclass(eq=False)  # identity: a job is one queued turn
@@ -225,8 +227,10 @@ class DiskTier:
         first = have // BLOCK_TOKENS
         keys = block_keys(self.context, namespace, tokens, whole)
         faults = self.stats.faults
+        t0 = time.perf_counter()
         with self.store.pinned(keys[first:]):  # eviction keeps off what the lookup finds
             seg = self._restore(keys, first, have, tokens)
+        took = time.perf_counter() - t0
         if self.stats.faults == faults:
             self._answers()
         with self._cv:  # restores may run on several threads
@@ -235,6 +239,8 @@ class DiskTier:
                 return None
             self.stats.hits += 1
             self.stats.hit_tokens += seg.num_rows
+            self.stats.restore_bytes += seg.nbytes
+            self.stats.restore_s += took
         base = prefix.prefix(first * BLOCK_TOKENS).refs if prefix is not None else ()
         return SegmentedSnapshot((*base, SegmentRef(seg, seg.num_rows)))
 
@@ -611,7 +617,10 @@ class DiskTier:
         with self._cv:
             facts = asdict(self.stats) | {"queued": self._queued}
         facts |= {"blocks": self.store.count, "bytes": self.store.nbytes, "budget_bytes": self.budget_bytes}
-        return {"enabled": True, "degraded": self.degraded, **{k: int(facts[k]) for k in DISK_KEYS}}
+        rate = facts["restore_bytes"] / facts["restore_s"] / 1e9 if facts["restore_s"] > 0 else 0.0
+        return {"enabled": True, "degraded": self.degraded, "restore_gbps": round(rate, 3)} | {
+            k: int(facts[k]) for k in DISK_KEYS
+        }
 
     def _fault(self, what: str, exc: BaseException) -> None:
         """A store call raised: its caller takes it as a miss (or drops the write). Counted, the
