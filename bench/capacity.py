@@ -50,6 +50,7 @@ from report import OUT, save
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
 from turnkv.bank.ram_budget import max_ram_bytes
 
+STARTED = time.perf_counter()
 TIER_ROWS = re.compile(
     r"\b(ram|disk) (\d+)"
 )  # usage.cache_break.detail: "... lower tier: ram 11776, disk 256"
@@ -140,7 +141,8 @@ def one_turn(client, conv: Conversation, args, rnd: int) -> dict:
     cached = (getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
     brk = getattr(usage, "cache_break", None) or {}
     detail = (brk.get("detail") if isinstance(brk, dict) else getattr(brk, "detail", None)) or ""
-    tiers = {name: int(n) for name, n in TIER_ROWS.findall(detail)} if "lower tier" in detail else {}
+    note = detail.partition("rows restored from a lower tier:")[2]
+    tiers = {name: int(n) for name, n in TIER_ROWS.findall(note)}
     row = {
         "conv": conv.i,
         "round": rnd,
@@ -177,6 +179,8 @@ def drive(base: str, args) -> tuple[list[dict], list[str], float]:
         def worker(todo: queue.Queue = todo, rnd: int = rnd) -> None:
             client = OpenAI(base_url=f"{base}/v1", api_key="x", timeout=args.timeout, max_retries=0)
             while True:
+                if args.deadline_s and time.perf_counter() - STARTED > args.deadline_s:
+                    return  # past --deadline-s: no new turn starts (the summary says how many ran)
                 try:
                     conv = todo.get_nowait()
                 except queue.Empty:
@@ -268,6 +272,9 @@ def main() -> None:
     ap.add_argument("--disk-dir", help="where the disk tier goes (default: a temp folder in bench/out)")
     ap.add_argument("--disk-bytes", default="64G", help="the disk tier's budget (mind the disk's free space)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--deadline-s", type=float, help="start no turn this many seconds after the bench started"
+    )
     ap.add_argument("--serve-arg", action="append", default=[], help="more `turnkv serve` arguments")
     ap.add_argument("--tag", default="capacity")
     args = ap.parse_args()
@@ -282,7 +289,9 @@ def main() -> None:
     kv = int(args.convs / args.ratio * conv_rows * args.bytes_per_row)  # conversations the bank holds
     bank = args.bank_bytes or str(kv + act)  # and a turn's transient memory
     # room for every conversation, at most what this machine allows (serve refuses more)
-    ram = args.ram_bytes or str(min(int(1.5 * args.convs * conv_rows * args.bytes_per_row), max_ram_bytes()))
+    # (5 % below the machine's bound: the server's own start takes some of the memory it measures)
+    most = int(0.95 * max_ram_bytes())
+    ram = args.ram_bytes or str(min(int(1.5 * args.convs * conv_rows * args.bytes_per_row), most))
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="capacity-", dir=args.disk_dir or OUT))
     port = free_port()

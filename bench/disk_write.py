@@ -115,9 +115,13 @@ def main() -> None:
     block = BLOCK_TOKENS * shape.bytes_per_row
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="disk-write-", dir=args.dir or OUT))
-    ways = [("one-per-fsync", 1, 1), ("batch-1", 1, None), (f"batch-{WRITERS}", WRITERS, None)]
-    if WRITERS != 4:
-        ways.append(("batch-4", 4, None))
+    ways = [
+        ("one-per-fsync", 1, 1),
+        ("batch-1", 1, None),
+        (f"batch-{WRITERS}", WRITERS, None),
+        ("batch-4", 4, None),
+    ]
+    ways = list({w[0]: w for w in ways}.values())  # batch-WRITERS may be batch-1 or batch-4
     if args.ways:
         keep = args.ways.split(",")
         ways = [w for w in ways if w[0] in keep]

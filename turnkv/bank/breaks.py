@@ -6,9 +6,7 @@ the server writes it as ``usage.cache_break`` on every API and counts it in ``/m
 one computed); ``reason`` one of:
 
 - ``none``: nothing reusable was lost: the banked conversation was reused whole (the rest of the
-  prompt is new), or every prompt row but the last (always recomputed) was restored; ``detail``
-  names the rows a lower tier brought back (``rows restored from a lower tier: ram 11776, disk
-  256``), else None;
+  prompt is new), or every prompt row but the last (always recomputed) was restored;
 - ``new_conversation``: nothing banked in the namespace starts like this prompt;
 - ``history_differs``: the prompt leaves a banked conversation at token ``at`` (an edited or
   re-rendered earlier turn, a changed system prompt, a tool result sent differently);
@@ -17,6 +15,10 @@ one computed); ``reason`` one of:
 - ``namespace``: a longer prefix is banked under another namespace of the same key (another
   ``cache_salt``), which never shares rows. Only namespaces of the caller's own key are looked at:
   a break never says what another key has banked.
+
+Whatever the reason, ``detail`` ends with the rows that lower tiers brought back, when they did
+(``rows restored from a lower tier: ram 11776, disk 256``; a ``none`` break's detail is then
+only that, else None).
 
 The evicted conversations are remembered as token ids only (``Evicted``: no rows, the newest
 ``EVICTED_TOKENS`` tokens in all), so an eviction is told apart from a new conversation.
@@ -92,12 +94,26 @@ def decide(
     """The break of a turn whose prompt is ``tokens``: ``cached`` rows restored, ``match`` tokens
     shared with the banked ``entry`` (its token ids) in memory, ``evicted`` shared with an
     evicted entry, ``elsewhere`` with an entry of a sibling namespace (``siblings``);
-    ``restored``: the rows each lower tier brought back (a ``none`` break's detail names them)."""
-    limit = max(len(tokens) - 1, 0)  # the last prompt row is always recomputed
+    ``restored``: the rows each lower tier brought back (the detail names them, after its reason's)."""
+    brk = _decide(tokens, cached, match, entry, evicted, elsewhere)
     tiers = ", ".join(f"{name} {rows}" for name, rows in (restored or {}).items() if rows > 0)
-    from_tiers = f"rows restored from a lower tier: {tiers}" if tiers else None
+    if not tiers:
+        return brk
+    note = f"rows restored from a lower tier: {tiers}"
+    return CacheBreak(brk.reason, brk.at, f"{brk.detail}; {note}" if brk.detail else note)
+
+
+def _decide(
+    tokens: Sequence[int],
+    cached: int,
+    match: int,
+    entry: tuple[int, ...] | None,
+    evicted: int,
+    elsewhere: int,
+) -> CacheBreak:
+    limit = max(len(tokens) - 1, 0)  # the last prompt row is always recomputed
     if cached >= limit:
-        return CacheBreak("none", cached, from_tiers)
+        return CacheBreak("none", cached)
     if min(evicted, limit) > cached:
         return CacheBreak(
             "evicted",
@@ -113,7 +129,7 @@ def decide(
             "this key; namespaces never share rows",
         )
     if cached > match or (entry is not None and match >= len(entry)):
-        return CacheBreak("none", cached, from_tiers)  # a lower tier restored past the memory match, or whole
+        return CacheBreak("none", cached)  # a lower tier restored past the memory match, or it was whole
     if cached == 0 and match == 0:
         return CacheBreak("new_conversation", 0)
     if entry is not None and match < min(len(entry), len(tokens)):
