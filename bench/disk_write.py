@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 from report import OUT, save
 
-from turnkv.bank.disk import WRITERS, DiskTier
+from turnkv.bank.disk import DiskTier
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.disk_writer import WRITERS
 from turnkv.kv.cache import KVShape
 from turnkv.models.load import SHAPES
 
