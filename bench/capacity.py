@@ -33,6 +33,7 @@ import argparse
 import json
 import queue
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -47,7 +48,12 @@ from disk_write import dd_rate
 from report import OUT, save
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.ram_budget import max_ram_bytes
 
+STARTED = time.perf_counter()
+TIER_ROWS = re.compile(
+    r"\b(ram|disk) (\d+)"
+)  # usage.cache_break.detail: "... lower tier: ram 11776, disk 256"
 WORDS = "alpha beta gamma delta river stone cloud paper engine window garden silver orbit lamp".split()
 
 
@@ -133,6 +139,10 @@ def one_turn(client, conv: Conversation, args, rnd: int) -> dict:
     total = time.perf_counter() - t0
     details = getattr(usage, "prompt_tokens_details", None)
     cached = (getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    brk = getattr(usage, "cache_break", None) or {}
+    detail = (brk.get("detail") if isinstance(brk, dict) else getattr(brk, "detail", None)) or ""
+    note = detail.partition("rows restored from a lower tier:")[2]
+    tiers = {name: int(n) for name, n in TIER_ROWS.findall(note)}
     row = {
         "conv": conv.i,
         "round": rnd,
@@ -142,6 +152,8 @@ def one_turn(client, conv: Conversation, args, rnd: int) -> dict:
         "completion_tokens": usage.completion_tokens,
         "cached": cached,
         "history": conv.history,
+        "ram_rows": tiers.get("ram", 0),
+        "disk_rows": tiers.get("disk", 0),
     }
     conv.history = usage.prompt_tokens + usage.completion_tokens
     conv.messages += [
@@ -167,6 +179,8 @@ def drive(base: str, args) -> tuple[list[dict], list[str], float]:
         def worker(todo: queue.Queue = todo, rnd: int = rnd) -> None:
             client = OpenAI(base_url=f"{base}/v1", api_key="x", timeout=args.timeout, max_retries=0)
             while True:
+                if args.deadline_s and time.perf_counter() - STARTED > args.deadline_s:
+                    return  # past --deadline-s: no new turn starts (the summary says how many ran)
                 try:
                     conv = todo.get_nowait()
                 except queue.Empty:
@@ -195,6 +209,14 @@ def served(r: dict) -> bool:
     return r["history"] - r["cached"] < BLOCK_TOKENS
 
 
+def source(r: dict) -> str:
+    """Where a follow-up's history came from: ``recomputed`` (more than its last partial block),
+    else the slowest tier that restored rows of it (``usage.cache_break.detail``), else ``gpu``."""
+    if not served(r):
+        return "recomputed"
+    return "disk" if r.get("disk_rows") else "ram" if r.get("ram_rows") else "gpu"
+
+
 def summarize(rows: list[dict], before: dict, after: dict, wall: float, errors: list[str], args) -> dict:
     follow = [r for r in rows if r["round"] > 1]
     d = {
@@ -210,9 +232,11 @@ def summarize(rows: list[dict], before: dict, after: dict, wall: float, errors: 
         "disk": disk_rows,
         "recomputed": history - cached,
     }
-    by = {"cached": [], "recomputed": []}
+    by: dict[str, list[float]] = {"cached": [], "gpu": [], "ram": [], "disk": [], "recomputed": []}
     for r in follow:
-        by["cached" if served(r) else "recomputed"].append(r["ttft_s"])
+        by[source(r)].append(r["ttft_s"])
+        if served(r):
+            by["cached"].append(r["ttft_s"])
     writer_bytes = d["disk"].get("writes", 0) * BLOCK_TOKENS * args.bytes_per_row
     return {
         "turns": len(rows),
@@ -228,7 +252,7 @@ def summarize(rows: list[dict], before: dict, after: dict, wall: float, errors: 
         "wall_s": wall,
         "bank": d["bank"],
         "ram": d["ram"] | {"restore_gbps": after["ram"]["restore_gbps"], "enabled": after["ram"]["enabled"]},
-        "disk": d["disk"],
+        "disk": d["disk"] | {"restore_gbps": after["disk"].get("restore_gbps", 0.0)},
         "writer_gb_s_lower_bound": writer_bytes / wall / 1e9,
     }
 
@@ -246,7 +270,11 @@ def main() -> None:
     ap.add_argument("--bank-bytes", help="the GPU bank's budget (default: from --ratio)")
     ap.add_argument("--ram-bytes", help="the RAM tier's budget (default: room for every conversation)")
     ap.add_argument("--disk-dir", help="where the disk tier goes (default: a temp folder in bench/out)")
+    ap.add_argument("--disk-bytes", default="64G", help="the disk tier's budget (mind the disk's free space)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--deadline-s", type=float, help="start no turn this many seconds after the bench started"
+    )
     ap.add_argument("--serve-arg", action="append", default=[], help="more `turnkv serve` arguments")
     ap.add_argument("--tag", default="capacity")
     args = ap.parse_args()
@@ -260,7 +288,10 @@ def main() -> None:
     conv_rows = args.doc_tokens + args.rounds * (args.answer_tokens + question)  # a finished conversation
     kv = int(args.convs / args.ratio * conv_rows * args.bytes_per_row)  # conversations the bank holds
     bank = args.bank_bytes or str(kv + act)  # and a turn's transient memory
-    ram = args.ram_bytes or str(int(1.5 * args.convs * conv_rows * args.bytes_per_row))
+    # room for every conversation, at most what this machine allows (serve refuses more)
+    # (5 % below the machine's bound: the server's own start takes some of the memory it measures)
+    most = int(0.95 * max_ram_bytes())
+    ram = args.ram_bytes or str(min(int(1.5 * args.convs * conv_rows * args.bytes_per_row), most))
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="capacity-", dir=args.disk_dir or OUT))
     port = free_port()
@@ -283,7 +314,7 @@ def main() -> None:
         "--disk-dir",
         str(root / "kv"),
         "--disk-bytes",
-        "64G",
+        args.disk_bytes,
         *args.serve_arg,
     ]
     print("# " + " ".join(cmd))
@@ -346,7 +377,7 @@ def main() -> None:
     print(
         f"disk writes {dk.get('writes', 0)} dropped {dk.get('dropped_writes', 0)} corrupt {dk.get('corrupt', 0)} "
         f"vanished {dk.get('vanished', 0)}; RAM dropped {rm.get('dropped', 0)} evictions {rm.get('evictions', 0)} "
-        f"restore {rm['restore_gbps']:.2f} GB/s"
+        f"restore {rm['restore_gbps']:.2f} GB/s; disk restore {dk['restore_gbps']:.2f} GB/s"
     )
     print(
         f"disk dd conv=fsync {disk_rate:.3f} GB/s; writer >= {s['writer_gb_s_lower_bound']:.3f} GB/s over the run"
@@ -363,7 +394,7 @@ def _plot(s: dict, plt, path: Path) -> None:
         xs = sorted(
             r["ttft_s"]
             for r in s["rows"]
-            if r["round"] > 1 and (r["cached"] >= 0.95 * r["history"]) == (k == "cached")
+            if r["round"] > 1 and (source(r) == k or (k == "cached" and served(r)))
         )
         if xs:
             axes[1].plot(xs, [i / len(xs) for i in range(len(xs))], label=k)

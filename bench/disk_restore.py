@@ -151,6 +151,8 @@ def run_size(engine: Engine, n: int, args, root: Path) -> dict:
     )
     row["ram"]["page_cache"] = "n/a"
     row["ram_restore_gb_s"] = ram.health()["restore_gbps"]  # the copy alone, by the tier's own clock
+    if args.profile and engine.shape.device.type == "cuda":
+        row["ram_overlap"] = profile_overlap(engine, ram, ids, OUT / f"{args.tag}_trace_{n}.json")
     del ram
     for mode in ("warm", "cold"):
         runs = []
@@ -163,6 +165,37 @@ def run_size(engine: Engine, n: int, args, root: Path) -> dict:
     tier.close()
     shutil.rmtree(folder, ignore_errors=True)
     return row
+
+
+def profile_overlap(engine: Engine, ram: RamTier, ids: list[int], trace: Path) -> dict:
+    """One RAM restore and the prefill of the new rows under the CUDA profiler: the H2D copies'
+    window on the GPU and how much kernel time ran inside it (0: the new rows' prefill starts only
+    once the whole copy is done). The Chrome trace goes to ``trace``."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        restore_timed(engine, ram, ids)
+    prof.export_chrome_trace(str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    h2d = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not h2d:
+        return {"h2d_copies": 0}
+    lo, hi = min(e["ts"] for e in h2d), max(e["ts"] + e["dur"] for e in h2d)  # microseconds
+    inside = sum(max(0.0, min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"])) for e in kernels)
+    after = [e for e in kernels if e["ts"] >= lo]
+    return {
+        "h2d_copies": len(h2d),
+        "h2d_window_ms": (hi - lo) / 1e3,
+        "h2d_busy_ms": sum(e["dur"] for e in h2d) / 1e3,
+        "kernel_ms_inside_h2d_window": inside / 1e3,
+        "kernels_after_h2d_start": len(after),
+        "first_kernel_after_h2d_start_ms": (min(e["ts"] for e in after) - lo) / 1e3 if after else None,
+        "prefill_kernel_ms": sum(e["dur"] for e in after) / 1e3,
+        "trace": trace.name,
+    }
 
 
 def restore_timed_runs(engine: Engine, tier, ids: list[int], repeat: int, n: int) -> list[dict]:
@@ -229,6 +262,7 @@ def main() -> None:
     ap.add_argument("--own", type=int, default=1024)
     ap.add_argument("--dir", help="where the blocks go (default: a temp folder in bench/out)")
     ap.add_argument("--drop-caches", action="store_true", help="cold runs also drop the page cache (root)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: profile one RAM restore (overlap)")
     ap.add_argument("--tag", default="disk_restore")
     args = ap.parse_args()
 
@@ -297,6 +331,12 @@ def main() -> None:
             f"{c['speedup']:>5.1f}x | {max(w['max_abs_logit_diff'], m['max_abs_logit_diff']):>8.1e} {r['bytes_on_disk'] / 2**20:>7.1f} "
             f"{r['write_s']:>7.2f}"
         )
+        if "ram_overlap" in r:
+            print(f"# {n} tokens, RAM restore under the profiler: {r['ram_overlap']}")
+    if args.convs == 0:  # --convs 0: no dedupe run
+        shutil.rmtree(root, ignore_errors=True)
+        save(results, args.tag, _plot)
+        return
     d = results["dedupe"] = run_dedupe(engine, args, root)
     print(
         f"dedupe: {d['convs']} conversations of {d['shared_tokens']} shared + {d['own_tokens']} own tokens: "
@@ -329,7 +369,12 @@ def _plot(results: dict, plt, path: Path) -> None:
         yscale="log",
         title="restore vs recompute",
     )
-    d = results["dedupe"]
+    d = results.get("dedupe") or {
+        "dedupe": {"bytes": 0},
+        "no_dedupe": {"bytes": 0},
+        "convs": 0,
+        "shared_tokens": 0,
+    }
     axes[1].bar(["with dedupe", "without"], [d["dedupe"]["bytes"] / 2**20, d["no_dedupe"]["bytes"] / 2**20])
     axes[1].set(ylabel="MiB on disk", title=f"{d['convs']} conversations sharing {d['shared_tokens']} tokens")
     for ax in axes:

@@ -45,14 +45,23 @@ def test_a_new_server_restores_from_disk_and_answers_as_without_cache(loaded, tm
     second.close()
     fresh = Live(loaded, no_disk=True)
     want = chat(fresh.client(), msgs)
-    assert fresh.health()["disk"] == {"enabled": False, "degraded": None, **dict.fromkeys(DISK_KEYS, 0)}
+    assert fresh.health()["disk"] == {
+        "enabled": False,
+        "degraded": None,
+        "restore_gbps": 0.0,
+        **dict.fromkeys(DISK_KEYS, 0),
+    }
     fresh.close()
 
     assert r2.choices[0].message.content == want.choices[0].message.content
     assert want.usage.prompt_tokens_details.cached_tokens == 0
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached >= 3 * B and cached % B == 0  # whole blocks of the first turn's history
-    assert h["enabled"] is True and h["degraded"] is None and set(h) == {"enabled", "degraded", *DISK_KEYS}
+    assert (
+        h["enabled"] is True
+        and h["degraded"] is None
+        and set(h) == {"enabled", "degraded", "restore_gbps", *DISK_KEYS}
+    )
     assert (h["hits"], h["hit_tokens"], h["corrupt"], h["write_failures"]) == (1, cached, 0, 0)
     assert h["blocks"] >= cached // B and h["bytes"] > 0
     for name in ("turnkv_disk_blocks", "turnkv_disk_hits_total", "turnkv_disk_corrupt_total"):

@@ -25,7 +25,7 @@ from turnkv.bank.ram import RAM_KEYS, RamTier
 from turnkv.bank.ram_budget import max_ram_bytes, open_ram, ram_budget
 from turnkv.bank.records import Reservation
 from turnkv.bank.session_bank import SessionBank
-from turnkv.bank.tiers import TierChain, tier_health
+from turnkv.bank.tiers import TierChain, extend_by_tier, tier_health
 from turnkv.config import ConfigError, EngineConfig
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef, unique_bytes
@@ -138,6 +138,8 @@ def test_ram_continues_where_memory_stops_and_disk_where_ram_stops(engine, tmp_p
     h = tier_health(bank.tier)
     assert _as_cold(warm, cold) and cached == 5 * B
     assert h["ram"]["hit_tokens"] == 3 * B and h["disk"]["hit_tokens"] == 2 * B
+    got, rows = extend_by_tier(bank.tier, "ns", ids[:-1], None)  # what each tier brought back
+    assert got is not None and got.num_tokens == 5 * B and rows == {"ram": 3 * B, "disk": 2 * B}
     bank.tier.close()
 
 
@@ -367,6 +369,9 @@ def test_the_server_restores_from_ram_and_reports_it_on_health_and_metrics(tmp_p
     assert first.status_code == again.status_code == cold.status_code == 200
     assert again.json()["choices"][0]["text"] == cold.json()["choices"][0]["text"]
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * B
+    assert again.json()["usage"]["cache_break"]["detail"].endswith(
+        f"rows restored from a lower tier: ram {2 * B}"
+    )
     ram = h["ram"]
     assert ram["enabled"] and ram["reason"] is None and ram["budget_bytes"] <= 16 << 20
     assert (ram["hits"], ram["hit_tokens"], ram["blocks"]) == (1, 2 * B, 2)

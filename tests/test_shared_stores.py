@@ -179,3 +179,21 @@ def test_redis_unreachable_keeps_serving_and_says_so(engine, monkeypatch):
     assert "unreachable" in h["degraded"] and str(port) in h["degraded"] and h["faults"] >= 1
     assert h["writes"] == 0
     tier.close()
+
+
+def test_a_batch_of_blocks_is_written_whole_in_one_put_many(spec):
+    """Five blocks in one writer batch (on Redis one pipelined round trip, each block its own
+    script): every block is stored once and restores to the rows written."""
+    tier = DiskTier.open(open_store(spec), "fp", SHAPE, GIB, batch_blocks=8)
+    ids = list(range(5 * B))
+    snap = synthetic(SHAPE, ids, seed=3)
+    tier.write_behind("ns", snap)
+    assert tier.flush(30)
+    h = tier.health()
+    assert (h["writes"], h["blocks"], h["write_failures"], h["dropped_writes"]) == (5, 5, 0, 0)
+    got = tier.extend("ns", [*ids, 1], None)
+    assert got is not None and got.num_tokens == 5 * B
+    assert all(
+        torch.equal(a, b) for a, b in zip(got.read_rows(0, 5 * B), snap.read_rows(0, 5 * B), strict=True)
+    )
+    tier.close()

@@ -326,10 +326,6 @@ def build(
     cfg: EngineConfig, role: Role = "serve", engine: Engine | None = None, progress: bool = True
 ) -> Runtime:
     """Assemble ``role``'s parts (``engine``: reuse a loaded one, as tests and benches do)."""
-    if role in KEEPS:  # a --ram-bytes the machine cannot hold fails before the model loads
-        from turnkv.bank.ram_budget import ram_budget
-
-        ram_budget(cfg)
     triton_cache()
     engine = engine if engine is not None else load_engine(cfg, progress)
     if engine.shape.device.type == "cuda":

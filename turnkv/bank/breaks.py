@@ -16,6 +16,10 @@ one computed); ``reason`` one of:
   ``cache_salt``), which never shares rows. Only namespaces of the caller's own key are looked at:
   a break never says what another key has banked.
 
+Whatever the reason, ``detail`` ends with the rows that lower tiers brought back, when they did
+(``rows restored from a lower tier: ram 11776, disk 256``; a ``none`` break's detail is then
+only that, else None).
+
 The evicted conversations are remembered as token ids only (``Evicted``: no rows, the newest
 ``EVICTED_TOKENS`` tokens in all), so an eviction is told apart from a new conversation.
 """
@@ -85,10 +89,28 @@ def decide(
     entry: tuple[int, ...] | None,
     evicted: int,
     elsewhere: int,
+    restored: dict[str, int] | None = None,
 ) -> CacheBreak:
     """The break of a turn whose prompt is ``tokens``: ``cached`` rows restored, ``match`` tokens
     shared with the banked ``entry`` (its token ids) in memory, ``evicted`` shared with an
-    evicted entry, ``elsewhere`` with an entry of a sibling namespace (``siblings``)."""
+    evicted entry, ``elsewhere`` with an entry of a sibling namespace (``siblings``);
+    ``restored``: the rows each lower tier brought back (the detail names them, after its reason's)."""
+    brk = _decide(tokens, cached, match, entry, evicted, elsewhere)
+    tiers = ", ".join(f"{name} {rows}" for name, rows in (restored or {}).items() if rows > 0)
+    if not tiers:
+        return brk
+    note = f"rows restored from a lower tier: {tiers}"
+    return CacheBreak(brk.reason, brk.at, f"{brk.detail}; {note}" if brk.detail else note)
+
+
+def _decide(
+    tokens: Sequence[int],
+    cached: int,
+    match: int,
+    entry: tuple[int, ...] | None,
+    evicted: int,
+    elsewhere: int,
+) -> CacheBreak:
     limit = max(len(tokens) - 1, 0)  # the last prompt row is always recomputed
     if cached >= limit:
         return CacheBreak("none", cached)

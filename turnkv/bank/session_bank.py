@@ -63,7 +63,7 @@ from turnkv.bank.records import (  # the records are this module's public names 
     Reservation,
 )
 from turnkv.bank.sessions import SessionGuard
-from turnkv.bank.tiers import Tier
+from turnkv.bank.tiers import Tier, extend_by_tier
 from turnkv.bank.token_index import TokenIndex
 from turnkv.kv.cache import Snapshot
 
@@ -217,8 +217,9 @@ class SessionBank:
             if entry is not None and cached == 0:
                 entry = None
             prefix = entry.snapshot.prefix(cached) if entry is not None else None
+            restored: dict[str, int] = {}
             if self.tier is not None:
-                prefix, cached = self._extend(namespace, tokens, prefix, cached)
+                prefix, cached, restored = self._extend(namespace, tokens, prefix, cached)
             whole = entry is not None and cached == len(entry.tokens)
 
             forks = want.choices - 1  # each restores the prompt but its last row, recomputed
@@ -277,21 +278,29 @@ class SessionBank:
                 reserve_rows=reserve,
                 copied_rows=copied,
                 pinned=pin,
-                cache_break=self._break(namespace, tokens, cached, n, entry),
+                cache_break=self._break(namespace, tokens, cached, n, entry, restored),
                 fork_bytes=(reserve + 1) * self.bytes_per_row if forks else 0,
             )
             self._leases.append(lease)
             return lease
 
     def _break(
-        self, namespace: str, tokens: Sequence[int], cached: int, n: int, entry: BankEntry | None
+        self,
+        namespace: str,
+        tokens: Sequence[int],
+        cached: int,
+        n: int,
+        entry: BankEntry | None,
+        restored: dict[str, int],
     ) -> CacheBreak:
         """Why this admission's restored prefix ends at ``cached`` (``bank.breaks``), counted."""
         limit = tokens[: max(len(tokens) - 1, 0)]
         others = siblings(namespace, list(self._index))
         elsewhere = max((self._index[ns].longest(limit)[0] for ns in others), default=0)
         evicted = self._evicted.longest(namespace, limit)
-        brk = decide(tokens, cached, n, entry.tokens if entry is not None else None, evicted, elsewhere)
+        brk = decide(
+            tokens, cached, n, entry.tokens if entry is not None else None, evicted, elsewhere, restored
+        )
         self.stats.breaks[brk.reason] = self.stats.breaks.get(brk.reason, 0) + 1
         return brk
 
@@ -376,13 +385,14 @@ class SessionBank:
     # -- internals ----------------------------------------------------------------------------
     def _extend(
         self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None, cached: int
-    ) -> tuple[Snapshot | None, int]:
-        """The memory prefix, or the tier's longer one (at most ``len(tokens) - 1`` rows)."""
+    ) -> tuple[Snapshot | None, int, dict[str, int]]:
+        """The memory prefix, or the tier's longer one (at most ``len(tokens) - 1`` rows), and the
+        rows each tier restored."""
         assert self.tier is not None
-        longer = self.tier.extend(namespace, tokens[: max(len(tokens) - 1, 0)], prefix)
+        longer, restored = extend_by_tier(self.tier, namespace, tokens[: max(len(tokens) - 1, 0)], prefix)
         if longer is None or longer.num_tokens <= cached:
-            return prefix, cached
-        return longer, longer.num_tokens
+            return prefix, cached, {}
+        return longer, longer.num_tokens, restored
 
     def _touch(self, entry: BankEntry) -> None:
         self._clock += 1

@@ -310,15 +310,32 @@ class RedisStore:
     def _keys(self, key: str) -> list[str]:
         return [self._block + key, self._lru, self._size, self._depth, self._bytes]
 
+    def _args(self, block: Block, data: bytes, at: float | None) -> list:
+        info = f"{block.parent} {block.context}"
+        return [data, _score(at or time.time(), block.depth), len(data), block.depth, info, block.key]
+
     def put(self, block: Block, at: float | None = None) -> int:
         data = encode_block(block)
-        info = f"{block.parent} {block.context}"
-        args = [data, _score(at or time.time(), block.depth), len(data), block.depth, info, block.key]
-        return len(data) if self._call(self._put, keys=self._keys(block.key), args=args) else 0
+        return (
+            len(data)
+            if self._call(self._put, keys=self._keys(block.key), args=self._args(block, data, at))
+            else 0
+        )
 
     def put_many(self, blocks: Sequence[Block], at: float | Sequence[float] | None = None) -> list[int]:
+        """One round trip for the batch (a pipeline, not a transaction): each block is still its
+        own atomic script, so a block is whole or absent whatever happens to the others."""
         times = at if isinstance(at, Sequence) else [at] * len(blocks)
-        return [self.put(b, t) for b, t in zip(blocks, times, strict=True)]  # one script each
+        if not blocks:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        sizes = []
+        for block, t in zip(blocks, times, strict=True):
+            data = encode_block(block)
+            self._put(keys=self._keys(block.key), args=self._args(block, data, t), client=pipe)
+            sizes.append(len(data))
+        done = self._call(pipe.execute)
+        return [n if ok else 0 for n, ok in zip(sizes, done, strict=True)]
 
     def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
         data = self._call(self._redis.get, self._block + key)

@@ -60,11 +60,7 @@ class TierChain:
         return [t for t in (self.ram, self.disk) if t is not None]
 
     def extend(self, namespace: str, tokens: Sequence[int], prefix: Snapshot | None) -> Snapshot | None:
-        best = None
-        for tier in self.parts():  # each continues from the longest rows found so far
-            got = tier.extend(namespace, tokens, best if best is not None else prefix)
-            best = got if got is not None else best
-        return best
+        return extend_by_tier(self, namespace, tokens, prefix)[0]
 
     def write_behind(self, namespace: str, snapshot: Snapshot) -> None:
         first = self.ram if self.ram is not None else self.disk  # RAM feeds the disk itself
@@ -83,6 +79,24 @@ class TierChain:
     def close(self) -> None:
         for tier in self.parts():  # RAM's copies first: the disk may still be fed from them
             tier.close()
+
+
+def extend_by_tier(
+    tier: Tier, namespace: str, tokens: Sequence[int], prefix: Snapshot | None
+) -> tuple[Snapshot | None, dict[str, int]]:
+    """``tier.extend`` (a chain: each part continues from the longest rows found so far), and the
+    rows each part restored by its name (``usage.cache_break.detail`` names them)."""
+    from turnkv.bank.disk_blocks import BLOCK_TOKENS
+
+    best, rows = None, {}
+    for part in tier.parts() if isinstance(tier, TierChain) else [tier]:
+        base = best if best is not None else prefix
+        got = part.extend(namespace, tokens, base)
+        if got is not None:  # a part keeps ``base`` cut to a block boundary and adds its rows
+            kept = (base.num_tokens if base is not None else 0) // BLOCK_TOKENS * BLOCK_TOKENS
+            rows[part.name] = got.num_tokens - kept
+            best = got
+    return best, rows
 
 
 def tier_health(tier: Tier | None) -> dict[str, dict]:

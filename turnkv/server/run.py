@@ -77,7 +77,9 @@ def serve(cfg: EngineConfig) -> None:
     from turnkv.engine.warmup import WarmProgress
     from turnkv.server.warming import WarmGate
 
-    ram_budget(cfg)  # a --ram-bytes the machine cannot hold fails in one line, before listening
+    # a --ram-bytes the machine cannot hold fails in one line, before listening (the one early
+    # check; build() meets the same ValueError in bank.ram_budget.open_ram when called directly)
+    ram_budget(cfg)
     sock = bind_socket(cfg.host, cfg.port)
     try:
         progress = WarmProgress()
