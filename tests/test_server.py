@@ -310,7 +310,7 @@ def test_models_health_and_metrics(live):
     }
     assert h["bank"]["budget_bytes"] == 1 << 30
     assert isinstance(h["disk"]["enabled"], bool)  # on by default; tests/test_disk_server.py
-    assert set(h["disk"]) == {"enabled", "degraded", *DISK_KEYS}
+    assert set(h["disk"]) == {"enabled", "degraded", "restore_gbps", *DISK_KEYS}
     sp = h["speculation"]
     assert sp["mode"] == "auto" and {
         "drafted",
