@@ -74,7 +74,7 @@ def test_eight_conversations_at_once_match_the_same_conversations_one_at_a_time(
         alone = [conversation(serial.client(), i) for i in range(8)]
     finally:
         serial.close()
-    batched = Live(loaded, max_running=8, max_batch_tokens=256)
+    batched = Live(loaded, max_running=8, max_batch_tokens="256")
     try:
         results = at_once(batched, 8)
         assert len(results) == 8
@@ -107,7 +107,7 @@ def test_the_server_running_ahead_answers_as_the_plain_step_loop(loaded):
     leaves still frees its slot."""
 
     def serve(mode: str) -> tuple[dict, dict]:
-        live = Live(loaded, max_running=8, max_batch_tokens=256, run_ahead=mode, speculate="off")
+        live = Live(loaded, max_running=8, max_batch_tokens="256", run_ahead=mode, speculate="off")
         try:
             results = at_once(live, 8)
             sampled = live.client().chat.completions.create(
