@@ -225,6 +225,8 @@ def rowinv_linear(
     assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype
     cfg = cfg or pick(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
     b = bias if bias is not None else y
     r = residual.contiguous() if residual is not None else y
     chunk, even_k = _chunk(k, cfg.bk, cfg.split)
