@@ -63,7 +63,7 @@ def test_a_rows_bits_do_not_depend_on_its_company(seed, m, company, cfg):
     w, b, x, r = _data(seed, max(m, 20))
     alone = rowinv_linear(x[:1], w, b, r[:1], cfg=cfg)
     at = len(company) // 2
-    idx = company[:at] + [0] + company[at:]
+    idx = [*company[:at], 0, *company[at:]]
     ys = rowinv_linear(x[idx].contiguous(), w, b, r[idx].contiguous(), cfg=cfg)
     assert torch.equal(ys[at], alone[0])
     prefix = rowinv_linear(x[:m], w, cfg=cfg)

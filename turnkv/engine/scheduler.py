@@ -256,7 +256,6 @@ class Scheduler:
                 "mixed_replays": graphs.mixed_replays,
             },
             "run_ahead": {"enabled": p.run_ahead, "steps": s.ahead_steps},
-            "deterministic": self.engine.deterministic_health(),
             "budget": self.budget.health(),
             "host_ms": {k: round(v, 3) for k, v in self.host_ms.items()},
             "threads": self.engine.threads.health(),
