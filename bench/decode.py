@@ -281,6 +281,11 @@ def main() -> None:
     )
     ap.add_argument("--speculate", default="auto", help="auto (the engine's default) | off")
     ap.add_argument(
+        "--deterministic",
+        default="off",
+        help="on | off, or on,off to A/B them (one model loaded, an engine each)",
+    )
+    ap.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else each turn samples (seeded)"
     )
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -327,18 +332,19 @@ def measure(args, group=None) -> dict:
     model = f"random:{args.shape}" if args.shape else args.model
     base = EngineConfig(model=model, device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                         tensor_parallel=size, speculate=args.speculate)  # fmt: skip
-    kvs, int4s = args.kv_dtype.split(","), args.cpu_int4.split(",")
+    kvs, int4s, dets = args.kv_dtype.split(","), args.cpu_int4.split(","), args.deterministic.split(",")
     engines = {}  # label -> engine: the layout, KV dtype and CPU matmul where several are compared
     for int4 in int4s:
         if int4 != "auto":  # one model loaded per matmul kernel (packing is done at load)
             cpu_int4.set_enabled(int4 == "c")
         loaded = None
-        for name, kv in itertools.product(args.layouts.split(","), kvs):
-            cfg = replace(base, kv_layout=name, kv_dtype=kv)
+        for name, kv, det in itertools.product(args.layouts.split(","), kvs, dets):
+            cfg = replace(base, kv_layout=name, kv_dtype=kv, deterministic=det)
             e = load_engine(cfg, progress=False) if loaded is None else Engine(loaded, cfg)
             loaded = e.loaded
             label = name if len(kvs) == 1 else f"{name}/{e.info.kv_dtype}"
             label = label if len(int4s) == 1 else f"{label}/mm-{int4}"
+            label = label if len(dets) == 1 else f"{label}/det-{det}"
             engines[label] = e
     cpu_int4.set_enabled(True)
     first = next(iter(engines.values()))
@@ -393,9 +399,10 @@ def measure(args, group=None) -> dict:
                 flush=True)  # fmt: skip
         del histories
     prefills = []
-    for n in [int(x) for x in args.prefill.split(",") if x]:
+    timed = list(engines.items()) if len(dets) > 1 else [("", first)]  # the A/B: each engine
+    for n, (label, e) in itertools.product([int(x) for x in args.prefill.split(",") if x], timed):
         try:
-            p = run_prefill(first, n, args.chunk, rate, args)
+            p = {"engine": label, **run_prefill(e, n, args.chunk, rate, args)}
         except Exception as exc:
             import traceback
 
@@ -403,7 +410,7 @@ def measure(args, group=None) -> dict:
             prefills.append({"tokens": n, "error": repr(exc)})
             continue
         prefills.append(p)
-        say(f"prefill {n:>6} tokens in chunks of {args.chunk}: {p['seconds']:.2f} s, floor "
+        say(f"{label} prefill {n:>6} tokens in chunks of {args.chunk}: {p['seconds']:.2f} s, floor "
             f"{p['floor_s'] and round(p['floor_s'], 2)} s ({p['floor_pct'] and round(p['floor_pct'], 1)} %)", flush=True)  # fmt: skip
     control_us = None
     if group is not None and size > 1:  # what the server's rank 0 adds to each step to drive the others

@@ -39,12 +39,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,12 +50,9 @@ import report
 from decode import copy_bandwidth  # the copy rate decode.py and gemv.py measure their roofs by
 from gemv import captured
 
-from turnkv.kernels.triton_common import INTERPRET, downcast
+from turnkv.kernels.triton_common import INTERPRET
+from turnkv.models.triton_rowinv import _COUNTERS, BLOCK_M, SMS, TABLE, Cfg, pick, rowinv_linear, rule
 
-BLOCK_M = 16  # the row tile, for every M: what makes a row's bits independent of M
-SMS = 132  # H200 multiprocessors: the split-K rule aims at a few programs per SM (a constant,
-# so the config stays a function of (N, K) alone)
-SUM_BLOCK = 1024  # columns per program of the partial-sum kernel
 MS = (1, 2, 4, 8, 16, 32)
 L2_SPILL = 192 << 20  # bytes of distinct weights each timed graph cycles through (H200 L2: 60 MB)
 
@@ -73,193 +68,6 @@ MODELS = {  # model: (layers, {layer: (N out, K in)}); qkv and gate|up fused
          "head": (49152, 576)},
     ),
 }  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernels
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=["M"])
-def _rowinv_kernel(
-    X, W, Y, WS, CNT, M, N, K, sxm, swn, chunk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    SWAP: tl.constexpr, FUSED: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """One [BLOCK_M rows, BLOCK_N columns] tile over the K slice [pid_s * chunk, +chunk).
-
-    M is not specialised (no M == 1 / divisibility variants): one binary for every M."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N
-    offs_k = tl.arange(0, BLOCK_K)
-    k_lo = pid_s * chunk
-    k_hi = tl.minimum(k_lo + chunk, K)
-    xp = X + rows[:, None].to(tl.int64) * sxm + (k_lo + offs_k)[None, :]  # [BM, BK]
-    wp = W + cols[:, None].to(tl.int64) * swn + (k_lo + offs_k)[None, :]  # [BN, BK]
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(xp, mask=rmask[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(wp)
-            else:
-                w = tl.load(wp, mask=cmask[:, None], other=0.0)
-        else:
-            kmask = (k0 + offs_k) < k_hi
-            x = tl.load(xp, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(wp, mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if INTERP:  # the CPU interpreter multiplies bf16 bit patterns as integers; upcast there
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
-        xp += BLOCK_K
-        wp += BLOCK_K
-    if SWAP:
-        offs = rows[None, :] * N + cols[:, None]
-        omask = cmask[:, None] & rmask[None, :]
-    else:
-        offs = rows[:, None] * N + cols[None, :]
-        omask = rmask[:, None] & cmask[None, :]
-    if SPLIT == 1:
-        tl.store(Y + offs, downcast(acc, Y.dtype.element_ty, INTERP), mask=omask)
-    else:
-        tl.store(WS + pid_s * M * N + offs, acc, mask=omask)
-        if FUSED:
-            # the last of the SPLIT programs of this tile sums the partials in order s = 0, 1, ...
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            tile = pid_m * tl.num_programs(0) + pid_n
-            seen = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
-            if seen == SPLIT - 1:
-                tot = tl.zeros_like(acc)
-                for s in tl.static_range(SPLIT):
-                    tot += tl.load(WS + s * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(Y + offs, downcast(tot, Y.dtype.element_ty, INTERP), mask=omask)
-                tl.atomic_xchg(CNT + tile, 0)  # ready for the next call
-
-
-@triton.jit(do_not_specialize=["M"])
-def _sum_kernel(WS, Y, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
-    """Y[m, cols] = bf16(sum over s = 0, 1, ... of WS[s, m, cols]), in that order."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = tl.program_id(1)
-    cmask = cols < N
-    tot = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        tot += tl.load(WS + (s * M + m) * N + cols, mask=cmask, other=0.0)
-    tl.store(Y + m * N + cols, downcast(tot, Y.dtype.element_ty, INTERP), mask=cmask)
-
-
-class Cfg(NamedTuple):
-    bn: int  # BLOCK_N
-    bk: int  # BLOCK_K
-    split: int  # split-K factor
-    warps: int = 4
-    stages: int = 4
-    swap: bool = False  # dot(W tile, x tile^T): the weight is the MMA's M side
-    fused: bool = False  # split partials summed in the main kernel (atomic counter), not a second
-
-    def label(self) -> str:
-        s = f"{self.bn}x{self.bk}/s{self.split}/w{self.warps}/st{self.stages}"
-        return s + ("/swap" if self.swap else "") + ("/fused" if self.fused and self.split > 1 else "")
-
-
-# (N, K) -> config, filled from an H200 sweep (``--sweep``); shapes not here take ``rule``.
-TABLE: dict[tuple[int, int], Cfg] = {
-    # H200 sweep at M = 1 (triton 3.6, torch 2.11; the second --sweep of the probe, whose winners
-    # the reported bench ran with): llama3-8b qkv, o, gate|up, down, LM head
-    (6144, 4096): Cfg(32, 128, 2, 4, 4, False, True),
-    (4096, 4096): Cfg(64, 128, 4, 4, 4, True, True),
-    (28672, 4096): Cfg(64, 128, 1, 4, 4, True, False),
-    (4096, 14336): Cfg(64, 128, 4, 4, 3, True, True),
-    (128256, 4096): Cfg(64, 128, 1, 4, 4, False, False),
-    # smollm2-135m qkv, o, gate|up, down, LM head
-    (960, 576): Cfg(16, 128, 1, 4, 5, False, False),
-    (576, 576): Cfg(16, 128, 1, 4, 5, False, False),
-    (3072, 576): Cfg(64, 128, 1, 4, 4, True, False),
-    (576, 1536): Cfg(32, 128, 8, 4, 5, False, True),
-    (49152, 576): Cfg(64, 64, 1, 4, 3, False, False),
-}
-
-
-def _largest_pow2_dividing(k: int, cap: int) -> int:
-    b = cap
-    while b > 16 and k % b:
-        b //= 2
-    return b
-
-
-def rule(n: int, k: int) -> Cfg:
-    """A config from the shape alone, for shapes the table lacks: 64 columns a program where the
-    output is wide, 32 where narrow; split K until there are >= 2 programs per SM while each split
-    keeps >= 4 K slices."""
-    bk = _largest_pow2_dividing(k, 128)
-    bn = 64 if n >= 16384 else 32
-    tiles = triton.cdiv(n, bn)
-    split = 1
-    while tiles * split < 2 * SMS and k // (2 * split) >= 4 * bk:
-        split *= 2
-    return Cfg(bn, bk, split, 4, 4, False, split > 1)
-
-
-def pick(n: int, k: int) -> Cfg:
-    return TABLE.get((n, k)) or rule(n, k)
-
-
-def _chunk(k: int, bk: int, split: int) -> tuple[int, bool]:
-    """K per split and whether every slice is whole (no K mask)."""
-    if k % (split * bk) == 0:
-        return k // split, True
-    return triton.cdiv(triton.cdiv(k, split), bk) * bk, False
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, need: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters (each reset by the program that consumed it). Allocated on a
-    first eager call, never during a graph capture."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < need:
-        c = _COUNTERS[device] = torch.zeros(max(need, 1 << 16), dtype=torch.int32, device=device)
-    return c
-
-
-def rowinv_linear(x: torch.Tensor, w: torch.Tensor, cfg: Cfg | None = None) -> torch.Tensor:
-    """``x @ w.T`` for x ``[M, K]`` (rows contiguous), w ``[N, K]`` -> ``[M, N]`` in x's dtype; row
-    ``r`` of the result does not depend on M or on the other rows."""
-    m, k = x.shape
-    n = w.shape[0]
-    assert w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype
-    cfg = cfg or pick(n, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    chunk, even_k = _chunk(k, cfg.bk, cfg.split)
-    grid = (triton.cdiv(n, cfg.bn), cfg.split, triton.cdiv(m, BLOCK_M))
-    ws = torch.empty(cfg.split, m, n, dtype=torch.float32, device=x.device) if cfg.split > 1 else y
-    fused = cfg.fused and cfg.split > 1
-    cnt = _counters(x.device, grid[0] * grid[2]) if fused else y
-    _rowinv_kernel[grid](
-        x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), chunk,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, SPLIT=cfg.split, SWAP=cfg.swap, FUSED=fused,
-        EVEN_N=n % cfg.bn == 0, EVEN_K=even_k, INTERP=INTERPRET,
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )  # fmt: skip
-    if cfg.split > 1 and not fused:
-        _sum_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
-            ws, y, m, n, SPLIT=cfg.split, BLOCK=SUM_BLOCK, INTERP=INTERPRET, num_warps=4
-        )
-    return y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,9 +93,9 @@ def check_small(device: torch.device) -> bool:
         case_ok = True
         w = torch.randn(n, k, generator=g).bfloat16().to(device)
         x = torch.randn(20, k, generator=g).bfloat16().to(device)
-        full = rowinv_linear(x, w, cfg)
+        full = rowinv_linear(x, w, cfg=cfg)
         for m in (1, 2, 3, 4, 5, 17, 20):
-            got = rowinv_linear(x[:m], w, cfg)
+            got = rowinv_linear(x[:m], w, cfg=cfg)
             ref = x[:m].float() @ w.float().T
             close = torch.allclose(got.float(), ref, rtol=1.6e-2, atol=1e-3 * float(ref.abs().max()))
             same = torch.equal(got, full[:m])
@@ -296,7 +104,7 @@ def check_small(device: torch.device) -> bool:
                 err = float((got.float() - ref).abs().max())
                 print(f"FAIL n={n} k={k} m={m} {cfg}: close={close} prefix-equal={same} max err {err:.3g}")
         if cfg is not None and cfg.split > 1:  # both sums add the partials in the same order
-            other = rowinv_linear(x, w, cfg._replace(fused=not cfg.fused))
+            other = rowinv_linear(x, w, cfg=cfg._replace(fused=not cfg.fused))
             if not torch.equal(other, full):
                 case_ok = False
                 print(f"FAIL n={n} k={k} {cfg}: fused and two-kernel sums differ")
@@ -386,12 +194,12 @@ def run_sweep(args, device: torch.device) -> None:
                     print(f"  {name}: time budget reached after {len(res)} configs")
                     break
                 try:
-                    got = rowinv_linear(x, ws[0], cfg).float().squeeze(0)
+                    got = rowinv_linear(x, ws[0], cfg=cfg).float().squeeze(0)
                     err = float((got - ref).abs().max() / ref.abs().max())
                     if err > 2**-6:
                         print(f"  {name} {cfg.label()}: WRONG (rel err {err:.3g})")
                         continue
-                    res[cfg] = time_us(lambda w, c=cfg, x=x: rowinv_linear(x, w, c), ws, reps=5)
+                    res[cfg] = time_us(lambda w, c=cfg, x=x: rowinv_linear(x, w, cfg=c), ws, reps=5)
                 except Exception as exc:  # a config that does not compile must not stop the sweep
                     print(f"  {name} {cfg.label()}: {type(exc).__name__}: {str(exc)[:200]}")
             if phase == 0 and res:  # then warps / stages around the best three tiles

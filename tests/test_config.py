@@ -39,6 +39,14 @@ def test_speculate_flag_and_env_twin(monkeypatch):
     assert cfg.speculate == "auto"
 
 
+def test_deterministic_flag_and_env_twin(monkeypatch):
+    assert engine_config(build_parser().parse_args(["serve"])).deterministic == "off"
+    monkeypatch.setenv("TURNKV_DETERMINISTIC", "on")
+    assert engine_config(build_parser().parse_args(["serve"])).deterministic == "on"
+    cfg = engine_config(build_parser().parse_args(["chat", "--deterministic", "off"]))
+    assert cfg.deterministic == "off"
+
+
 def test_malformed_bank_size_fails_early():
     with pytest.raises(ValueError):
         engine_config(build_parser().parse_args(["serve", "--bank-bytes", "lots"]))

@@ -291,7 +291,10 @@ def test_models_health_and_metrics(live):
         "bank",
         "disk",
         "speculation",
+        "deterministic",
     } <= set(h)
+    # the CPU path is row-invariant whatever the flag (README, 'Determinism')
+    assert h["deterministic"]["mode"] == "off" and h["deterministic"]["matmul"] == "cpu"
     assert h["status"] == "ok" and h["model"] == MODEL and h["kv_layout"] == "segmented"
     assert h["kv_dtype"] == "bfloat16"  # a CPU computing in fp32 stores bf16 rows (kv.cache.kv_dtype)
     assert set(h["attention"]) == {"route", "verdict", "reason", "selfcheck", "cpu_kernel"}

@@ -88,6 +88,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "speculate",
         "context-copy speculative decoding (auto: on, except under --tensor-parallel)",
     )
+    add(
+        "--deterministic",
+        "deterministic",
+        "on: a row's bits do not depend on the other rows of its step (CUDA: the row-invariant GEMM)",
+    )
     add("--weights", "weights", "GGUF Q4_0/Q4_1/Q8_0 on CPU: auto = packed where the load-time check passes")
     add(
         "--threads",

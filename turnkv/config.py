@@ -92,6 +92,7 @@ Warmup = Literal["auto", "off"]
 RunAhead = Literal["auto", "on", "off"]
 Weights = Literal["auto", "packed", "dequant"]
 Speculate = Literal["auto", "off"]
+Deterministic = Literal["off", "on"]
 MAX_PORT = 65535
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -128,6 +129,9 @@ class EngineConfig:
     warmup: Warmup = "auto"  # serve: compile and capture before /health says ok (engine/warmup.py)
     run_ahead: RunAhead = "auto"  # launch each step before the last one's tokens are taken
     speculate: Speculate = "auto"  # context-copy speculative decoding (verify windows)
+    # on: every CUDA matmul row takes the row-invariant GEMM (models/triton_rowinv.py), so a row's
+    # bits do not depend on its company or its prefill chunk (the CPU path is so already)
+    deterministic: Deterministic = "off"
     max_running: int = 64  # turns in the running set (one window each per step)
     # rows of a step: auto (measured at start-up, adaptive under load: engine/budget.py) | N (fixed)
     max_batch_tokens: str = "auto"

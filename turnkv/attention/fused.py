@@ -102,8 +102,10 @@ class FusedBackend:
         num_kv_heads: int,
         head_dim: int = 128,
         device: torch.device | str = "cuda",
+        deterministic: bool = False,
     ) -> None:
         self.verdict = verdict
+        self.fixed = deterministic  # one tile and split count for every launch (pick_config)
         self.gqa = num_heads // num_kv_heads
         self.kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -150,7 +152,7 @@ class FusedBackend:
             )
             device = windows[group[0]].views[0][0].device
             convs = conversations([windows[i] for i in group])
-            config = ts.pick_config(meta, self.gqa, device, max_keys, conversations=convs)
+            config = ts.pick_config(meta, self.gqa, device, max_keys, conversations=convs, fixed=self.fixed)
             if launch is not None:  # the splits the graph is keyed by (the same, by decode_splits)
                 config = config._replace(splits=launch.splits)
             launches.append(Launch(len(words), meta, config))
@@ -178,7 +180,9 @@ class FusedBackend:
             return None
         keys = key_bucket(max(w.start + 1 for w in windows))
         convs = conversations(windows)
-        splits = ts.decode_splits(convs, keys, self.kv_heads, self.gqa, self.head_dim, self.device)
+        splits = ts.decode_splits(
+            convs, keys, self.kv_heads, self.gqa, self.head_dim, self.device, fixed=self.fixed
+        )
         return DecodeLaunch(padded_batch(len(windows)), keys, splits)
 
     def mixed_launch(self, windows: Sequence[KVWindow]) -> MixedLaunch | None:
@@ -205,7 +209,9 @@ class FusedBackend:
             keys = key_bucket(max(w.start + w.rows for w in group))
             dtype = group[0].views[0][0].dtype
             meta = TableMeta(batch, 1, keys, rows, self.kv_heads, self.head_dim, dtype)
-            config = ts.pick_config(meta, self.gqa, self.device, conversations=conversations(group))
+            config = ts.pick_config(
+                meta, self.gqa, self.device, conversations=conversations(group), fixed=self.fixed
+            )
             tables.append(TableLaunch(batch, rows, config))
         return MixedLaunch(*tables)
 

@@ -298,9 +298,17 @@ def _check(mode, device, head_dim, num_heads, num_kv_heads, dtype) -> tuple[Verd
 
 
 def make_backend(
-    mode: str, device: torch.device, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    mode: str,
+    device: torch.device,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    deterministic: bool = False,
 ) -> AttentionBackend:
-    """The engine's attention backend: the verdict is decided once; ``fused`` only when it is ``ok``."""
+    """The engine's attention backend: the verdict is decided once; ``fused`` only when it is ``ok``.
+    ``deterministic`` (``--deterministic on``): the fused launches take one fixed tile and split
+    count (``triton_segments.pick_config``), so a row's bits depend on its own keys only."""
     verdict, fused = decide(mode, device, head_dim, num_heads, num_kv_heads, dtype)
     if fused is None:
         if device.type == "cpu":
@@ -310,7 +318,7 @@ def make_backend(
         return PortableBackend(verdict, dtype)
     from turnkv.attention.fused import FusedBackend
 
-    return FusedBackend(verdict, num_heads, num_kv_heads, head_dim, device)
+    return FusedBackend(verdict, num_heads, num_kv_heads, head_dim, device, deterministic)
 
 
 def _label(r: ProbeResult) -> str:

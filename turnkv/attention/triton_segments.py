@@ -273,14 +273,30 @@ def _tuned(rows: int, d: int) -> tuple[int, int, int, int, int]:
     return (block_m, *_TUNED[(block_m, d)])
 
 
+def fixed_config(head_dim: int) -> LaunchConfig:
+    """The one launch config of ``--deterministic on``: 16-row blocks and one split whatever the
+    batch, the window or the key bucket, so each row walks its own keys in the same tiles from its
+    groups' starts and its bits depend on neither its company nor the prefill chunk it is in."""
+    block_n, num_warps, num_stages, _ = _TUNED[(16, head_dim)]
+    return LaunchConfig(16, block_n, num_warps, num_stages, 1)
+
+
 def pick_config(
-    meta: TableMeta, gqa: int, device: torch.device, max_keys: int | None = None, conversations: int = 0
+    meta: TableMeta,
+    gqa: int,
+    device: torch.device,
+    max_keys: int | None = None,
+    conversations: int = 0,
+    fixed: bool = False,
 ) -> LaunchConfig:
     """Default tiles and splits for a launch: ``_TUNED`` for the tiles, enough programs for the
     tuned number of waves, and at least 4 key tiles per split. Decode launches (one-row windows)
     take ``decode_splits``. ``max_keys`` overrides the table's (a graph passes its bucket).
     ``conversations`` (decode): the split count is sized for that many sequences rather than the
-    table's (``fused.conversations``: a verify window's one-row windows split as one)."""
+    table's (``fused.conversations``: a verify window's one-row windows split as one).
+    ``fixed`` (``--deterministic on``): ``fixed_config``."""
+    if fixed:
+        return fixed_config(meta.head_dim)
     rows = gqa * max(meta.max_q, 1)
     block_m, block_n, num_warps, num_stages, waves = _tuned(rows, meta.head_dim)
     keys = meta.max_keys if max_keys is None else max_keys
@@ -302,6 +318,7 @@ def decode_splits(
     head_dim: int,
     device: torch.device,
     groups: int = 1,
+    fixed: bool = False,
 ) -> int:
     """The split count of a decode launch of ``conversations`` conversations' one-row windows
     over at most ``keys`` keys: the one formula that an eager step, a CUDA graph's key
@@ -314,7 +331,10 @@ def decode_splits(
     unsplit programs fill less than one wave. The H200's decode sweep (bench/attention.py
     decode_sweep, llama3-8b heads, 4 views) found 32/4/1 splits fastest for batch 1/8/32 at 8K
     and 32K keys, which this picks; the waves rule alone picked the slower 33/5/2
-    (docs/BENCHMARKS.md, 'The step engine: decode and prefill on the H200 (issue 8)')."""
+    (docs/BENCHMARKS.md, 'The step engine: decode and prefill on the H200 (issue 8)').
+    ``fixed`` (``--deterministic on``): 1, ``fixed_config``'s."""
+    if fixed:
+        return fixed_config(head_dim).splits
     block_m, block_n, _, _, waves = _tuned(gqa, head_dim)
     base = padded_batch(conversations) * kv_heads * triton.cdiv(gqa, block_m) * groups
     sms = _num_sms(device)

@@ -29,6 +29,7 @@ from turnkv.kv import make_layout
 from turnkv.kv.cache import KVCache, KVShape, Snapshot, kv_dtype
 from turnkv.models.generation import resolve
 from turnkv.models.load import LoadedModel, cache_fingerprint
+from turnkv.models.matmul import rowinv_route
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,17 @@ class Engine:
         kv = kv_dtype(cfg.kv_dtype, loaded.dtype, loaded.device)
         self.shape = KVShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv, loaded.device)
         self.layout = make_layout(cfg.kv_layout, self.shape)
+        # --deterministic: whether every matmul row takes the row-invariant GEMM (models/matmul.py)
+        self.rowinv, self.deterministic = rowinv_route(self.model.device, cfg.deterministic)
         t0 = time.perf_counter()
         self.backend = make_backend(
-            cfg.attention, loaded.device, mc.head_dim, mc.num_heads, mc.num_kv_heads, loaded.dtype
+            cfg.attention,
+            loaded.device,
+            mc.head_dim,
+            mc.num_heads,
+            mc.num_kv_heads,
+            loaded.dtype,
+            deterministic=cfg.deterministic == "on",
         )
         self.selfcheck_s = time.perf_counter() - t0  # the startup line's "self-check"
         self.max_context = (
@@ -77,7 +86,7 @@ class Engine:
         self.prefill_chunk = max(1, cfg.prefill_chunk)
         # RoPE tables for every position a turn may reach, built once: steps (and graphs) only index
         self.model.rope.ensure(self.max_context or mc.max_position or 8192)
-        self.graphs = make_graphs(cfg.cuda_graphs, self.model, self.backend, self.tp is not None)
+        self.graphs = make_graphs(cfg.cuda_graphs, self.model, self.backend, self.tp is not None, self.rowinv)
         self.speculation = Speculation(cfg.speculate, speculation_off, self.shape.device.type)
         # torch's CPU threads per step: chosen by timing decode steps with --threads 0 (cpu_threads.py)
         self.threads = make_thread_policy(loaded.device, cfg.threads, self.tp is not None)
@@ -97,6 +106,18 @@ class Engine:
             self.graphs.status,
             {"held": loaded.weights, "note": loaded.weights_note, "matmul": loaded.matmul or None},
         )
+
+    def deterministic_health(self) -> dict:
+        """/health's ``deterministic`` block: the mode and the routes its rows take."""
+        fused = getattr(self.backend, "fixed", None)
+        if fused is None:
+            attention = f"{self.backend.verdict.verdict}: not the fused route"
+        else:
+            attention = "fused, fixed tiles and one split" if fused else "fused, splits by batch and keys"
+        matmul = (
+            "triton_rowinv" if self.rowinv else ("cpu" if self.model.device.type == "cpu" else "cublas+gemv")
+        )
+        return {"mode": self.deterministic, "matmul": matmul, "attention": attention}
 
     # -- caches -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -176,7 +197,11 @@ class Engine:
         solo = cut is not None and len(asked) == 1  # (a step holds one window per conversation)
         try:
             step = self.graphs.stage(run, solo)
-            step = step if step is not None else plan_step(run, self.backend, self.model.device, solo)
+            step = (
+                step
+                if step is not None
+                else plan_step(run, self.backend, self.model.device, solo, self.rowinv)
+            )
         except Exception as exc:
             self._down(exc)
             raise

@@ -114,11 +114,17 @@ class StepGraphs:
     collectives (tensor parallelism), captured in ``thread_local`` mode (``_capture``)."""
 
     def __init__(
-        self, model: torch.nn.Module, backend: AttentionBackend, threaded: bool, capture: bool = True
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        threaded: bool,
+        capture: bool = True,
+        rowinv: bool = False,
     ) -> None:
         """``capture`` False (``--cuda-graphs off``): every step is staged alike and runs eagerly
         on its buffers (``eager``), so a step's bits do not depend on whether graphs are on."""
         self.model, self.backend, self.threaded, self.capture = model, backend, threaded, capture
+        self.rowinv = rowinv  # --deterministic: every captured matmul row through triton_rowinv
         self.status = "on" if capture else "off: --cuda-graphs off"
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Captured] = {}
@@ -196,7 +202,7 @@ class StepGraphs:
         inputs, (np_, rp, _, solo) = staged.captured.inputs, staged.key
         carry(inputs[:np_], prev, inputs[2 * np_ + rp : staged.used])
         ids, pos, rows = inputs[:np_], inputs[np_ : 2 * np_], inputs[2 * np_ : 2 * np_ + rp]
-        return ids, pos, rows, MatmulPlan(solo=solo)  # (plain weights: no wide rows)
+        return ids, pos, rows, MatmulPlan(solo=solo, rowinv=self.rowinv)  # (plain weights: no wide rows)
 
     def replay(self, staged: GraphStep, prev: torch.Tensor | None = None) -> StepResult:
         """Replay (capturing first) the graph of ``staged``. ``prev`` (device): the argmax of the
@@ -278,7 +284,7 @@ def describe(key: tuple) -> str:
 
 
 def make_graphs(
-    mode: str, model: torch.nn.Module, backend: AttentionBackend, threaded: bool
+    mode: str, model: torch.nn.Module, backend: AttentionBackend, threaded: bool, rowinv: bool = False
 ) -> StepGraphs | NoGraphs:
     """``--cuda-graphs auto|off``: captured steps where possible, else eager with the reason. Off
     on the fused route, steps are staged as for a capture and run eagerly (``StepGraphs.capture``)."""
@@ -286,4 +292,4 @@ def make_graphs(
         return NoGraphs(f"off: no CUDA ({model.device.type})")
     if not backend.captures_graphs:
         return NoGraphs(f"off: the attention route is not fused ({backend.verdict.verdict})")
-    return StepGraphs(model, backend, threaded, capture=mode != "off")
+    return StepGraphs(model, backend, threaded, capture=mode != "off", rowinv=rowinv)

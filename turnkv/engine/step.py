@@ -178,7 +178,11 @@ def carry(ids: torch.Tensor, prev: torch.Tensor | None, feeds: torch.Tensor) -> 
 
 
 def plan_step(
-    windows: Sequence[Window], backend: AttentionBackend, device: torch.device, solo: bool = False
+    windows: Sequence[Window],
+    backend: AttentionBackend,
+    device: torch.device,
+    solo: bool = False,
+    rowinv: bool = False,
 ) -> StepPlan:
     """Open every window's KV rows and build the step's inputs and attention plan (see module doc):
     everything but the fed ids, which ``run_plan`` writes from the step in flight's argmax, so a
@@ -190,7 +194,7 @@ def plan_step(
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
     attention = backend.plan(kv)
-    matmul = plan_matmul([len(w.tokens) for w in windows], solo)
+    matmul = plan_matmul([len(w.tokens) for w in windows], solo, rowinv)  # rowinv: --deterministic
     ids, pos, rows, feeds = dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], dev[2 * n + r :]
     return StepPlan(windows, kv, ids, pos, rows, offsets, attention, matmul, feeds)
 

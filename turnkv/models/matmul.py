@@ -9,9 +9,12 @@ into a ``MatmulPlan`` that the model hands every call unchanged:
   chosen per window, so a row's bits depend on its own window only;
 - ``solo``: the rows are one conversation's verify window run as one-row windows, each to round
   as it would alone: on CUDA every such row takes the Triton GEMV (``triton_gemv``) rather than
-  cuBLAS's GEMM, whose kernel depends on the row count.
+  cuBLAS's GEMM, whose kernel depends on the row count;
+- ``rowinv`` (``--deterministic on``): every row of a plain CUDA weight, decode and prompt rows
+  alike, takes the row-invariant GEMM (``triton_rowinv``), whose row bits depend on neither the
+  row count nor the other rows (nor so on the prefill chunk a row falls in).
 
-One row on CUDA takes the GEMV whatever the plan (batch-1 decode, the LM head's row).
+Else one row on CUDA takes the GEMV whatever the plan (batch-1 decode, the LM head's row).
 """
 
 from __future__ import annotations
@@ -33,16 +36,17 @@ class MatmulPlan:
 
     wide: tuple[tuple[int, int], ...] = ()  # [start, end) row ranges of packed weights' wide path
     solo: bool = False  # one conversation's rows, each to round as alone
+    rowinv: bool = False  # every CUDA row through the row-invariant GEMM (--deterministic on)
 
     def head(self) -> MatmulPlan:
         """The LM head's plan: its rows are the logit rows, which no ``wide`` range indexes."""
-        return MatmulPlan((), self.solo)
+        return MatmulPlan((), self.solo, self.rowinv)
 
 
 PLAIN = MatmulPlan()  # no wide rows, not solo
 
 
-def plan_matmul(sizes: Sequence[int], solo: bool = False) -> MatmulPlan:
+def plan_matmul(sizes: Sequence[int], solo: bool = False, rowinv: bool = False) -> MatmulPlan:
     """The plan of a step whose windows have ``sizes`` rows, back to back: windows of
     ``WIDE_ROWS`` rows or more take the wide path (adjacent ones merged into one range)."""
     out: list[tuple[int, int]] = []
@@ -54,7 +58,7 @@ def plan_matmul(sizes: Sequence[int], solo: bool = False) -> MatmulPlan:
             else:
                 out.append((at, at + n))
         at += n
-    return MatmulPlan(tuple(out), solo)
+    return MatmulPlan(tuple(out), solo, rowinv)
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,6 +68,36 @@ def _triton_gemv():
     except ImportError:  # no Triton: cuBLAS everywhere
         return None
     return triton_gemv
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_rowinv():
+    from turnkv.models import triton_rowinv  # Triton is there: the engine checked (rowinv_route)
+
+    return triton_rowinv
+
+
+def rowinv_route(device: torch.device, deterministic: str) -> tuple[bool, str]:
+    """Whether ``--deterministic`` ``on`` routes a plan's rows through the row-invariant GEMM on
+    ``device``, and why (for /health): CUDA with Triton only; the CPU path's row bits do not depend
+    on the other rows already (README, 'Determinism')."""
+    if deterministic != "on":
+        return False, "off"
+    if device.type != "cuda":
+        return False, f"on: {device.type} matmuls are row-invariant already"
+    try:
+        _triton_rowinv()
+    except ImportError as exc:
+        raise RuntimeError(f"--deterministic on needs Triton on CUDA: {exc}") from exc
+    return True, "on: every matmul row through triton_rowinv"
+
+
+def _rowinv_for(x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan):
+    """``triton_rowinv`` where ``plan.rowinv`` routes ``x @ w.T`` to it: a plain CUDA weight in
+    x's dtype with unit inner strides; else None."""
+    if not plan.rowinv or not w.is_cuda or w.dtype != x.dtype or w.stride(1) != 1 or x.stride(1) != 1:
+        return None
+    return _triton_rowinv()
 
 
 def _gemv_for(x: torch.Tensor, w: torch.Tensor, solo: bool = False):
@@ -94,8 +128,12 @@ def linear(
     (the rows of ``plan.wide`` take its wide path). One row on CUDA takes the Triton GEMV, and so
     do ``plan.solo`` rows (``_gemv_for``)."""
     if isinstance(w, torch.Tensor):
-        gemv = _gemv_for(x, w, plan.solo)
-        y = gemv.gemv(x, w, bias) if gemv is not None else F.linear(x, w, bias)
+        rowinv = _rowinv_for(x, w, plan)
+        gemv = _gemv_for(x, w, plan.solo) if rowinv is None else None
+        if rowinv is not None:
+            y = rowinv.rowinv_linear(x, w, bias)
+        else:
+            y = gemv.gemv(x, w, bias) if gemv is not None else F.linear(x, w, bias)
     else:
         y = w.mm(x, plan.wide)
         y = torch.add(bias, y) if bias is not None else y  # add promotes to bias's dtype
@@ -109,6 +147,9 @@ def residual_linear(
     """``x + h @ w.T (+ b)``; the add rides in the matmul (plain; one row or ``plan.solo`` rows on
     CUDA: the Triton GEMV) or in the cast back (packed)."""
     if isinstance(w, torch.Tensor):
+        rowinv = _rowinv_for(h, w, plan) if x.dtype == h.dtype else None
+        if rowinv is not None:
+            return rowinv.rowinv_linear(h, w, bias, residual=x)
         gemv = _gemv_for(h, w, plan.solo) if x.dtype == h.dtype else None
         if gemv is not None:
             return gemv.gemv(h, w, bias, residual=x)

@@ -60,6 +60,7 @@ def health(engine: Engine, bank: SessionBank, scheduler: dict) -> dict:
         },
         **tier_health(bank.tier),  # "ram" and "disk"
         "speculation": engine.speculation.stats.health(),
+        "deterministic": engine.deterministic_health(),  # --deterministic: the mode, its routes
         "scheduler": {k: v for k, v in scheduler.items() if k != "route_counts"},
         "tensor_parallel": _tensor_parallel(engine),
         "sampling_defaults": engine.sampling_defaults.doc(),

@@ -1,0 +1,119 @@
+"""The row-invariant GEMM of ``--deterministic on`` (turnkv/models/triton_rowinv.py): a row's bits
+are the same whatever rows share its launch (how many, which, in which order), and the result is the
+fp32 product (+ bias + residual) rounded once, within bf16 rounding.
+
+CI runs it through Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes; on a CUDA machine
+the same tests run compiled, and ``matmul.linear`` is checked to route a deterministic plan to it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not set", allow_module_level=True)
+
+from turnkv.models import matmul  # noqa: E402
+from turnkv.models.triton_rowinv import Cfg, rowinv_linear  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+N, K = 40, 100  # ragged against every tile below
+CFGS = [None, Cfg(16, 32, 1), Cfg(16, 32, 3), Cfg(16, 32, 3, swap=True, fused=True)]
+
+
+def rounded_once(x, w, bias=None, residual=None) -> torch.Tensor:
+    y = x.float() @ w.float().T
+    y = y if bias is None else y + bias.float()
+    y = y if residual is None else y + residual.float()
+    return y.to(x.dtype)
+
+
+def _data(seed: int, rows: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g).bfloat16().to(DEVICE)
+    b = torch.randn(N, generator=g).bfloat16().to(DEVICE)
+    x = torch.randn(rows, K, generator=g).bfloat16().to(DEVICE)
+    r = torch.randn(rows, N, generator=g).bfloat16().to(DEVICE)
+    return w, b, x, r
+
+
+@pytest.mark.parametrize("cfg", CFGS)
+def test_bias_and_residual_are_the_fp32_sum_rounded_once(cfg):
+    w, b, x, r = _data(0, 5)
+    got = rowinv_linear(x, w, b, r, cfg=cfg)
+    ref = rounded_once(x, w, b, r)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1.6e-2, atol=2e-2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.integers(0, 2**16),
+    st.integers(1, 20),
+    st.lists(st.integers(0, 19), min_size=0, max_size=7),
+    st.sampled_from(CFGS),
+)
+def test_a_rows_bits_do_not_depend_on_its_company(seed, m, company, cfg):
+    """Row 0 alone, and row 0 beside 0-7 other rows at any place: the same bits (bias, residual)."""
+    w, b, x, r = _data(seed, max(m, 20))
+    alone = rowinv_linear(x[:1], w, b, r[:1], cfg=cfg)
+    at = len(company) // 2
+    idx = [*company[:at], 0, *company[at:]]
+    ys = rowinv_linear(x[idx].contiguous(), w, b, r[idx].contiguous(), cfg=cfg)
+    assert torch.equal(ys[at], alone[0])
+    prefix = rowinv_linear(x[:m], w, cfg=cfg)
+    assert torch.equal(prefix, rowinv_linear(x[: max(m, 20)], w, cfg=cfg)[:m])
+
+
+def test_zero_rows():
+    w, _, x, _ = _data(1, 1)
+    assert rowinv_linear(x[:0], w).shape == (0, N)
+
+
+def test_the_deterministic_plan_carries_to_the_lm_head():
+    plan = matmul.plan_matmul([3, 1], rowinv=True)
+    assert plan.rowinv and plan.head().rowinv
+    assert not matmul.plan_matmul([3, 1]).rowinv
+
+
+def test_the_route_is_cuda_only():
+    assert matmul.rowinv_route(torch.device("cpu"), "on")[0] is False
+    assert matmul.rowinv_route(torch.device("cpu"), "off") == (False, "off")
+
+
+@pytest.mark.skipif(not CUDA, reason="the route to the row-invariant GEMM is CUDA's")
+def test_a_deterministic_plan_routes_every_row_count_to_it():
+    w = torch.randn(300, 256, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(9, 256, device=DEVICE, dtype=torch.bfloat16)
+    res = torch.randn(9, 300, device=DEVICE, dtype=torch.bfloat16)
+    plan = matmul.MatmulPlan(rowinv=True)
+    for m in (1, 2, 9):
+        assert torch.equal(matmul.linear(x[:m], w, None, plan), rowinv_linear(x[:m], w))
+        assert torch.equal(
+            matmul.residual_linear(res[:m], x[:m], w, None, plan), rowinv_linear(x[:m], w, residual=res[:m])
+        )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 64),
+    st.integers(1, 4),
+    st.integers(1, 40000),
+    st.integers(1, 512),
+    st.sampled_from([64, 128]),
+)
+def test_deterministic_attention_launches_do_not_depend_on_the_step(batch, groups, keys, rows, d):
+    """``--deterministic on``'s attention: one tile and one split whatever the batch, the groups,
+    the key bucket and the widest window (so each row's key tiles start at its own groups' starts)."""
+    from turnkv.attention import triton_segments as ts
+    from turnkv.attention.segment_table import TableMeta
+
+    meta = TableMeta(batch, groups, keys, rows, 2, d, torch.bfloat16)
+    got = ts.pick_config(meta, 4, DEVICE, conversations=batch, fixed=True)
+    assert got == ts.fixed_config(d) and got.splits == 1 and got.block_m == 16
+    assert ts.decode_splits(batch, keys, 2, 4, d, DEVICE, groups, fixed=True) == 1
