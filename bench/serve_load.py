@@ -158,6 +158,7 @@ def summarize(rows: list[dict], errors: list[str], wall: float, before: dict, af
         "replays": g1.get("replays", 0) - g0.get("replays", 0),
         "mixed_replays": g1.get("mixed_replays", 0) - g0.get("mixed_replays", 0),
         "host_ms": s1.get("host_ms"),
+        **_per_step(s0, s1),
         "budget": s1.get("budget"),
         "jit_after_ready": s1.get("jit_after_ready"),
         "jit_during": (s1.get("jit_after_ready") or 0) - (s0.get("jit_after_ready") or 0),
@@ -204,17 +205,35 @@ def table(results: list[dict]) -> None:
         ("steps", "steps"),
         ("ready_s", "ready s"),
     ]
-    print("| " + " | ".join(h for _, h in cols) + " | host ms mixed/decode | errors |")
-    print("|" + " --- |" * (len(cols) + 2))
+    print(
+        "| "
+        + " | ".join(h for _, h in cols)
+        + " | host ms mixed/decode (pass mean) | wait ms/step | errors |"
+    )
+    print("|" + " --- |" * (len(cols) + 3))
     for r in results:
-        host = r.get("host_ms") or {}
         cells = [str(r.get(k)) for k, _ in cols]
-        print(f"| {' | '.join(cells)} | {host.get('mixed')}/{host.get('decode')} | {len(r['errors'])} |")
+        host = f"{r.get('host_ms_mixed')}/{r.get('host_ms_decode')}"
+        print(f"| {' | '.join(cells)} | {host} | {r.get('wait_ms_step')} | {len(r['errors'])} |")
     for r in results:
         b = r.get("budget") or {}
         print(
             f"# {r['variant']}: budget {json.dumps({k: b.get(k) for k in ('mode', 'max_batch_tokens', 'itl_target_ms', 'floor', 'curve')})}"
         )
+
+
+def _per_step(s0: dict, s1: dict) -> dict:
+    """Mean host ms per step of each kind over the pass (``/health``'s summed ``host_s``), and the
+    mean wait for the device's results per step (on a CPU the forward is host work: ~0)."""
+    d = lambda k, kind: (s1.get(k) or {}).get(kind, 0) - (s0.get(k) or {}).get(kind, 0)  # noqa: E731
+    out = {}
+    for kind in ("mixed", "decode"):
+        n = d("kind_steps", kind)
+        out[f"host_ms_{kind}"] = round(d("host_s", kind) * 1e3 / n, 3) if n else None
+    steps = sum(d("kind_steps", k) for k in ("mixed", "decode"))
+    wait = (s1.get("wait_s") or 0) - (s0.get("wait_s") or 0)
+    out["wait_ms_step"] = round(wait * 1e3 / steps, 3) if steps else None
+    return out
 
 
 def _plot(res: dict, plt, path: Path) -> None:

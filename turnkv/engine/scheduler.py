@@ -90,6 +90,8 @@ class Scheduler:
         self._observed = 0  # steps told to the budget
         self._mixed = False  # the step being gathered has prompt rows
         self.host_ms = {"mixed": 0.0, "decode": 0.0}  # host time of a step() (not waiting), moving average
+        self.host_s = {"mixed": 0.0, "decode": 0.0}  # the same, summed: a bench's mean over a pass
+        self.kind_steps = {"mixed": 0, "decode": 0}  # step() calls of each kind, for host_s
         self.waiting: deque[Entry] = deque()
         self.running: list[Entry] = []
         self.pipeline = Pipeline(engine, run_ahead)
@@ -119,6 +121,8 @@ class Scheduler:
         host = (time.perf_counter() - t0 - (self.pipeline.stats.wait_s - waited)) * 1e3
         kind = "mixed" if self._mixed else "decode"
         self.host_ms[kind] += (0.1 if self.host_ms[kind] else 1.0) * (host - self.host_ms[kind])
+        self.host_s[kind] += host / 1e3
+        self.kind_steps[kind] += 1
         if out.failed:  # outside every stage: what was in flight is unknown, so it is dropped
             self.pipeline.drop()
         # the other choices of a prompt prefilled this step run from the next step on, as its
@@ -258,6 +262,9 @@ class Scheduler:
             "run_ahead": {"enabled": p.run_ahead, "steps": s.ahead_steps},
             "budget": self.budget.health(),
             "host_ms": {k: round(v, 3) for k, v in self.host_ms.items()},
+            "host_s": {k: round(v, 6) for k, v in self.host_s.items()},
+            "kind_steps": dict(self.kind_steps),
+            "wait_s": round(s.wait_s, 6),  # waiting for the device's results, summed
             "threads": self.engine.threads.health(),
             "route_counts": dict(s.route_counts),
         }

@@ -183,7 +183,7 @@ class Server:
         """The event stream of ``turn`` for ``request``; a 503 while the tensor-parallel group is down."""
         if self.group is not None and not self.group.health.ok:
             raise failed_error(Failed.group_down(self.group.health.error))
-        return TurnStream(self.worker.submit, turn, request)
+        return TurnStream(self.worker.submit, turn, request, self.worker.post)
 
 
 async def shutdown(srv: Server) -> None:

@@ -11,12 +11,12 @@ the handler waits sets the turn's cancel flag; the worker still seals and banks 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 from fastapi import Request
 
 from turnkv.engine.events import Admitted, Failed, GenEvent, TurnRequest
+from turnkv.server.loop_post import LoopPost
 from turnkv.server.schemas import ApiError
 
 # what a turn's failure code answers with
@@ -55,10 +55,12 @@ def failed_error(f: Failed) -> ApiError:
 
 
 class TurnStream:
-    """The events of ``turn``, submitted through ``submit``, for the handler of ``request``."""
+    """The events of ``turn``, submitted through ``submit``, for the handler of ``request``; the
+    engine thread's emits reach this loop through ``post`` (flushed by the worker each step)."""
 
-    def __init__(self, submit: Submit, turn: TurnRequest, request: Request) -> None:
+    def __init__(self, submit: Submit, turn: TurnRequest, request: Request, post: LoopPost) -> None:
         self.turn = turn
+        self._post = post
         self.request = request
         self._submit = submit
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,8 +116,7 @@ class TurnStream:
 
     def _emit(self, item: object) -> None:  # called on the worker thread
         assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._post.post(self._loop, self._queue.put_nowait, item)
 
     async def _next(self) -> object:
         """The next worker event; cancels the turn if the client disconnects while we wait."""

@@ -5,7 +5,8 @@ thread: handlers ``submit`` a ``TurnRequest`` (token ids: the handler rendered a
 prompt in its thread pool, never here) with an ``emit`` callback; the thread moves new
 requests into the scheduler, steps while any turn is waiting or running (one forward per step for
 all running turns), and blocks on the queue when idle. Every turn's events reach its ``emit`` in
-order. This module never imports fastapi.
+order; events bound for event loops go through ``post`` (``LoopPost``), which this thread
+flushes after each step: one loop wake-up a step, not one a token. This module never imports fastapi.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from turnkv.engine.events import Banked, Failed, Forked, TurnRequest
 from turnkv.engine.scheduler import Emit, Scheduler
+from turnkv.server.loop_post import LoopPost
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class EngineWorker:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.post = LoopPost()  # what the step's emits queued for the handlers' loops, flushed per step
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._stopping = False
         self._lock = threading.Lock()
@@ -86,6 +89,7 @@ class EngineWorker:
         sched = self.scheduler
         for e in [*sched.waiting, *sched.running]:
             e.emit(failed)
+        self.post.flush()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -95,11 +99,18 @@ class EngineWorker:
                 self._queue.put(None)
                 return
             job.emit(failed)
+            self.post.flush()
 
     def _take(self, job: Job) -> None:
         self.scheduler.submit(job.request, job.emit)
 
     def _loop(self) -> None:
+        try:
+            self._steps()
+        finally:
+            self.post.flush()
+
+    def _steps(self) -> None:
         sched = self.scheduler
         while True:
             try:
@@ -120,3 +131,4 @@ class EngineWorker:
                 sched.step()
             except Exception:  # never let one step end the worker (a step fails its own turns)
                 log.exception("scheduler step failed")
+            self.post.flush()
