@@ -59,7 +59,7 @@ def test_a_conversation_tells_each_break_and_metrics_count_them(live):
     after = _breaks(live)
     for reason, n in {"new_conversation": 1, "none": 1, "history_differs": 1, "namespace": 1}.items():
         assert after[reason] - before.get(reason, 0) == n, reason
-    assert set(after) == {"none", "new_conversation", "history_differs", "evicted", "namespace"}
+    assert set(after) == {"none", "new_conversation", "history_differs", "evicted", "namespace", "not_read"}
 
 
 def test_every_api_carries_the_break(live):

@@ -55,7 +55,10 @@ def test_the_loaded_tokenizer_keeps_its_own_template():
 
 @pytest.mark.parametrize(
     ("spec", "needle"),
-    [("no-such-template", "neither a file nor a shipped template (chatml-tools"), ("{bad}", "neither a file")],
+    [
+        ("no-such-template", "neither a file nor a shipped template (chatml-tools"),
+        ("{bad}", "neither a file"),
+    ],
 )
 def test_unknown_template_names_what_exists(spec, needle):
     with pytest.raises(ConfigError, match=r"chat_template") as exc:
@@ -90,7 +93,12 @@ def test_default_model_calls_tools_and_the_next_turn_reuses_the_call(default_mod
         client = live.client()
         messages = [{"role": "user", "content": "Read the file a.py"}]
         first = client.chat.completions.create(
-            model="default", messages=messages, tools=[TOOL], tool_choice="required", max_tokens=96, temperature=0
+            model="default",
+            messages=messages,
+            tools=[TOOL],
+            tool_choice="required",
+            max_tokens=96,
+            temperature=0,
         )
         choice = first.choices[0]
         assert choice.finish_reason == "tool_calls"

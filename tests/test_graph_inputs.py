@@ -41,7 +41,7 @@ def test_padded_inputs_keep_every_real_word_where_the_graph_reads_it(shape, extr
         tokens = [(7 * i + j) % 97 for j in range(m)]
         windows.append(Window(_Cache(), tokens, logits, feed=i if fed else None))
         kv.append(KVWindow((), start, m))
-    words, n, offsets = host_inputs(windows, kv)
+    words, n, offsets, _ = host_inputs(windows, kv)
     r = sum(w.logits for w in windows)
     np_, rp = n + extra_rows, r + extra_logits
     out = torch.tensor(padded_inputs(words, n, r, np_, rp))

@@ -21,7 +21,15 @@ LAYERS = [
     ("turnkv.config", "turnkv.kv", "turnkv.attention", "turnkv.models", "turnkv.bank", "turnkv.chat_format"),
     ("turnkv.engine",),
     ("turnkv.parallel", "turnkv.runtime"),
-    ("turnkv.server", "turnkv.chat", "turnkv.cache_cli", "turnkv.serve_router", "turnkv.serve_ray", "turnkv.cli", "turnkv.__main__"),
+    (
+        "turnkv.server",
+        "turnkv.chat",
+        "turnkv.cache_cli",
+        "turnkv.serve_router",
+        "turnkv.serve_ray",
+        "turnkv.cli",
+        "turnkv.__main__",
+    ),
 ]
 
 

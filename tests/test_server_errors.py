@@ -74,7 +74,9 @@ BAD_COMPLETION = {
     "batch of prompts": {"model": MODEL, "prompt": ["a", "b"]},
     "token id out of range": {"model": MODEL, "prompt": [1, 10**9]},
     "prompt a number": {"model": MODEL, "prompt": 7},
-    "echo with logprobs": {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1},
+    "max_tokens 0 without echo": {"model": MODEL, "prompt": "a", "max_tokens": 0, "logprobs": 1},
+    "max_tokens negative with echo": {"model": MODEL, "prompt": "a", "max_tokens": -1, "echo": True},
+    "echo with too many logprobs": {"model": MODEL, "prompt": "a", "echo": True, "logprobs": 6},
 }
 
 

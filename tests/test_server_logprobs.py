@@ -1,11 +1,16 @@
 """Logprobs, penalties and min_p through the HTTP routes with the default model: the OpenAI shapes (parsed by the
 ``openai`` SDK), streamed equal to whole, and bad values a 400 naming the field. That the values
-are the log-softmax of the step's logits is tests/test_logprobs.py's."""
+are the log-softmax of the step's logits is tests/test_logprobs.py's (the prompt's, with ``echo``:
+tests/test_prompt_logprobs.py's; here they are checked once more against an uncached forward of
+the server's own engine)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from test_server import MODEL, Live, chat
+
+from turnkv.engine.step import Window
 
 MSGS = [{"role": "user", "content": "Name three colours."}]
 
@@ -60,6 +65,53 @@ def test_completion_logprobs_with_text_offsets(live):
     assert zero.token_logprobs == lp.token_logprobs and zero.top_logprobs == [{}] * len(lp.tokens)
 
 
+def _oracle(engine, ids: list[int]) -> torch.Tensor:
+    """``[P, V]``: the log-softmax of every prompt row's logits, one uncached window."""
+    logits = engine.run_step([Window(engine.new_cache(), ids, logits=len(ids))]).logits
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_an_uncached_forward(live):
+    c = live.client()
+    text = "The capital of France is"
+    ids = live.post("/tokenize", {"model": MODEL, "prompt": text}).json()["tokens"]
+    kw = {"model": MODEL, "prompt": text, "temperature": 0, "echo": True, "logprobs": 2}
+    zero = c.completions.create(max_tokens=0, **kw)
+    ch = zero.choices[0]
+    assert ch.text == text and ch.finish_reason == "length" and zero.usage.completion_tokens == 0
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == text
+    live.idle()  # the worker is idle: the oracle runs the engine alone
+    want = _oracle(live.engine, ids)
+    piece = live.server.logprobs.piece
+    for j in range(1, len(ids)):
+        assert lp.tokens[j] == piece(ids[j])[0] and text[lp.text_offset[j] :].startswith(lp.tokens[j])
+        torch.testing.assert_close(lp.token_logprobs[j], want[j - 1, ids[j]].item(), rtol=0, atol=1e-4)
+        top = torch.topk(want[j - 1], 2)
+        assert list(lp.top_logprobs[j]) == [piece(t)[0] for t in top.indices.tolist()]
+        torch.testing.assert_close(list(lp.top_logprobs[j].values()), top.values.tolist(), rtol=0, atol=1e-4)
+    more = c.completions.create(max_tokens=6, **kw)
+    full, m = more.choices[0].text, more.choices[0].logprobs
+    assert full.startswith(text) and more.usage.prompt_tokens_details.cached_tokens == 0  # nothing read
+    assert m.tokens[: len(ids)] == lp.tokens and m.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert len(m.tokens) == len(ids) + more.usage.completion_tokens - (
+        more.choices[0].finish_reason == "stop"
+    )
+    for tok, off in zip(m.tokens, m.text_offset, strict=True):  # offsets in the returned text
+        assert full[off : off + len(tok)] == tok
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    texts = []
+    for chunk in c.completions.create(max_tokens=6, stream=True, **kw):
+        if chunk.choices:
+            texts.append(chunk.choices[0].text)
+            if chunk.choices[0].logprobs is not None:
+                for k, v in chunk.choices[0].logprobs.model_dump().items():
+                    streamed[k] += v
+    assert "".join(texts) == full and streamed == m.model_dump()
+
+
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
@@ -69,13 +121,16 @@ def test_completion_logprobs_with_text_offsets(live):
         ("chat", {"logprobs": 1}, "logprobs"),  # a bool (strict)
         ("text", {"logprobs": 6}, "logprobs"),
         ("text", {"logprobs": True}, "logprobs"),
+        ("text", {"echo": True, "logprobs": 6}, "logprobs"),
+        ("text", {"logprobs": 1, "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ("text", {"echo": True, "logprobs": 1, "max_tokens": -1}, "max_tokens"),
     ],
 )
 def test_bad_logprobs_are_a_400_naming_the_field(live, route, body, param):
     if route == "chat":
         r = live.post("/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 2, **body})
     else:
-        r = live.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2, **body})
+        r = live.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2} | body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err

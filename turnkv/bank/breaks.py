@@ -14,7 +14,10 @@ one computed); ``reason`` one of:
   held them); ``detail`` names the rows lost;
 - ``namespace``: a longer prefix is banked under another namespace of the same key (another
   ``cache_salt``), which never shares rows. Only namespaces of the caller's own key are looked at:
-  a break never says what another key has banked.
+  a break never says what another key has banked;
+- ``not_read``: the request reads no cached prefix (``SessionBank.admit``'s ``reuse``): it asks
+  for the logprobs of its prompt's tokens (completions' ``echo`` with ``logprobs``), which need the
+  logits of every prompt row, and a cached row has none.
 
 Whatever the reason, ``detail`` ends with the rows that lower tiers brought back, when they did
 (``rows restored from a lower tier: ram 11776, disk 256``; a ``none`` break's detail is then
@@ -34,7 +37,7 @@ from itertools import count
 from turnkv.bank.token_index import TokenIndex
 
 EVICTED_TOKENS = 1 << 18  # token ids of evicted entries remembered, all namespaces together
-REASONS = ("none", "new_conversation", "history_differs", "evicted", "namespace")
+REASONS = ("none", "new_conversation", "history_differs", "evicted", "namespace", "not_read")
 SALT = "|salt:"  # what a request's cache_salt adds to its key's namespace (``server.app``)
 
 
@@ -46,6 +49,11 @@ class CacheBreak:
 
     def body(self) -> dict:
         return {"reason": self.reason, "at": self.at, "detail": self.detail}
+
+
+NOT_READ = CacheBreak(
+    "not_read", 0, "the prompt's logprobs need every prompt row's logits: no cached prefix is read"
+)
 
 
 class Evicted:

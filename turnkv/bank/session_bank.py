@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from turnkv.bank.breaks import CacheBreak, Evicted, decide, siblings
+from turnkv.bank.breaks import NOT_READ, CacheBreak, Evicted, decide, siblings
 from turnkv.bank.detach import held_segment_ids, plan_detach
 from turnkv.bank.ledger import SegmentLedger
 from turnkv.bank.records import (  # the records are this module's public names too
@@ -172,6 +172,7 @@ class SessionBank:
         want: Reservation,
         session: str | None = None,
         wait: bool = False,
+        reuse: bool = True,
     ) -> Lease:
         """Price the turn, evict entries to make room, hold the hit; raise :class:`Refused`.
 
@@ -184,8 +185,10 @@ class SessionBank:
         ``TIER_WAIT_S``, the bank unlocked) for those writes and tries once more. With ``wait``, a
         turn that fits once the live turns have finished raises :class:`MustWait` instead (the
         scheduler keeps it queued; DESIGN: "if it would fit once running turns finish, it waits").
+        Without ``reuse`` nothing cached is read (no prefix, no tier; the break is ``not_read``):
+        a turn that needs every prompt row's logits (the prompt's logprobs).
         """
-        args = (namespace, tokens, want, session)
+        args = (namespace, tokens, want, session, reuse)
         with self._lock:
             self.stats.query_tokens += len(tokens)
         try:
@@ -209,16 +212,17 @@ class SessionBank:
         tokens: Sequence[int],
         want: Reservation,
         session: str | None,
+        reuse: bool = True,
     ) -> Lease:
         with self._lock:
             self._sessions.touch(namespace, session)
-            n, entry = self.lookup(namespace, tokens)
+            n, entry = self.lookup(namespace, tokens) if reuse else (0, None)
             cached = min(n, max(len(tokens) - 1, 0))
             if entry is not None and cached == 0:
                 entry = None
             prefix = entry.snapshot.prefix(cached) if entry is not None else None
             restored: dict[str, int] = {}
-            if self.tier is not None:
+            if self.tier is not None and reuse:
                 prefix, cached, restored = self._extend(namespace, tokens, prefix, cached)
             whole = entry is not None and cached == len(entry.tokens)
 
@@ -278,7 +282,9 @@ class SessionBank:
                 reserve_rows=reserve,
                 copied_rows=copied,
                 pinned=pin,
-                cache_break=self._break(namespace, tokens, cached, n, entry, restored),
+                cache_break=self._break(namespace, tokens, cached, n, entry, restored)
+                if reuse
+                else self._not_read(),
                 fork_bytes=(reserve + 1) * self.bytes_per_row if forks else 0,
             )
             self._leases.append(lease)
@@ -303,6 +309,10 @@ class SessionBank:
         )
         self.stats.breaks[brk.reason] = self.stats.breaks.get(brk.reason, 0) + 1
         return brk
+
+    def _not_read(self) -> CacheBreak:
+        self.stats.breaks[NOT_READ.reason] = self.stats.breaks.get(NOT_READ.reason, 0) + 1
+        return NOT_READ
 
     def fork(self, lease: Lease, prefix: Snapshot, k: int) -> list[Lease]:
         """``k`` leases continuing from ``prefix`` (the prompt ``lease``'s turn prefilled, by

@@ -82,7 +82,8 @@ def reserve(req: TurnRequest, ctx: TurnContext) -> Reservation | Failed:
     failed = check_context(ids, req.max_tokens, limit, ctx.vocab)
     if failed is not None:
         return failed
-    max_tokens = req.max_tokens or ctx.default_max_tokens
+    # (max_tokens 0, the prompt alone, still reserves the row its last logits would decode into)
+    max_tokens = max(req.max_tokens, 1) if req.max_tokens is not None else ctx.default_max_tokens
     if limit:
         max_tokens = min(max_tokens, limit - len(ids))
     slack = REBASE_SLACK_ROWS if req.render_history is not None else 0

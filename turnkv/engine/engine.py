@@ -229,6 +229,7 @@ class Engine:
             windows=staged.windows,
             kv=[plan.kv[i] for i in firsts],
             logit_offsets=[plan.logit_offsets[i] for i in firsts],
+            score_offsets=[plan.score_offsets[i] for i in firsts] if plan.score_offsets else [],
             window_labels=[plan.labels[i] for i in firsts],
         )
         return StepResult(asked, result.logits)

@@ -33,6 +33,11 @@ class TurnRequest:
     (also under ``ignore_eos``), and the turn never drafts (no speculation under a grammar).
     ``n`` > 1 answers ``n`` choices of one prompt: prefilled once, then forked (``Turn``'s
     "Choices"); choice ``i`` samples with ``seed + i``, and every event of it carries ``choice`` i.
+    ``prompt_logprobs`` (0-20, None: off) scores the prompt itself: every prompt token after the
+    first gets a ``TokenLogprob`` from the logits of the row before it, computed in the prompt's own
+    prefill windows (``step.Window.scores``), so the turn reads no cached prefix (a cached row has
+    no logits; its break is ``not_read``). They come on each choice's first ``GenEvent``.
+    ``max_tokens`` 0 answers nothing: the turn ends (``length``) once its prompt is computed.
     """
 
     prompt: list[int]
@@ -46,6 +51,7 @@ class TurnRequest:
     logprobs: int | None = None  # each answer token's logprob, with this many top alternatives
     n: int = 1  # choices: forks of this prompt once it is prefilled (``Turn``'s "Choices")
     choice: int = 0  # which of the request's choices this turn is (a fork's is 1..n-1)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (after the first), this many top
 
 
 @dataclass
@@ -83,6 +89,7 @@ class WindowOutput:
     route: str = ""
     calls: int = 0
     logprobs: list[TokenLogprob] | None = None  # per token, when the turn asked (``engine.logprobs``)
+    prompt_logprobs: list[TokenLogprob] | None = None  # of the window's ``scores`` tokens, in order
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,9 @@ class GenEvent:
     stats: TurnStats | None = None
     stop_sequence: str | None = None  # the stop string that ended the answer ("stop" without one: EOS)
     choice: int = 0  # which choice of the request (``TurnRequest.n``)
+    # on a choice's first event when the turn asked (``TurnRequest.prompt_logprobs``): prompt
+    # tokens 1..P-1's logprobs (the first prompt token has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

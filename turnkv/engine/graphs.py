@@ -161,7 +161,7 @@ class StepGraphs:
         if launch is None:
             return None
         bs = launch.batch
-        words, _, _ = host_inputs(windows, kv)
+        words, _, _, _ = host_inputs(windows, kv)
         # one graph per batch size and split count: the split count is all a graph bakes in of the
         # context (past a few thousand keys it no longer changes), so contexts share graphs; keyed
         # by the context bucket instead, a 64-client H200 run spent most of its time capturing
@@ -173,6 +173,8 @@ class StepGraphs:
         """A step with prompt rows (prefill chunks beside decode and verify rows, or alone),
         captured whole: its rows padded to their bucket (``segment_table.row_bucket``), the
         attention's tables to ``MixedLaunch``'s batches and widest windows."""
+        if any(w.scores for w in windows):  # scoring rows (the prompt's logprobs) run eagerly
+            return None
         n = sum(len(w.tokens) for w in windows)
         np_ = row_bucket(n)
         if np_ is None:
@@ -181,7 +183,7 @@ class StepGraphs:
         launch = self.backend.mixed_launch(kv)
         if launch is None:
             return None
-        words, _, offsets = host_inputs(windows, kv)
+        words, _, offsets, _ = host_inputs(windows, kv)
         r, rp = sum(w.logits for w in windows), launch.batch  # a window asks for <= 1 logit row
         if r > rp:  # (a verify window not cut into one-row windows)
             return None

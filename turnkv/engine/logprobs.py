@@ -12,10 +12,18 @@ asks builds nothing. A verify window's rows are log-softmaxed one row each, as t
 they stand for would be; the rows of a sampled verify window (``chooser.Where.HOST``: its tokens
 are drawn on the host, after this) keep their log-probabilities until ``complete`` picks the drawn
 tokens' values from them.
+
+The prompt's tokens (``TurnRequest.prompt_logprobs``: completions' ``echo`` with ``logprobs``):
+each prompt chunk of such a turn also asks for the logits of the rows before its prompt tokens
+(``step.Window.scores``), and ``prompt_scores`` log-softmaxes those rows on the device in the same
+``finalize``, with no mask, bias or penalty (nothing is drawn from them: the model's distribution,
+as vLLM's ``prompt_logprobs``), and gathers the prompt token each row is followed by. The first
+prompt token has no row before it (its logprob is null, as in OpenAI's and vLLM's answers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +49,7 @@ class Ask:
     window: int
     lo: int
     rows: int
-    sampler: Sampler
+    sampler: Sampler | None  # None: a prompt's scoring rows (nothing processes them)
     top: int
     host: bool = False
 
@@ -102,3 +110,18 @@ def step_logprobs(logits: torch.Tensor, chosen: torch.Tensor | None, asks: list[
     picked = lp.gather(1, chosen.index_select(0, index)[:, None])[:, 0]  # [A]
     keep = lp if any(ask.host for ask in asks) else None
     return StepLogprobs(asks, picked, top.values, top.indices, keep)
+
+
+def prompt_scores(logits: torch.Tensor, asks: list[tuple[Ask, Sequence[int]]]) -> StepLogprobs | None:
+    """The figures of the scoring rows ``asks`` (each with the prompt tokens its rows are followed
+    by) of ``logits`` ``[R, V]``, unprocessed; None when no window scores. ``window(i, tokens)``
+    then gives window ``i``'s, for ``tokens`` its ``Window.scores``."""
+    if not asks:
+        return None
+    dev = logits.device
+    index = on_device([a.lo + j for a, _ in asks for j in range(a.rows)], torch.int64, dev)  # [S]
+    targets = on_device([t for _, ts in asks for t in ts], torch.int64, dev)  # [S]
+    lp = torch.log_softmax(logits.index_select(0, index), dim=-1)  # [S, V]
+    top = torch.topk(lp, max(a.top for a, _ in asks), dim=-1)  # [S, K]
+    picked = lp.gather(1, targets[:, None])[:, 0]  # [S]
+    return StepLogprobs([a for a, _ in asks], picked, top.values, top.indices, None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +32,7 @@ from turnkv.engine.chooser import Where, choose_on_device, where, window_tokens
 from turnkv.engine.engine import Engine
 from turnkv.engine.events import WindowOutput
 from turnkv.engine.guard import Entry, Guard
-from turnkv.engine.logprobs import Ask, StepLogprobs, step_logprobs
+from turnkv.engine.logprobs import Ask, StepLogprobs, prompt_scores, step_logprobs
 from turnkv.engine.masks import StepMasks
 from turnkv.engine.step import Staged, StepResult, Window
 
@@ -51,6 +51,7 @@ class InFlight:
     ready: torch.cuda.Event | None = None  # recorded after that copy
     final: bool = False  # finalized: masked, tokens chosen and on their way to the host
     logprobs: StepLogprobs | None = None  # the rows whose turns ask for logprobs (finalize)
+    prompt: StepLogprobs | None = None  # the prompt rows scored for their turns (``Window.scores``)
 
     def feeds(self) -> dict[int, int]:
         """``id(turn)`` -> the logit row of its window's last row, for each turn whose window here
@@ -175,6 +176,9 @@ class Pipeline:
             run.logprobs = step_logprobs(result.logits, chosen, _asks(run.work, offsets))
             if run.logprobs is not None:
                 run.logprobs.to_host()
+            run.prompt = prompt_scores(result.logits, _scoring(run.work, result.plan.score_offsets))
+            if run.prompt is not None:
+                run.prompt.to_host()
             if chosen is not None and chosen.is_cuda:
                 run.host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
                 run.host.copy_(chosen, non_blocking=True)
@@ -218,7 +222,8 @@ class Pipeline:
             with Guard("the turn's advance", [(e, None)]):
                 tokens = window_tokens(e.turn.sampler, w, result.logits[lo:hi], chosen[lo:hi])
                 lps = run.logprobs.window(i, tokens) if run.logprobs is not None else None
-                e.deliver(e.turn.advance(WindowOutput(tokens, labels[i], layers, lps)))
+                scored = run.prompt.window(i, list(w.scores)) if run.prompt is not None and w.scores else None
+                e.deliver(e.turn.advance(WindowOutput(tokens, labels[i], layers, lps, scored)))
         now = time.perf_counter()
         seconds = now - max(run.t0, self._done_at)  # overlapped steps: from the previous one's end
         self._done_at = now
@@ -275,4 +280,13 @@ def _asks(work: Work, offsets: list[int]) -> list[Ask]:
         )
         for i, (e, w) in enumerate(work)
         if w.logits and e.turn.request.logprobs is not None and e.turn.owns(w, ahead=True)
+    ]
+
+
+def _scoring(work: Work, offsets: list[int]) -> list[tuple[Ask, Sequence[int]]]:
+    """The windows (run-ahead ones included) that score prompt rows, with the tokens they score."""
+    return [
+        (Ask(i, offsets[i], len(w.scores), None, e.turn.request.prompt_logprobs or 0), w.scores)
+        for i, (e, w) in enumerate(work)
+        if w.scores and e.turn.owns(w, ahead=True)
     ]

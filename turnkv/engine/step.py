@@ -13,13 +13,16 @@ window, lays the rows out back to back and builds, once for the whole step:
 Every linear layer then runs once over the ``N`` rows; each window attends over its own views.
 A window asks for the logits of its last ``logits`` rows only (none for a prefill chunk that is
 not the prompt's last, one for decode, all for a verify window), so the LM head runs on ``R``
-rows, not ``N``.
+rows, not ``N``. A prompt chunk of a turn that asks for the prompt's logprobs (``Window.scores``)
+also asks for the logits of its first rows, which score the prompt's next tokens; those rows come
+after every window's ``logits`` rows (``StepPlan.score_offsets``), so what chooses tokens is laid
+out as in any other step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,17 +45,25 @@ class Window:
     run-ahead): its rows follow ``ahead`` uncommitted rows that the step in flight writes first
     (same stream). ``feed``: the logit row of the step in flight whose argmax (on the device,
     ``Engine.run_step``'s ``prev``) is this window's first token id -- a decode row's, whose
-    ``tokens`` are then a placeholder until that step completes."""
+    ``tokens`` are then a placeholder until that step completes.
+
+    ``scores``: the prompt tokens that follow this window's first ``len(scores)`` rows (row ``j``
+    scores ``scores[j]``): those rows' logits come back too, after every window's ``logits`` rows,
+    for the prompt's logprobs (``engine.logprobs.prompt_logprobs``). Never more rows than those
+    not asking ``logits``: the prompt's last row starts the answer."""
 
     cache: KVCache
     tokens: Sequence[int]
     logits: int = 1
     ahead: int = 0
     feed: int | None = None
+    scores: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if not self.tokens or not 0 <= self.logits <= len(self.tokens):
             raise ValueError(f"a window of {len(self.tokens)} rows asking for {self.logits} logits")
+        if len(self.scores) + self.logits > len(self.tokens):
+            raise ValueError(f"a window of {len(self.tokens)} rows scoring {len(self.scores)} of them")
 
     @property
     def verifies(self) -> bool:
@@ -74,6 +85,9 @@ class StepPlan:
     matmul: MatmulPlan = PLAIN
     feeds: torch.Tensor | None = None  # [2F] int64, device: ``carry``'s dst | src (None: no feed)
     window_labels: list[str] | None = None  # per window, where ``attention`` ran other windows
+    # window i's scoring rows (``Window.scores``) are rows [s_i, s_i + len(scores)) of R, after
+    # every window's ``logits`` rows (empty: no window scores)
+    score_offsets: list[int] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -138,15 +152,18 @@ def open_kv(w: Window) -> KVWindow:
     return KVWindow(kv.views, kv.start + w.ahead, len(w.tokens))
 
 
-def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list[int], int, list[int]]:
-    """The step's ``ids + positions + logit_rows + feeds`` as one list, ``N`` and the logit
-    offsets; ``feeds`` is ``dst + src`` (``carry``) for the windows with a ``feed``."""
+def host_inputs(
+    windows: Sequence[Window], kv: Sequence[KVWindow]
+) -> tuple[list[int], int, list[int], list[int]]:
+    """The step's ``ids + positions + logit_rows + feeds`` as one list, ``N``, the logit offsets
+    and the scoring rows' offsets (``StepPlan.score_offsets``; empty when no window scores);
+    ``feeds`` is ``dst + src`` (``carry``) for the windows with a ``feed``."""
     if all(len(w.tokens) == 1 == w.logits for w in windows):  # a decode step: one row each
         b = len(windows)
         dst = [i for i, w in enumerate(windows) if w.feed is not None]
         src = [windows[i].feed for i in dst]
         words = [w.tokens[0] for w in windows] + [k.start for k in kv] + list(range(b)) + dst + src
-        return words, b, list(range(b))
+        return words, b, list(range(b)), []
     ids: list[int] = []
     pos: list[int] = []
     rows: list[int] = []
@@ -163,7 +180,14 @@ def host_inputs(windows: Sequence[Window], kv: Sequence[KVWindow]) -> tuple[list
         offsets.append(len(rows))
         rows += range(n + m - w.logits, n + m)
         n += m
-    return ids + pos + rows + dst + src, n, offsets
+    scored: list[int] = []
+    if any(w.scores for w in windows):
+        n0 = 0
+        for w in windows:
+            scored.append(len(rows))
+            rows += range(n0, n0 + len(w.scores))
+            n0 += len(w.tokens)
+    return ids + pos + rows + dst + src, n, offsets, scored
 
 
 def carry(ids: torch.Tensor, prev: torch.Tensor | None, feeds: torch.Tensor) -> None:
@@ -189,14 +213,14 @@ def plan_step(
     plan can be built (and uploaded, in stream order) before that argmax is launched."""
     windows = list(windows)
     kv = [open_kv(w) for w in windows]
-    words, n, offsets = host_inputs(windows, kv)
-    r = sum(w.logits for w in windows)
+    words, n, offsets, scored = host_inputs(windows, kv)
+    r = sum(w.logits + len(w.scores) for w in windows)
     host = torch.tensor(words, dtype=torch.int64, pin_memory=device.type == "cuda")
     dev = host.to(device, non_blocking=True)
     attention = backend.plan(kv)
     matmul = plan_matmul([len(w.tokens) for w in windows], solo, rowinv)  # rowinv: --deterministic
     ids, pos, rows, feeds = dev[:n], dev[n : 2 * n], dev[2 * n : 2 * n + r], dev[2 * n + r :]
-    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, matmul, feeds)
+    return StepPlan(windows, kv, ids, pos, rows, offsets, attention, matmul, feeds, score_offsets=scored)
 
 
 def run_plan(model, plan: StepPlan, prev: torch.Tensor | None = None) -> torch.Tensor:

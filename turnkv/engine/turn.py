@@ -116,7 +116,8 @@ class Turn:
         self.params = req.params
         slack = want.slack
         try:
-            self.lease = self.bank.admit(req.namespace, ids, want, req.session, wait=True)
+            reuse = req.prompt_logprobs is None  # scoring the prompt needs its rows' logits
+            self.lease = self.bank.admit(req.namespace, ids, want, req.session, wait=True, reuse=reuse)
         except MustWait:
             return None
         except Refused as e:
@@ -133,11 +134,14 @@ class Turn:
         """Restore the lease's prefix, size the tail, and set up the answer's state."""
         req, ctx, ids = self.request, self.ctx, self.request.prompt
         self.lease, self.slack = lease, slack
-        max_tokens = self.max_tokens = max(lease.reserve_rows - slack, 1)
+        rows = max(lease.reserve_rows - slack, 1)
+        self.max_tokens = 0 if req.max_tokens == 0 else rows  # 0: the prompt alone
         self.cache = ctx.layout.restore(lease.snapshot) if lease.snapshot is not None else ctx.layout.new()
         lease.attach(self.cache)
         # the tail is sized once for everything admission priced
-        self.cache.presize(len(ids) - lease.cached + max_tokens + slack)
+        self.cache.presize(len(ids) - lease.cached + rows + slack)
+        # the prompt's logprobs so far (``TurnRequest.prompt_logprobs``), sent on the first event
+        self._scored: list[TokenLogprob] | None = [] if req.prompt_logprobs is not None else None
         self.stats.cached_tokens = lease.cached
         self._pending = list(ids[lease.cached :])  # the last prompt row is always recomputed
         self.stats.prefilled_tokens = len(self._pending)
@@ -273,11 +277,16 @@ class Turn:
         del self._pending[: len(w.tokens)]
         if self.phase == _REBASE:
             return self._finish() if not self._pending else []
+        if w.scores:
+            assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(w.scores)
+            self._scored += out.prompt_logprobs
         if self._pending:
             return []
         self.stats.prefill_s = time.perf_counter() - self._t0
         forked: list[TurnEvent] = self._fork() if self._will_fork else []
         self.phase = _DECODE
+        if self.max_tokens == 0:
+            return forked + self._end("length")
         tok = out.tokens[-1]
         if self.drafts is not None:
             self.drafts.push(tok)
@@ -300,7 +309,10 @@ class Turn:
         rest = self._pending[skip:]
         n = min(len(rest), max(1, budget), self.ctx.prefill_chunk)
         last = n == len(rest) and self.phase == _PREFILL
-        return Window(self.cache, rest[:n], logits=int(last), ahead=skip)
+        # scoring the prompt: each row's logits give the next prompt token's logprob (the last
+        # row's start the answer instead)
+        scores = rest[1 : n + 1] if self._scored is not None and self.phase == _PREFILL else ()
+        return Window(self.cache, rest[:n], logits=int(last), ahead=skip, scores=scores)
 
     def _fork(self) -> list[TurnEvent]:
         """Choices (``TurnRequest.n``): the prompt's rows become one sealed segment (its one copy),
@@ -318,6 +330,7 @@ class Turn:
             child.params = params
             child._t0 = self._t0
             child._start(lease, self.slack)
+            child._scored = list(self._scored) if self._scored is not None else None
             child.cache.share_prefix()
             self._forks.append(child)
         return [Forked(req.n)]
@@ -380,10 +393,16 @@ class Turn:
             self.stats.token_gaps_s.append(now - self._t_last)
         self._t_last = now
         if tok in self.eos:
-            return [GenEvent(tok, "", choice=self.request.choice)], "stop", False
+            return (
+                [GenEvent(tok, "", choice=self.request.choice, prompt_logprobs=self._prompt())],
+                "stop",
+                False,
+            )
         text, hit = self.stops.push(self.decoder.push(tok))
         self._text.append(text)
-        events: list[TurnEvent] = [GenEvent(tok, text, lp, choice=self.request.choice)]
+        events: list[TurnEvent] = [
+            GenEvent(tok, text, lp, choice=self.request.choice, prompt_logprobs=self._prompt())
+        ]
         if hit:
             return events, "stop", True
         if n >= self.max_tokens:
@@ -392,6 +411,11 @@ class Turn:
             return events, "cancelled", False
         self._next = tok
         return events, None, False
+
+    def _prompt(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs, once (the choice's first event carries them), else None."""
+        out, self._scored = self._scored, None
+        return out
 
     def _end(self, finish: str, flushed: bool = False) -> list[TurnEvent]:
         """The answer is over: the last ``GenEvent``, then the rebase rows or the finish."""
@@ -417,6 +441,7 @@ class Turn:
             stats=s,
             stop_sequence=self.stops.hit,
             choice=self.request.choice,
+            prompt_logprobs=self._prompt(),
         )
         render = self.request.render_history
         # a cancelled answer will not come back in the next request: bank it as generated

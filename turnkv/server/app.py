@@ -175,6 +175,7 @@ class Server:
             render_history=history,
             grammar=st.grammar,
             logprobs=req.logprobs_top(),
+            prompt_logprobs=None if chat else req.prompt_logprobs_top(),
             n=getattr(req, "n", 1),  # chat and completions ask for choices; other APIs answer one
         )
         return self.stream(turn, request), st

@@ -5,7 +5,9 @@ Chat: ``choices[i].logprobs = {"content": [{"token", "logprob", "bytes", "top_lo
 text it brings (text held back for a stop string brings its tokens' entries with it), so the
 chunks' entries join into the whole answer's. Completions: ``{"tokens", "token_logprobs",
 "top_logprobs": [{token: logprob}], "text_offset"}``, ``text_offset`` the character offset of the
-token's text in the answer. ``token`` is the token's bytes decoded (a piece of a character reads as
+token's text in the answer. With ``echo`` (the prompt scored, ``TurnRequest.prompt_logprobs``) the
+prompt's tokens come first, the first with a null logprob and null alternatives (no row precedes
+it), and every offset counts in the returned text: the echoed prompt, then the answer. ``token`` is the token's bytes decoded (a piece of a character reads as
 U+FFFD; ``bytes`` has them exactly); a token a grammar masks has ``-inf``, written ``-9999.0`` as
 vLLM does (JSON has no infinity).
 """
@@ -25,6 +27,7 @@ class Entry:
 
     lp: TokenLogprob
     offset: int
+    scored: bool = True  # False: the prompt's first token (no logprob, no alternatives)
 
 
 class LogprobFormat:
@@ -56,8 +59,10 @@ class LogprobFormat:
     def completion(self, entries: list[Entry]) -> dict:
         return {
             "tokens": [self.piece(e.lp.token)[0] for e in entries],
-            "token_logprobs": [max(e.lp.logprob, FLOOR) for e in entries],
-            "top_logprobs": [{self.piece(t)[0]: max(v, FLOOR) for t, v in e.lp.top} for e in entries],
+            "token_logprobs": [max(e.lp.logprob, FLOOR) if e.scored else None for e in entries],
+            "top_logprobs": [
+                {self.piece(t)[0]: max(v, FLOOR) for t, v in e.lp.top} if e.scored else None for e in entries
+            ],
             "text_offset": [e.offset for e in entries],
         }
 
@@ -77,6 +82,16 @@ class Collector:
         if lp is not None:
             self.entries.append(Entry(lp, self._offset))
         self._offset += len(text)
+
+    def prompt(self, first: int, scored: list[TokenLogprob], echoed: str) -> None:
+        """The prompt's entries before the answer's: ``first`` its first token (unscored), then
+        ``scored`` (tokens 1..P-1); the answer's offsets then start after the ``echoed`` text."""
+        self.entries.append(Entry(TokenLogprob(first, 0.0), 0, scored=False))
+        offset = len(self.fmt.piece(first)[0])
+        for lp in scored:
+            self.entries.append(Entry(lp, offset))
+            offset += len(self.fmt.piece(lp.token)[0])
+        self._offset = len(echoed)
 
     def take(self) -> dict | None:
         """The entries not taken yet as a ``logprobs`` object (None when there are none)."""

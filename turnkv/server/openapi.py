@@ -36,7 +36,7 @@ class ErrorResponse(BaseModel):
 
 
 class CacheBreakBody(BaseModel):
-    reason: Literal["none", "new_conversation", "history_differs", "evicted", "namespace"]
+    reason: Literal["none", "new_conversation", "history_differs", "evicted", "namespace", "not_read"]
     at: int  # prompt tokens reused
     detail: str | None
 
@@ -83,8 +83,8 @@ class ChatLogprobs(BaseModel):
 
 class TextLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -166,7 +166,8 @@ async def respond(
     ``logprobs`` writes the tokens' logprobs when the turn asked for them (``server.logprobs``).
     ``choices`` has one entry per choice (``n``); ``usage`` counts the prompt once and the
     completion tokens of every choice. ``echo`` (completions): text before each choice's (streamed
-    as each choice's first chunk)."""
+    as each choice's first chunk; with logprobs, that chunk carries the prompt's, and comes when
+    the prompt is computed)."""
     admitted = await stream.start()
     asked = logprobs is not None and stream.turn.logprobs is not None
     n = stream.turn.n
@@ -191,6 +192,8 @@ async def respond(
     def each(ev: GenEvent) -> None:
         lps = choices[ev.choice].lps
         if lps is not None:
+            if ev.prompt_logprobs is not None:  # echo, scored: the prompt's entries first
+                lps.prompt(stream.turn.prompt[0], ev.prompt_logprobs, echo)
             lps.add(ev.logprob, ev.text)
 
     answers = await stream.answers(each)
@@ -264,7 +267,9 @@ async def _sse_events(
 
     finals: list[GenEvent] = []
     try:
-        for i in range(len(choices) if chat or echo else 0):
+        # a scored echo waits for its choice's first event, which brings the prompt's logprobs
+        scored = stream.turn.prompt_logprobs is not None
+        for i in range(len(choices) if chat or (echo and not scored) else 0):
             yield _sse(chunk(i, "" if chat else echo, None, role=chat))
         async for ev in stream:  # ends at the last choice's last event
             if isinstance(ev, Failed):
@@ -276,6 +281,9 @@ async def _sse_events(
                 continue
             i, c = ev.choice, choices[ev.choice]
             c.tokens += ev.token_id is not None
+            if c.lps is not None and ev.prompt_logprobs is not None:  # the echo and its logprobs
+                c.lps.prompt(stream.turn.prompt[0], ev.prompt_logprobs, echo)
+                yield _sse(chunk(i, echo, None, lp=True))
             if c.lps is not None:
                 c.lps.add(ev.logprob, ev.text)
             for line in pieces(i, ev.text, last=ev.finish_reason is not None):

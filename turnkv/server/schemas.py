@@ -5,7 +5,7 @@ where a number belongs is an error, as with the OpenAI API, and invalid JSON is 
 kind (``NaN`` and ``Infinity`` included). ``null`` for a field means its default, as the OpenAI API
 and vLLM read it (clients send ``"n": null``, ``"stream": null``). Unknown fields are accepted and
 ignored (clients send many we do not use); fields we cannot honour and that would change the output
-(``n`` past ``MAX_CHOICES``, ``echo`` with ``logprobs``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
+(``n`` past ``MAX_CHOICES``, the legacy ``functions``/``function_call``) are refused with 400 rather than silently ignored, ``param``
 naming the field (``refused``: raised from a validator, it leaves pydantic as it is).
 A sampling field a request leaves unset takes the engine's default (``sampling``; the rule is
 ``models.generation``'s).
@@ -306,7 +306,9 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # a string, a list of one string, or token ids (a list of ints, or a list of one such list)
     prompt: str | Annotated[list[str], ONE] | TokenIds | Annotated[list[TokenIds], ONE]
-    echo: bool = False  # the prompt's text before each choice's
+    # 0 only with echo: the prompt alone (scored, with logprobs)
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False  # the prompt's text before each choice's (with logprobs: its tokens' too)
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
     suffix: Annotated[str, only("")] | None = None
     best_of: Annotated[int, only(1)] | None = None
@@ -318,11 +320,9 @@ class CompletionRequest(_Sampling):
                 raise refused("prompt", "prompt must not be empty")
             if isinstance(self.prompt[0], (str, list)) and len(self.prompt) != 1:
                 raise refused("prompt", "one prompt per request (a batch of prompts is not supported)")
-        if self.echo and self.logprobs is not None:
+        if self.max_tokens == 0 and not self.echo:
             raise refused(
-                "echo",
-                "echo with logprobs is not supported: turnkv computes logprobs for answer tokens only, "
-                "not the prompt's; send echo or logprobs",
+                "max_tokens", "max_tokens 0 answers nothing: it needs echo (the prompt, scored with logprobs)"
             )
         if self.suffix:
             raise refused("suffix", "suffix is not supported")
@@ -335,6 +335,10 @@ class CompletionRequest(_Sampling):
 
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_top(self) -> int | None:
+        """The top alternatives per prompt token to report (``echo`` with ``logprobs``), or None."""
+        return self.logprobs if self.echo else None
 
     def echo_text(self, tokenizer) -> str:
         """What ``echo`` puts before each choice's text: the prompt as sent (token ids decoded)."""
