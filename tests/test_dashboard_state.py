@@ -165,6 +165,7 @@ class _Srv:
             counters=lambda: {"seals": 0, "merges": 0, "max_segments": 0},
             speculation=Speculation(),
             sampling_defaults=resolve(SamplingDefaults(), SamplingDefaults()),
+            deterministic_health=lambda: {"mode": "off", "matmul": "cpu", "attention": "portable"},
         )
         sched = {"running": 5, "waiting": 2, "step_ms": 12.5, "rows_per_step": 40, "route_counts": {}}
         self.worker = SimpleNamespace(scheduler=SimpleNamespace(snapshot=sched))

@@ -59,7 +59,7 @@ def test_echo_puts_the_prompt_before_each_choice(live):
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),
         ("/detokenize", {}, "tokens"),
-        ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ],
 )
 def test_bad_bodies_are_a_400_naming_the_field(live, path, body, param):
