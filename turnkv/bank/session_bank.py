@@ -282,9 +282,9 @@ class SessionBank:
                 reserve_rows=reserve,
                 copied_rows=copied,
                 pinned=pin,
-                cache_break=self._break(namespace, tokens, cached, n, entry, restored)
-                if reuse
-                else self._not_read(),
+                cache_break=self._count(
+                    self._break(namespace, tokens, cached, n, entry, restored) if reuse else NOT_READ
+                ),
                 fork_bytes=(reserve + 1) * self.bytes_per_row if forks else 0,
             )
             self._leases.append(lease)
@@ -299,20 +299,18 @@ class SessionBank:
         entry: BankEntry | None,
         restored: dict[str, int],
     ) -> CacheBreak:
-        """Why this admission's restored prefix ends at ``cached`` (``bank.breaks``), counted."""
+        """Why this admission's restored prefix ends at ``cached`` (``bank.breaks``)."""
         limit = tokens[: max(len(tokens) - 1, 0)]
         others = siblings(namespace, list(self._index))
         elsewhere = max((self._index[ns].longest(limit)[0] for ns in others), default=0)
         evicted = self._evicted.longest(namespace, limit)
-        brk = decide(
+        return decide(
             tokens, cached, n, entry.tokens if entry is not None else None, evicted, elsewhere, restored
         )
+
+    def _count(self, brk: CacheBreak) -> CacheBreak:
         self.stats.breaks[brk.reason] = self.stats.breaks.get(brk.reason, 0) + 1
         return brk
-
-    def _not_read(self) -> CacheBreak:
-        self.stats.breaks[NOT_READ.reason] = self.stats.breaks.get(NOT_READ.reason, 0) + 1
-        return NOT_READ
 
     def fork(self, lease: Lease, prefix: Snapshot, k: int) -> list[Lease]:
         """``k`` leases continuing from ``prefix`` (the prompt ``lease``'s turn prefilled, by
