@@ -25,7 +25,7 @@ def child(threads: int, gen: int) -> dict:
     from turnkv.threads import prepare_env
 
     prepare_env()
-    import torch
+    from cpu_matmul import copy_rate  # (imports torch: after prepare_env)
 
     from turnkv import cbuild
     from turnkv.attention import cpu_native
@@ -77,13 +77,7 @@ def child(threads: int, gen: int) -> dict:
     wall = time.perf_counter() - t0
     # every call of the turn (its prefill rows too: keys with M > 8), per decoded token
     per = {k: [v / gen * 1e3, calls[k] / gen] for k, v in times.items()}
-    x = torch.empty(64 << 20, dtype=torch.uint8)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    gbps = 5 * 2 * x.numel() / (time.perf_counter() - t0) / 1e9  # read + write
+    gbps = copy_rate() / 1e9  # read + write
     return {
         "threads": threads,
         "kernels": cbuild.variant(),
