@@ -104,7 +104,7 @@ def test_a_failed_write_leaves_nothing_behind(store, monkeypatch, where):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "write":
-        monkeypatch.setattr("turnkv.bank.disk_files.open", lambda *a, **kw: _FullFile(*a), raising=False)
+        monkeypatch.setattr("turnkv.bank.disk_store.write_block", _full_disk_write)
     else:
         monkeypatch.setattr(f"turnkv.bank.disk_store.os.{where}", fail)
     with pytest.raises(OSError):
@@ -115,23 +115,11 @@ def test_a_failed_write_leaves_nothing_behind(store, monkeypatch, where):
     assert store.has(KEYS[0])
 
 
-class _FullFile:
-    """A file whose writes fail as on a full disk."""
-
-    def __init__(self, path, mode="r") -> None:
-        self._f = open(path, mode)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._f.close()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def write(self, data) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
+def _full_disk_write(block, path) -> None:
+    """A block write that fails half way, as on a full disk: part of the temp file is there."""
+    with open(path, "wb") as f:
+        f.write(b"half a blo")
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_reconcile_removes_orphans_and_temp_files_and_drops_rows_without_files(tmp_path):

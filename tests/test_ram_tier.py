@@ -172,17 +172,42 @@ def test_a_shared_prefix_is_stored_once_and_evicted_last():
     assert got is not None and got.num_tokens == 2 * B and _same_rows(got, _rows(system))
 
 
-def test_the_pool_grows_by_chunks_as_it_fills_and_restores_across_them(monkeypatch):
+def test_the_pool_is_pinned_behind_the_server_and_restores_across_its_chunks(monkeypatch):
+    """Before ``grow_behind`` the pool holds its first chunk (a full pool drops, never allocates on
+    the caller's thread); after it, a thread of its own pins the rest, chunk by chunk."""
     import turnkv.bank.ram as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)  # two slots a chunk
     ram = RamTier("fp", SHAPE, 5)
-    assert len(ram._chunks) == 1  # only the first chunk at start
+    assert len(ram._chunks) == 1 and not ram.whole  # only the first chunk at start
     ids = list(range(5 * B))
     ram.write_behind("ns", _rows(ids))
-    assert len(ram._chunks) == 3 and ram.health()["blocks"] == 5  # 2 + 2 + 1 slots
+    assert len(ram._chunks) == 1 and ram.health()["blocks"] == 2 and ram.health()["dropped"] == 3
+    ram.grow_behind()
+    assert ram.wait_whole(30) and len(ram._chunks) == 3  # 2 + 2 + 1 slots
+    ram.write_behind("ns", _rows(ids))
+    assert ram.health()["blocks"] == 5
     got = ram.extend("ns", [*ids, 1], None)
     assert got is not None and got.num_tokens == 5 * B and _same_rows(got, _rows(ids))
+
+
+def test_a_pool_that_stops_growing_keeps_its_slots_and_says_why_on_health(monkeypatch):
+    import turnkv.bank.ram as ram_module
+
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)
+    ram = RamTier("fp", SHAPE, 6)
+
+    def no_memory(*a, **kw):
+        raise RuntimeError("CUDA error: out of memory\nmore lines")
+
+    monkeypatch.setattr(ram_module.torch, "empty", no_memory)
+    ram.grow_behind()
+    assert ram.wait_whole(30)  # stopped: whole as far as it goes
+    reason = ram.health()["reason"]
+    assert "stopped at" in reason and "out of memory" in reason and "\n" not in reason
+    monkeypatch.undo()
+    ram.write_behind("ns", _rows(list(range(3 * B))))
+    assert ram.health()["blocks"] == 2  # the first chunk still serves
 
 
 def test_namespaces_never_share_a_block():

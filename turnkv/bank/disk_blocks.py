@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,16 +144,32 @@ def metadata(block: Block, tokens: torch.Tensor) -> dict[str, str]:
     return facts | {"checksum": payload_checksum(facts, block.k, block.v, tokens)}
 
 
-def encode_block(block: Block) -> bytes:
-    """The safetensors bytes of ``block`` (its tensors must be contiguous CPU tensors)."""
-    from safetensors.torch import save
-
+def _tensors(block: Block) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if len(block.tokens) != BLOCK_TOKENS or block.k.shape[2] != BLOCK_TOKENS:
         raise ValueError(
             f"a block holds {BLOCK_TOKENS} rows; got {block.k.shape[2]} for {len(block.tokens)} ids"
         )
     tokens = torch.tensor(block.tokens, dtype=torch.int64)
-    return save({"k": block.k, "v": block.v, "tokens": tokens}, metadata=metadata(block, tokens))
+    return {"k": block.k, "v": block.v, "tokens": tokens}, metadata(block, tokens)
+
+
+def write_block(block: Block, path: str | os.PathLike) -> None:
+    """Write ``block`` (contiguous CPU tensors) as the safetensors file ``path``.
+
+    ``save_file`` serializes without the GIL; ``save`` (bytes) holds it for the whole copy (tens
+    of ms for an 8B block), which stalled the engine thread behind the disk writers."""
+    from safetensors.torch import save_file
+
+    tensors, md = _tensors(block)
+    save_file(tensors, path, metadata=md)
+
+
+def encode_block(block: Block) -> bytes:
+    """The safetensors bytes of ``block``, for stores that keep bytes (Redis); holds the GIL."""
+    from safetensors.torch import save
+
+    tensors, md = _tensors(block)
+    return save(tensors, metadata=md)
 
 
 def decode_block(

@@ -36,25 +36,22 @@ def _start_writeback(fd: int) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def write_durable(items: Sequence[tuple[Path, Callable[[], bytes]]]) -> list[int]:
-    """Write each ``(final path, encode)`` as a file durably (see the module docstring); returns
-    the sizes. ``encode`` runs here, one at a time, so a batch holds one encoded block at most."""
+def write_durable(items: Sequence[tuple[Path, Callable[[Path], None]]]) -> list[int]:
+    """Write each ``(final path, write)`` as a file durably (see the module docstring); returns
+    the sizes. ``write(temp path)`` writes one file; they run here, one at a time."""
     open_files: list = []
     staged: list[tuple[Path, Path]] = []  # (temp, final)
     renamed: list[Path] = []
     sizes: list[int] = []
     try:
-        for final, encode in items:
-            data = encode()
+        for final, write in items:
             tmp = final.parent / f".{final.stem}.{_HOST}.{os.getpid()}.{next(_tmp_ids)}.tmp"
-            f = open(tmp, "wb")
-            open_files.append(f)
             staged.append((tmp, final))
-            f.write(data)
-            f.flush()
+            write(tmp)
+            f = open(tmp, "rb")  # closed after its fsync, below
+            open_files.append(f)
             _start_writeback(f.fileno())
-            sizes.append(len(data))
-            del data
+            sizes.append(os.fstat(f.fileno()).st_size)
         for f in open_files:  # the device has been writing these since their bytes went in
             os.fsync(f.fileno())
             f.close()

@@ -34,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
-from turnkv.bank.disk_blocks import Block, BlockError, decode_block, encode_block
+from turnkv.bank.disk_blocks import Block, BlockError, decode_block, write_block
 from turnkv.bank.disk_files import write_durable
 from turnkv.bank.disk_index import (
     INDEX,
@@ -166,7 +166,7 @@ class LocalDirStore:
             self._make_way(final.parent, stat.S_ISDIR)
             final.parent.mkdir(parents=True, exist_ok=True)  # blocks/ itself may have been deleted
             self._make_way(final, stat.S_ISREG)
-            items.append((final, partial(encode_block, blocks[i])))
+            items.append((final, partial(write_block, blocks[i])))
         if not items:
             return sizes
         written = write_durable(items)  # durable before visible: the rows come after

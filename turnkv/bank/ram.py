@@ -1,10 +1,12 @@
 """The host-RAM tier: sealed KV rows mirrored to host memory, restored when the bank lost them.
 
 Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
-chunk), allocated in chunks of ``CHUNK_BYTES`` as it fills and never freed: the first at start (a
-failure there turns the tier off), the rest when the free slots run out (a failure then stops the
-growth, with the reason on ``/health.ram``). Pinned on CUDA (copies at the bus's speed, no
-per-turn ``pin_memory``; a server does not pin all of its budget before it serves), plain CPU
+chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed: the first at start (a failure
+there turns the tier off), the rest on a thread of its own once the server is warm
+(``grow_behind``; a failure then stops the growth, with the reason on ``/health.ram``). No step
+ever pins memory: on the engine thread it stalled every stream for a fraction of a second per
+chunk. Pinned on CUDA (copies at the bus's speed, no per-turn ``pin_memory``; a server does not
+wait for all of its budget to be pinned before it serves), plain CPU
 tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
 asked for, and CI tests its logic with it). Blocks are keyed by the disk tier's chained keys
 (``disk_blocks.block_keys``), so a block is stored once whatever number of conversations of a
@@ -45,7 +47,7 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # the pool grows by this much (pinning is slow: ~GB/s, so not all at start)
+CHUNK_BYTES = 1 << 30  # the pool is pinned by this much at a time (pinning is slow: ~GB/s)
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -118,17 +120,51 @@ class RamTier:
         # (copy done, the rows it reads, the slots it fills)
         self._inflight: list[tuple[object, SegmentedSnapshot, list[int]]] = []
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
+        self._grower: threading.Thread | None = None
         self._grow()  # the first chunk now: a failure raises, and the caller serves without RAM
 
     def _grow(self) -> None:
-        """One more chunk of slots (raises RuntimeError/MemoryError when the memory is not had)."""
+        """One more chunk of slots (raises RuntimeError/MemoryError when the memory is not had).
+        The allocation runs outside the lock: pinning a chunk takes a fraction of a second."""
         s, have = self.shape, len(self._chunks) * self.per_chunk
         n = min(self.per_chunk, self.capacity - have)
         dims = (n, s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
         k = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)  # pinned: async copies on CUDA
         v = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)
-        self._chunks.append((k, v))
-        self._free.extend(range(have + n - 1, have - 1, -1))
+        with self._lock:
+            self._chunks.append((k, v))
+            self._free.extend(range(have + n - 1, have - 1, -1))
+
+    @property
+    def whole(self) -> bool:
+        """The pool holds its whole budget (or stopped growing: ``grow_failed`` says why)."""
+        return len(self._chunks) * self.per_chunk >= self.capacity or self.grow_failed is not None
+
+    def grow_behind(self) -> None:
+        """Pin the rest of the pool on a thread of its own, chunk by chunk, each chunk's slots free as
+        it lands. Until then the pool holds what it has (a full pool evicts or drops, it never
+        allocates): a step must not wait for pinning. The composition root calls this when the
+        warm-up is over (pinning beside the budget probe would skew its timings)."""
+        if self._grower is None and not self.whole:
+            self._grower = threading.Thread(target=self._grow_all, name="turnkv-ram-grow", daemon=True)
+            self._grower.start()
+
+    def _grow_all(self) -> None:
+        while not self.whole:
+            try:
+                self._grow()
+            except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
+                have = len(self._chunks) * self.per_chunk * self.block_bytes
+                self.grow_failed = (
+                    f"pinned memory stopped at {have / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
+                )
+                log.warning("KV RAM tier: %s; it holds what it has", self.grow_failed)
+
+    def wait_whole(self, timeout: float | None = None) -> bool:
+        """Wait for ``grow_behind``'s thread (tests, benches); whether the pool is whole."""
+        if self._grower is not None:
+            self._grower.join(timeout)
+        return self.whole
 
     def _rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot ``i``'s ``k``, ``v`` ``[L, Hkv, 256, D]`` (contiguous host views)."""
@@ -223,15 +259,6 @@ class RamTier:
 
     def _take(self, keep: set[int]) -> int | None:
         """A free slot, else the least recently used leaf that nothing needs (evicted); None if none."""
-        if not self._free and len(self._chunks) * self.per_chunk < self.capacity and self.grow_failed is None:
-            try:
-                self._grow()
-            except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
-                have = len(self._chunks) * self.per_chunk * self.block_bytes
-                self.grow_failed = (
-                    f"pinned memory stopped at {have / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
-                )
-                log.warning("KV RAM tier: %s; it holds what it has", self.grow_failed)
         if self._free:
             return self._free.pop()
         below = self.below

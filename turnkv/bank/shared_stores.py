@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
-from turnkv.bank.disk_blocks import Block, BlockError, decode_block, decode_bytes, encode_block
+from turnkv.bank.disk_blocks import Block, BlockError, decode_block, decode_bytes, encode_block, write_block
 from turnkv.bank.disk_files import write_durable
 from turnkv.bank.disk_index import SUFFIX
 from turnkv.bank.disk_store import BlockGone, BlockInfo
@@ -100,7 +100,7 @@ class SharedDirStore:
         for i in todo.values():
             final = self.path(blocks[i].key)
             final.parent.mkdir(parents=True, exist_ok=True)
-            items.append((final, partial(encode_block, blocks[i])))
+            items.append((final, partial(write_block, blocks[i])))
         if not items:
             return sizes
         written = write_durable(items)

@@ -56,6 +56,11 @@ class TierChain:
     ram_off: str | None = None
     name = "chain"
 
+    def serving(self) -> None:
+        """The server is warm: the RAM tier pins the rest of its pool behind it (``grow_behind``)."""
+        if self.ram is not None:
+            self.ram.grow_behind()
+
     def parts(self) -> list[Tier]:
         return [t for t in (self.ram, self.disk) if t is not None]
 
