@@ -184,6 +184,9 @@ def run_variant(variant: str, args, cache: str, base: str) -> dict:
     out = {"variant": variant, "ready_s": round(ready, 2), "startup_line": srv.startup_line()}
     out |= summarize(rows, errors, wall, before, after)
     out["warm_pass"] = warm
+    out["tiers"] = {k: after.get(k) for k in ("ram", "disk")}  # writes done/dropped, restores
+    noted = ("warn", "error", "compiled", "failed")  # what the server logged: late compiles, faults
+    out["server_log"] = [x for x in srv.lines if any(w in x.lower() for w in noted)][:40]
     if errors:
         out["server_tail"] = srv.lines[-20:]
     return out
