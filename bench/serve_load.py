@@ -162,6 +162,8 @@ def summarize(rows: list[dict], errors: list[str], wall: float, before: dict, af
         "budget": s1.get("budget"),
         "jit_after_ready": s1.get("jit_after_ready"),
         "jit_during": (s1.get("jit_after_ready") or 0) - (s0.get("jit_after_ready") or 0),
+        "jit_late": s1.get("jit_late"),  # the variants compiled after ready, in words
+        "graph_misses": s1.get("graph_misses"),  # steps run eagerly: their keys were not captured
     }
 
 
