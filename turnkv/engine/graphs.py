@@ -19,6 +19,8 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
   window; a replay equals the same staged step run eagerly (``StepGraphs.eager``, what the
   capture's warm-up runs) bit for bit.
 
+A graph's output buffer is rewritten by its next replay, so a step's fp32 logits are upcast from it
+after the replay into a tensor of the caller's (``_result``): a kept row stays what its step gave.
 Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. Captures are
 lazy (the first step of a key captures it: a warm-up forward that compiles the kernels at those
 shapes, then the capture), so no JIT runs inside a capture. Once the server's warm-up has run
