@@ -3,9 +3,7 @@
 On a cluster of your own (``ray start --head`` and workers; docs/REPLICAS.md)::
 
     import ray
-    from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from ray import serve
+    from ray import serve
     from turnkv.config import EngineConfig
     from turnkv.serve_ray import app
 
@@ -21,7 +19,9 @@ inside a Serve replica actor, one per GPU (``ray_actor_options={"num_gpus": tp}`
 works as on one server, streaming included: the response's head and then its body chunks come
 back through a streaming ``DeploymentHandle``. :class:`Front` is the ingress: it computes the
 request's route (``serve_router.route_of``) and passes it beside the request, which
-:class:`~turnkv.serve_router.AffinityRouter` reads. ``/health`` and ``/metrics`` ask every replica
+:class:`~turnkv.serve_router.AffinityRouter` reads; for ``POST /v1/responses`` the route names
+the id the response will have (the replica's server takes it from the ASGI scope), so the router
+knows where a ``previous_response_id`` lives as soon as it routed the request that makes it. ``/health`` and ``/metrics`` ask every replica
 and show each one. A replica that dies mid-stream ends only its streams (an error event in
 the stream, or a 503 before the head); Serve stops routing to it and starts a replacement.
 With a shared ``--disk-store`` every replica restores every conversation.
@@ -41,10 +41,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from turnkv.config import EngineConfig
-from turnkv.serve_router import DECISIONS, route_of
+from turnkv.serve_router import DECISIONS, lookup_keys, response_key, route_of
+from turnkv.server.messages_stream import anthropic_body
+from turnkv.server.openai_responses import RESPONSE_ID
+from turnkv.server.responses_stream import new_id
 from turnkv.server.schemas import ApiError
 
 PUBLISH_KEYS = 4096  # chain keys a replica publishes to the router (its newest)
+PUBLISH_RESPONSES = 4096  # response keys it publishes (apart: long chains do not push them out)
 STATS_PERIOD_S = 0.5  # how often Serve collects them
 
 
@@ -59,20 +63,21 @@ class Replica:
         self.rt = build(self.cfg, "serve", progress=False)
         self.app = create_app(self.rt)
         self.keys: deque[str] = deque(maxlen=PUBLISH_KEYS)
+        self.responses: deque[str] = deque(maxlen=PUBLISH_RESPONSES)
         try:
             self.id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (a test)
             self.id = f"local-{os.getpid()}"
 
     def record_routing_stats(self) -> dict:
-        """What the router reads (``RunningReplica.routing_stats``): the chain keys served here."""
-        return {"keys": list(self.keys)}
+        """What the router reads (``RunningReplica.routing_stats``): the chain keys served here
+        and the keys of the responses made here."""
+        return {"keys": list(self.keys), "responses": list(self.responses)}
 
     async def forward(self, req: dict, route: dict) -> AsyncIterator:
         """Run one HTTP request through this server's app: yields the head
         ``{"status", "headers", "replica"}``, then the body's chunks (bytes)."""
-        keys = [*([route["hint"]] if route.get("hint") else []), *route.get("keys", ())]
-        self.keys.extend(keys)
+        self.keys.extend(lookup_keys(route))
         out: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
         sent = False
@@ -99,6 +104,8 @@ class Replica:
             "client": ("127.0.0.1", 0),
             "server": ("127.0.0.1", 0),
         }
+        if route.get("response"):  # the id the front chose for the response made here
+            scope[RESPONSE_ID] = route["response"]
         task = asyncio.create_task(self.app(scope, receive, out.put))
         try:
             while True:
@@ -111,6 +118,8 @@ class Replica:
                 msg = getter.result()
                 if msg["type"] == "http.response.start":
                     headers = [(k.decode(), v.decode()) for k, v in msg.get("headers", ())]
+                    if route.get("response") and msg["status"] == 200:
+                        self.responses.append(response_key(route["response"]))
                     yield {"status": msg["status"], "headers": headers, "replica": self.id}
                 elif msg["type"] == "http.response.body":
                     if body := msg.get("body", b""):
@@ -181,6 +190,8 @@ def _front(replicas_n: int):
             headers = [(k, v) for k, v in request.headers.items()]
             t0 = time.perf_counter()
             route = route_of(request.url.path, dict(request.headers), body)
+            if request.method == "POST" and request.url.path == "/v1/responses":
+                route["response"] = new_id("resp")  # the router notes where it is made
             _note_route(time.perf_counter() - t0)
             req = {"method": request.method, "path": request.url.path, "query": request.url.query}
             req |= {"headers": headers, "body": body}
@@ -188,26 +199,53 @@ def _front(replicas_n: int):
             try:
                 head = await gen.__anext__()
             except Exception as exc:  # the replica died before answering
-                return JSONResponse(_error(f"the replica failed before answering: {type(exc).__name__}"), 503)
+                why = f"the replica failed before answering: {type(exc).__name__}"
+                return JSONResponse(failure_body(request.url.path, why), 503)
             headers = {
                 k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")
             }
             headers["x-turnkv-replica"] = head["replica"]
-            return StreamingResponse(_rest(gen), status_code=head["status"], headers=headers)
+            sse = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(
+                _rest(gen, request.url.path if sse else None), status_code=head["status"], headers=headers
+            )
 
     return Front
 
 
-async def _rest(gen) -> AsyncIterator[bytes]:
+async def _rest(gen, sse_path: str | None) -> AsyncIterator[bytes]:
+    """The body's chunks; when the replica dies mid-stream, one clean error event in the shape of
+    ``sse_path``'s API ends this stream only (a body that is not a stream just ends)."""
+    events = 0
     try:
         async for chunk in gen:
+            events += chunk.count(b"\n\n")  # the replica's app sends whole events
             yield chunk
-    except Exception as exc:  # the replica died mid-stream: a clean error event ends this stream only
-        yield (
-            b"data: "
-            + json.dumps(_error(f"the replica serving this stream failed: {type(exc).__name__}")).encode()
-        )
-        yield b"\n\n"
+    except Exception as exc:
+        if sse_path is not None:
+            yield stream_failure(
+                sse_path, events, f"the replica serving this stream failed: {type(exc).__name__}"
+            )
+
+
+def failure_body(path: str, message: str) -> dict:
+    """A 503 for a replica that failed, in the error shape of ``path``'s API."""
+    err = ApiError(503, message, "server_error", code="replica_failed")
+    return anthropic_body(err) if path.startswith("/v1/messages") else err.body()
+
+
+def stream_failure(path: str, events: int, message: str) -> bytes:
+    """The event that ends a stream whose replica died, as each API ends a failed stream: the
+    Responses API's ``error`` event (numbered after the ``events`` sent), Anthropic's ``event:
+    error``, else OpenAI's ``data: {"error": ...}`` (what a chat or completion stream sends)."""
+    if path.startswith("/v1/responses"):
+        ev = {"type": "error", "code": "replica_failed", "message": message, "param": None}
+        data = json.dumps(ev | {"sequence_number": events})
+        return f"event: error\ndata: {data}\n\n".encode()
+    body = json.dumps(failure_body(path, message))
+    return (
+        f"event: error\ndata: {body}\n\n" if path.startswith("/v1/messages") else f"data: {body}\n\n"
+    ).encode()
 
 
 ROUTE_OF: deque = deque(maxlen=4096)  # seconds per request computing its route (health)
@@ -233,10 +271,6 @@ def _router_times() -> dict:
         "decide_p50_ms": pick(DECISIONS, 0.5),
         "decide_p99_ms": pick(DECISIONS, 0.99),
     }
-
-
-def _error(message: str) -> dict:
-    return ApiError(503, message, "server_error", code="replica_failed").body()  # the OpenAI shape
 
 
 def _merge_metrics(each: list[tuple[dict, bytes]]) -> str:

@@ -62,6 +62,7 @@ from turnkv.server.stream import failed_error
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"  # as server.app reads it
+RESPONSE_ID = "turnkv.response_id"  # an ASGI scope key: the id a replica's front chose (serve_ray)
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -260,7 +261,7 @@ async def create(api: ResponsesApi, request: Request) -> Response:
     )
     stream = srv.stream(turn, request)
     admitted = await stream.start()
-    rid = new_id("resp")
+    rid = request.scope.get(RESPONSE_ID) or new_id("resp")  # not a header: clients cannot set it
     base = api.response(rid, req, params)
     output = Output(plan.structure.plan)
     route = route_label(request)
