@@ -40,8 +40,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from turnkv import serve_times
 from turnkv.config import EngineConfig
-from turnkv.serve_router import DECISIONS, lookup_keys, response_key, route_of
+from turnkv.serve_router import lookup_keys, response_key, route_of
 from turnkv.server.messages_stream import anthropic_body
 from turnkv.server.openai_responses import RESPONSE_ID
 from turnkv.server.responses_stream import new_id
@@ -174,7 +175,7 @@ def _front(replicas_n: int):
             each = [{"replica": h["replica"], **json.loads(b)} for h, b in await self._each("/health")]
             ok = bool(each) and all(e.get("status") == "ok" for e in each)
             body = {"status": "ok" if ok else "degraded", "replicas": len(each), "expected": replicas_n}
-            body["router"] = _router_times()
+            body["router"] = serve_times.summary()
             body["each"] = each
             return JSONResponse(body, status_code=200 if each else 503)
 
@@ -192,7 +193,7 @@ def _front(replicas_n: int):
             route = route_of(request.url.path, dict(request.headers), body)
             if request.method == "POST" and request.url.path == "/v1/responses":
                 route["response"] = new_id("resp")  # the router notes where it is made
-            _note_route(time.perf_counter() - t0)
+            serve_times.ROUTE_OF.append(time.perf_counter() - t0)  # by the module: Front is pickled by value
             req = {"method": request.method, "path": request.url.path, "query": request.url.query}
             req |= {"headers": headers, "body": body}
             gen = self.replica.forward.remote(req, route)
@@ -248,31 +249,6 @@ def stream_failure(path: str, events: int, message: str) -> bytes:
     ).encode()
 
 
-ROUTE_OF: deque = deque(maxlen=4096)  # seconds per request computing its route (health)
-
-
-def _note_route(seconds: float) -> None:
-    ROUTE_OF.append(seconds)  # a module function: Front is pickled by value, this module is not
-
-
-def _router_times() -> dict:
-    """p50/p99 in ms of the front's route computation (``route_of``) and, where Serve runs the
-    router in this process, of the router's decisions (``decisions`` 0: it runs elsewhere)."""
-
-    def pick(xs, q):
-        xs = sorted(xs)
-        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
-
-    return {
-        "requests": len(ROUTE_OF),
-        "route_p50_ms": pick(ROUTE_OF, 0.5),
-        "route_p99_ms": pick(ROUTE_OF, 0.99),
-        "decisions": len(DECISIONS),
-        "decide_p50_ms": pick(DECISIONS, 0.5),
-        "decide_p99_ms": pick(DECISIONS, 0.99),
-    }
-
-
 def _merge_metrics(each: list[tuple[dict, bytes]]) -> str:
     """Every replica's samples with a ``replica`` label; each metric's HELP and TYPE once."""
     seen, lines = set(), []
@@ -306,15 +282,13 @@ def app(
     each replica's ongoing requests (0: ``cfg.max_running``); past it the router falls back."""
     from ray.serve.config import RequestRouterConfig
 
-    replica = serve.deployment(
-        Replica
-    ).options(
+    replica = serve.deployment(Replica).options(
         name="turnkv-replica",
         num_replicas=replicas,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 0},
         max_ongoing_requests=max_queue or cfg.max_running,
         request_router_config=RequestRouterConfig(
-            request_router_class="turnkv.serve_router.AffinityRouter",  # by name: its DECISIONS are this module's
+            request_router_class="turnkv.serve_router.AffinityRouter",
             request_router_kwargs={"policy": policy},
             request_routing_stats_period_s=STATS_PERIOD_S,
         ),

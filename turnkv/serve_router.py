@@ -27,10 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
-DECISIONS: deque[float] = deque(maxlen=4096)  # seconds per routing decision in this process (health)
+from turnkv import serve_times
+
 KEEP_KEYS = 65536  # chain keys the router remembers (about 100 bytes each)
 ROOT = "turnkv.route/1"
 
@@ -143,7 +144,7 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         t0 = time.perf_counter()
         ranks = self._choose(candidate_replicas, pending_request)
         if "nth" not in _route(pending_request):
-            DECISIONS.append(time.perf_counter() - t0)
+            serve_times.DECISIONS.append(time.perf_counter() - t0)  # by the module (see serve_times)
         return ranks
 
     def _choose(self, candidate_replicas, pending_request):
