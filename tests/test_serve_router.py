@@ -5,7 +5,8 @@ Spec (oracle: a dict of which replica made which response): a request naming a
 router routed that request itself or only read the replica's published keys; when that replica is
 gone (not among Serve's candidates) every live replica is offered instead. A chained request's
 chain starts at its response, so two chains sending the same new input do not match each other.
-A stream whose replica died ends with one event each API's own SDK reads as its error.
+A stream whose replica died ends with one event each API's own SDK reads as its error. The
+front's health is ``ok`` only when every expected replica answers ``ok`` with its store answering.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("ray")
 
-from turnkv.serve_ray import failure_body, stream_failure
+from turnkv.serve_ray import failure_body, merge_health, stream_failure
 from turnkv.serve_router import AffinityRouter, response_key, route_of
 
 REPLICAS = ["r-a", "r-b", "r-c"]
@@ -115,3 +116,19 @@ def test_a_dead_replicas_stream_ends_with_its_apis_error_event():
         [(kind, ev)] = _events(stream_failure(path, 3, "gone"))
         assert kind is None and ErrorObject.model_validate(ev["error"]).code == "replica_failed"
     assert ErrorResponse.model_validate(failure_body("/v1/messages", "gone")).type == "error"
+
+
+def test_the_fronts_health_names_a_replica_whose_store_does_not_answer():
+    def replica(rid: str, degraded=None, status="ok") -> dict:
+        return {"replica": rid, "status": status, "disk": {"enabled": True, "degraded": degraded}}
+
+    assert merge_health([replica("a"), replica("b")], 2) == {
+        "status": "ok",
+        "replicas": 2,
+        "expected": 2,
+        "degraded": {},
+    }
+    down = merge_health([replica("a"), replica("b", "Redis redis://x is unreachable")], 2)
+    assert down["status"] == "degraded" and down["degraded"] == {"b": "Redis redis://x is unreachable"}
+    assert merge_health([replica("a")], 2)["status"] == "degraded"  # one did not answer
+    assert merge_health([replica("a"), replica("b", status="unavailable")], 2)["status"] == "degraded"

@@ -173,10 +173,7 @@ def _front(replicas_n: int):
         @api.get("/health")
         async def health(self):
             each = [{"replica": h["replica"], **json.loads(b)} for h, b in await self._each("/health")]
-            ok = bool(each) and all(e.get("status") == "ok" for e in each)
-            body = {"status": "ok" if ok else "degraded", "replicas": len(each), "expected": replicas_n}
-            body["router"] = serve_times.summary()
-            body["each"] = each
+            body = merge_health(each, replicas_n) | {"router": serve_times.summary(), "each": each}
             return JSONResponse(body, status_code=200 if each else 503)
 
         @api.get("/metrics")
@@ -247,6 +244,20 @@ def stream_failure(path: str, events: int, message: str) -> bytes:
     return (
         f"event: error\ndata: {body}\n\n" if path.startswith("/v1/messages") else f"data: {body}\n\n"
     ).encode()
+
+
+def merge_health(each: list[dict], expected: int) -> dict:
+    """The front's ``/health`` over its replicas' own: ``ok`` when all answered ``ok`` with their
+    stores answering; ``degraded`` names each replica's store that does not (a Redis down: they
+    serve from their bank and RAM tier meanwhile)."""
+    down = {e["replica"]: e["disk"]["degraded"] for e in each if (e.get("disk") or {}).get("degraded")}
+    ok = len(each) == expected and all(e.get("status") == "ok" for e in each) and not down
+    return {
+        "status": "ok" if ok else "degraded",
+        "replicas": len(each),
+        "expected": expected,
+        "degraded": down,
+    }
 
 
 def _merge_metrics(each: list[tuple[dict, bytes]]) -> str:
