@@ -40,7 +40,8 @@ def endpoint(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app(cfg, 2), name="turnkv", route_prefix="/")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    auth = {"authorization": "Bearer none"}  # the key the openai SDK sends: one namespace to the router
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=auth) as client:
         yield client
     serve.shutdown()
     ray.shutdown()
@@ -73,6 +74,7 @@ def test_follow_ups_land_on_their_replica_and_reuse_its_cache(endpoint):
         msgs.append({"role": "assistant", "content": text})
         msgs.append({"role": "user", "content": "And then?"})
         first.append((rid, usage))
+    assert len({rid for rid, _ in first}) == 2  # new conversations spread over both replicas
     for msgs, (rid, usage) in zip(
         convs, first, strict=True
     ):  # interleaved: every first turn, then follow-ups
@@ -109,6 +111,7 @@ def test_responses_chains_follow_their_previous_response_id(endpoint):
     """Only the new input and the id travel: the id's replica answers, from its own cache."""
     client = openai_client(endpoint)
     chains = [(system(20 + i), *respond(client, system(20 + i), f"Hi {i}")) for i in range(3)]
+    assert len({rid for _, rid, _ in chains}) == 2  # on both replicas
     for _ in range(2):  # interleaved, every chain the same new input
         for k, (instructions, rid, prev) in enumerate(chains):
             again, resp = respond(client, instructions, "And then?", prev.id)
@@ -147,9 +150,10 @@ def test_a_replica_killed_mid_stream(endpoint):
     while len(doomed.get("events", ())) < 3:  # it streams on the doomed replica
         time.sleep(0.05)
     side = [{"role": "user", "content": "Count to a hundred."}]
-    threads.append(threading.Thread(target=stream, args=(endpoint, side, "bystander", 48, other)))
-    threads[1].start()
-    while len(other.get("events", ())) < 3:  # the least loaded replica: the other one
+    bystander = next(f"by-{i}" for i in range(8) if chat(endpoint, side, session=f"by-{i}")[0] != rid)
+    threads.append(threading.Thread(target=stream, args=(endpoint, side, bystander, 48, other)))
+    threads[1].start()  # on the other replica, where its session is
+    while len(other.get("events", ())) < 3:
         time.sleep(0.05)
     [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(rid)]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)

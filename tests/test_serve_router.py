@@ -5,8 +5,9 @@ Spec (oracle: a dict of which replica made which response): a request naming a
 router routed that request itself or only read the replica's published keys; when that replica is
 gone (not among Serve's candidates) every live replica is offered instead. A chained request's
 chain starts at its response, so two chains sending the same new input do not match each other.
-A stream whose replica died ends with one event each API's own SDK reads as its error. The
-front's health is ``ok`` only when every expected replica answers ``ok`` with its store answering.
+New conversations on idle replicas are offered to each first in turn. A stream whose replica died
+ends with one event each API's own SDK reads as its error. The front's health is ``ok`` only when
+every expected replica answers ``ok`` with its store answering.
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ def test_a_follow_up_goes_where_its_response_was_made(steps, dead):
                 assert got == [maker[rid]]
             else:  # never made, or its maker is gone: the live replicas, least loaded first
                 assert sorted(got) == sorted(live)
+
+
+def test_new_conversations_on_idle_replicas_take_them_in_turn():
+    """Serve takes the first of equally loaded replicas: each is first in turn."""
+    r = router()
+    firsts = {
+        r._choose([Candidate(u) for u in REPLICAS], pending(follow_up(f"new_{i}")))[0][0] for i in range(3)
+    }
+    assert {c.replica_id.unique_id for c in firsts} == set(REPLICAS)
 
 
 def test_a_published_response_routes_without_the_router_having_sent_it():

@@ -13,7 +13,8 @@ id was made (at once: no wait for the replica's next publication).
 :class:`AffinityRouter` is Ray Serve's request-router extension point (``RequestRouter``). It
 ranks the replica holding the longest prefix of the request's chain first, then the others by
 queue length: Serve takes the first rank with a free slot (``max_ongoing_requests`` bounds each
-replica's queue), so a saturated holder falls back to the least loaded replica. What a replica
+replica's queue), so a saturated holder falls back to the least loaded replica (equals in turn,
+so that new conversations spread over idle replicas). What a replica
 holds is what the router sent it (known at once) joined with what each replica publishes
 (``record_routing_stats``: the chain keys it served and the response keys it made, newest last;
 a replacement replica publishes none). A replica that died is dropped from the tables when Serve
@@ -164,6 +165,10 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         published = {r.replica_id.unique_id: self._published(r) for r in ordered}
         rid = self.holders.best(lookup_keys(route), alive, published)
         rest = [r for r in ordered if r.replica_id.unique_id != rid]
+        if rest:  # Serve takes the least loaded of a rank, the first of equals: rotate the equals,
+            self._turn += 1  # or new conversations on idle replicas would all go to the first
+            k = self._turn % len(rest)
+            rest = rest[k:] + rest[:k]
         if rid is None:
             ranks = [rest]  # nobody holds it: Serve picks the less loaded of two
         else:
