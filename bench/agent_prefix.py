@@ -3,7 +3,7 @@ a set of tool definitions, for ``bench/agent_loop.py``.
 
 Real agents (Claude Code, Codex CLI) open every request with thousands of tokens that never change
 within a session: the instructions, the tool definitions (a JSON schema and a long usage note
-each) and the project's notes (an ``AGENTS.md``-like file). ``agent_prefix(tokens, count)`` builds
+each) and the project's notes (a project notes file, which both agents read into the prompt). ``agent_prefix(tokens, count)`` builds
 one of about ``tokens`` tokens of the served model's tokenizer: the instructions, then tools in
 order (``read_file`` always), then guideline sections, then lines of a deterministic repository map
 until the count reaches ``tokens``. ``count(system, tools)`` is the token count of the first
@@ -205,7 +205,7 @@ def repository_map(lines: int) -> str:
     """``lines`` lines of a deterministic map of a repository (path: what the file holds), the
     notes part of an agent's prefix."""
     rng = random.Random(0)
-    out = ["# Project notes (AGENTS.md)", "Where things are:"]
+    out = ["# Project notes", "Where things are:"]
     for _ in range(lines):
         a, b, c, d = (rng.choice(MAP_WORDS) for _ in range(4))
         out.append(f"- src/{a}/{b}_{c}.py: the {b} {c} of the {a}; see its {d} for the invariants")
