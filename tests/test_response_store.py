@@ -136,3 +136,5 @@ def test_a_chain_history_keeps_the_chain_ids_and_crosses_to_other_ranks():
     assert history.continued("something else") == tok.encode("something else")
     again = history_from_spec(history_spec(history), tok)
     assert again == history and again("ok") == history("ok")
+    messages_turn = ChatHistory(tok, messages, None, "hermes", 1, calls_as_input=True)
+    assert history_from_spec(history_spec(messages_turn), tok) == messages_turn  # keeps calls_as_input
