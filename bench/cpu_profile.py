@@ -102,7 +102,9 @@ def main() -> None:
         print(json.dumps(child(a.child, a.gen)))
         return
     print(f"load average before: {os.getloadavg()}")
-    cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    from report import cpu_name
+
+    cpu = cpu_name()  # the model and its vector extensions
     for t in (int(s) for s in a.threads.split(",")):
         out = subprocess.run(
             [sys.executable, __file__, "--child", str(t), "--gen", str(a.gen)],
