@@ -14,6 +14,12 @@ the activations' rounding (``quant_check.error_bound`` bounds it), as in llama.c
 A row's bits do not depend on the other rows of the call (see the C file's header), so a
 conversation's logits are the same alone and in company.
 
+A weight binds its packed matrix once (``Matrix``) and a call passes only the rows: fp32 rows as
+they are (the C rounds them to bf16 as ``.bfloat16()`` does) and, for o and down, the residual,
+which the C adds to its sums (a decode step makes ~120 calls; each torch op or ctypes argument
+saved is paid ~120 times a token). Each block prefetches the next block's bytes: a step's weights
+stream from memory, in T tile streams the hardware prefetcher follows too late.
+
 ``TURNKV_CPU_KERNEL=off`` or a failed build (``status()`` says why) keep torch's int4 kernel.
 """
 
