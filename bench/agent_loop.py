@@ -14,15 +14,26 @@ streamed token of text or tool arguments), and per API the cached fraction from 
 - ``messages``: ``/v1/messages`` with ``tool_use`` / ``tool_result`` blocks resent (the
   ``anthropic`` SDK).
 
-The tool choice is forced (``required`` / ``any``) to one call a turn (parallel calls off: the
-loop answers one call, and a client that sends back fewer calls than the model wrote changes the
-history after the first one), so every turn is a tool call whatever the weights; answers are greedy. Each API's system prompt names the API, so no loop reuses another's
-rows (their conversations differ from the first tokens on).
+The tool choice is forced to one ``read_file`` call a turn (by name, whatever other tools the
+prefix defines; parallel calls off: the loop answers one call, and a client that sends back fewer
+calls than the model wrote changes the history after the first one), so every turn is a tool call
+whatever the weights; answers are greedy. ``read_file`` by name rather than any tool: the default
+model, free to choose, picks ``todo_write`` and lists todos until ``--max-tokens`` cuts the call,
+and a cut call's arguments are not JSON (the ``anthropic`` SDK sends back its own partial parse of
+them, which differs from the text generated). Each API's system prompt names the API, so no loop
+reuses another's rows (their conversations differ from the first tokens on).
 
-    python bench/agent_loop.py             # default model (--chat-template chatml-tools), CPU, in process
+Every request opens with the same agent prefix (``bench/agent_prefix.py``): a system prompt and
+tool definitions (read_file, edit_file, bash, grep, ...) of about ``--prefix-tokens`` tokens, sent
+through each API's own tools field, as a real agent's thousands of fixed tokens; ``--prefix-tokens
+0`` is the short mode (one sentence, read_file alone). Token counts are the served model's (its
+``/tokenize``), so ``--tool-tokens`` means the same on any tokenizer.
+
+    python bench/agent_loop.py             # default model (--chat-template chatml-tools), CPU, in process:
+                                           # a 3,000-token prefix, 150-token tool outputs (20 turns fit 8,192)
     python bench/agent_loop.py --url http://127.0.0.1:8000      # a running turnkv serve
-    python bench/agent_loop.py --model random:llama3-8b --device cuda --bank-bytes 40G --tool-tokens 80
-                                           # random weights, byte tokenizer: 80 words ~ 500 tokens
+    python bench/agent_loop.py --model random:llama3-8b --device cuda --bank-bytes 40G \
+        --prefix-tokens 10000 --tool-tokens 500         # random weights (byte tokenizer), an H200
 
 Prints a table, writes ``bench/out/agent_loop.json`` and ``bench/out/agent_loop.png``.
 """
@@ -40,31 +51,22 @@ import statistics
 import threading
 import time
 
-from load_counts import cpu_name
+from agent_prefix import agent_prefix
 from report import save
 
-SYSTEM = "You are a coding agent ({api} session). Use the read_file tool to inspect the repository, one file per turn."
 TASK = "Find where the session bank evicts entries and summarise the policy."
-TOOL = {
-    "name": "read_file",
-    "description": "Read a file of the repository and return its text.",
-    "parameters": {
-        "type": "object",
-        "properties": {"path": {"type": "string", "description": "path inside the repository"}},
-        "required": ["path"],
-    },
-}
 WORDS = (
     "def return self bank entry evict budget bytes lease snapshot segment prefix tokens namespace "
     "admit refuse order least recently used session protect insert lookup tree radix block"
 ).split()
 
 
-def tool_output(turn: int, tokens: int) -> str:
-    """Deterministic fake file text of about ``tokens`` tokens (a word is about one token)."""
+def tool_output(turn: int, words: int) -> str:
+    """Deterministic fake file text of about ``words`` words (``calibrate`` finds how many make
+    ``--tool-tokens`` tokens of the served tokenizer)."""
     rng = random.Random(turn)
     lines = []
-    while sum(len(line.split()) for line in lines) < tokens:
+    while sum(len(line.split()) for line in lines) < words:
         lines.append("    " + " ".join(rng.choice(WORDS) for _ in range(10)))
     return f"# file {turn}\n" + "\n".join(lines)
 
@@ -109,7 +111,7 @@ def chat_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) 
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
     messages: list[dict] = [
-        {"role": "system", "content": SYSTEM.format(api="chat")},
+        {"role": "system", "content": args.prefix.system.format(api="chat")},
         {"role": "user", "content": TASK},
     ]
     for turn in range(args.turns):
@@ -117,8 +119,8 @@ def chat_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) 
         stream = client.chat.completions.create(
             model=model,
             messages=messages,
-            tools=[{"type": "function", "function": TOOL}],
-            tool_choice="required",
+            tools=[{"type": "function", "function": t} for t in args.prefix.tools],
+            tool_choice={"type": "function", "function": {"name": "read_file"}},
             parallel_tool_calls=False,
             max_tokens=args.max_tokens,
             temperature=0,
@@ -149,16 +151,18 @@ def chat_loop(url: str, model: str, args: argparse.Namespace, rows: list[dict]) 
             }
         )
         messages.append(
-            {"role": "tool", "tool_call_id": call["id"], "content": tool_output(turn, args.tool_tokens)}
+            {"role": "tool", "tool_call_id": call["id"], "content": tool_output(turn, args.words)}
         )
-        rows.append(
+        _add(
+            rows,
             _row(
                 turn,
                 usage.prompt_tokens,
                 usage.prompt_tokens_details.cached_tokens,
                 usage.completion_tokens,
                 ttft,
-            )
+                call["name"],
+            ),
         )
 
 
@@ -166,16 +170,16 @@ def responses_loop(url: str, model: str, args: argparse.Namespace, rows: list[di
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0)
-    tools = [{"type": "function", **TOOL}]
+    tools = [{"type": "function", **t} for t in args.prefix.tools]
     prev, next_input = None, TASK
     for turn in range(args.turns):
         t0, ttft, final = time.perf_counter(), None, None
         with client.responses.stream(
             model=model,
             input=next_input,
-            instructions=SYSTEM.format(api="responses"),
+            instructions=args.prefix.system.format(api="responses"),
             tools=tools,
-            tool_choice="required",
+            tool_choice={"type": "function", "name": "read_file"},
             parallel_tool_calls=False,
             max_output_tokens=args.max_tokens,
             temperature=0,
@@ -192,14 +196,20 @@ def responses_loop(url: str, model: str, args: argparse.Namespace, rows: list[di
             {
                 "type": "function_call_output",
                 "call_id": call.call_id,
-                "output": tool_output(turn, args.tool_tokens),
+                "output": tool_output(turn, args.words),
             }
         ]
         usage = final.usage
-        rows.append(
+        _add(
+            rows,
             _row(
-                turn, usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens, ttft
-            )
+                turn,
+                usage.input_tokens,
+                usage.input_tokens_details.cached_tokens,
+                usage.output_tokens,
+                ttft,
+                call.name,
+            ),
         )
 
 
@@ -207,16 +217,19 @@ def messages_loop(url: str, model: str, args: argparse.Namespace, rows: list[dic
     import anthropic
 
     client = anthropic.Anthropic(base_url=url, api_key="bench", max_retries=0)
-    tool = {"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}
+    tools = [
+        {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+        for t in args.prefix.tools
+    ]
     messages: list[dict] = [{"role": "user", "content": TASK}]
     for turn in range(args.turns):
         t0, ttft = time.perf_counter(), None
         with client.messages.stream(
             model=model,
-            system=SYSTEM.format(api="messages"),
+            system=args.prefix.system.format(api="messages"),
             messages=messages,
-            tools=[tool],
-            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            tools=tools,
+            tool_choice={"type": "tool", "name": "read_file", "disable_parallel_tool_use": True},
             max_tokens=args.max_tokens,
             extra_body={"temperature": 0},  # the anthropic 2.x SDK has no sampling arguments
             metadata={"user_id": "agent-messages"},
@@ -236,19 +249,30 @@ def messages_loop(url: str, model: str, args: argparse.Namespace, rows: list[dic
                     {
                         "type": "tool_result",
                         "tool_use_id": use.id,
-                        "content": tool_output(turn, args.tool_tokens),
+                        "content": tool_output(turn, args.words),
                     }
                 ],
             }
         )
         u = final.usage
         prompt = u.input_tokens + (u.cache_read_input_tokens or 0)  # Anthropic counts them apart
-        rows.append(_row(turn, prompt, u.cache_read_input_tokens or 0, u.output_tokens, ttft))
+        _add(rows, _row(turn, prompt, u.cache_read_input_tokens or 0, u.output_tokens, ttft, use.name))
 
 
-def _row(turn: int, prompt: int, cached: int, completion: int, ttft: float | None) -> dict:
+def _add(rows: list[dict], row: dict) -> None:
+    """Keeps a turn's row and prints it (a long run shows its progress; the JSON comes at the end)."""
+    rows.append(row)
+    print(
+        f"  turn {row['turn']:>2}: prompt {row['prompt_tokens']:>6} cached {row['cached_tokens']:>6} "
+        f"prefilled {row['prefilled']:>5} TTFT {row['ttft_s'] * 1e3:>6.0f}ms {row['tool']}",
+        flush=True,
+    )
+
+
+def _row(turn: int, prompt: int, cached: int, completion: int, ttft: float | None, tool: str) -> dict:
     return {
         "turn": turn + 1,
+        "tool": tool,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "completion_tokens": completion,
@@ -272,6 +296,7 @@ def summary(rows: list[dict]) -> dict:
         "cached_fraction_from_turn_2": sum(r["cached_tokens"] for r in later) / prompt if prompt else 0.0,
         "history_reused_from_turn_2": reused / history if history else 0.0,
         "prefilled_total": sum(r["prefilled"] for r in rows),
+        "prefilled_per_turn_from_2": statistics.mean(r["prefilled"] for r in later) if later else 0.0,
         "prompt_total": sum(r["prompt_tokens"] for r in rows),
         "ttft_p50_s": statistics.median(r["ttft_s"] for r in later) if later else float("nan"),
         "last_prompt_tokens": rows[-1]["prompt_tokens"],
@@ -292,10 +317,45 @@ def plot(results: dict, plt, path) -> None:
     fig.savefig(path)
 
 
+KEY = {"Authorization": "Bearer bench"}
+
+
 def _served_model(url: str) -> str:
     import httpx
 
-    return httpx.get(url + "/v1/models", headers={"Authorization": "Bearer bench"}).json()["data"][0]["id"]
+    return httpx.get(url + "/v1/models", headers=KEY).json()["data"][0]["id"]
+
+
+def _tokens(url: str, body: dict) -> int:
+    """The served tokenizer's count of ``body`` (``/tokenize``, as the generation routes prefill)."""
+    import httpx
+
+    answer = httpx.post(url + "/tokenize", json=body, headers=KEY, timeout=60)
+    answer.raise_for_status()
+    return answer.json()["count"]
+
+
+def prefix_counter(url: str):
+    """``agent_prefix``'s count: the first request's prompt tokens for a system text and tools."""
+
+    def count(system: str, tools: list[dict]) -> int:
+        messages = [
+            {"role": "system", "content": system.format(api="chat")},
+            {"role": "user", "content": TASK},
+        ]
+        return _tokens(
+            url, {"messages": messages, "tools": [{"type": "function", "function": t} for t in tools]}
+        )
+
+    return count
+
+
+def words_for(url: str, tokens: int) -> int:
+    """How many words of ``tool_output`` make about ``tokens`` tokens of the served tokenizer
+    (the default model's BPE: ~1.2 a word; the random models' byte tokenizer: ~6)."""
+    sample = tool_output(0, 1000)
+    per_word = _tokens(url, {"prompt": sample, "add_special_tokens": False}) / len(sample.split())
+    return max(1, round(tokens / per_word))
 
 
 LOOPS = {"chat": chat_loop, "responses": responses_loop, "messages": messages_loop}
@@ -316,18 +376,39 @@ def main() -> None:
     ap.add_argument("--bank-bytes", default="2G", help="served in process: the session bank's budget")
     ap.add_argument("--apis", default="chat,responses,messages")
     ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--tool-tokens", type=int, default=500)
+    ap.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=3000,
+        help="the fixed agent prefix (system prompt and tool definitions) in tokens; 0: one sentence "
+        "and read_file alone",
+    )
+    ap.add_argument("--tool-tokens", type=int, default=150, help="each fake tool output, in tokens")
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
+    setup = dict(vars(args))
     url, server = (
         (args.url, None)
         if args.url
         else serve_in_process(args.model, args.chat_template, args.device, args.bank_bytes)
     )
     model = _served_model(url)
-    results = {"args": vars(args), "cpu": cpu_name(), "apis": {}}
     try:
+        args.prefix = agent_prefix(args.prefix_tokens, prefix_counter(url))
+        args.words = words_for(url, args.tool_tokens)
+        results = {
+            "args": setup,
+            "prefix": {"tokens": args.prefix.tokens, "tools": [t["name"] for t in args.prefix.tools]},
+            "tool_output_words": args.words,
+            "apis": {},
+        }
+        print(
+            f"prefix: {args.prefix.tokens} tokens, {len(args.prefix.tools)} tools; tool output: "
+            f"{args.words} words (~{args.tool_tokens} tokens)",
+            flush=True,
+        )
         for api in args.apis.split(","):
+            print(api, flush=True)
             rows: list[dict] = []
             stopped = run_until_full(LOOPS[api], url, model, args, rows)
             results["apis"][api] = {"turns": rows, "stopped": stopped, **summary(rows)}
@@ -336,13 +417,13 @@ def main() -> None:
             server.should_exit = True
     print(
         f"{'api':<10} {'turns':>5} {'last prompt':>11} {'cached from turn 2':>18} "
-        f"{'history reused':>14} {'prefilled':>9} {'TTFT p50':>9}"
+        f"{'history reused':>14} {'prefilled':>9} {'per turn':>8} {'TTFT p50':>9}"
     )
     for api, run in results["apis"].items():
         print(
             f"{api:<10} {len(run['turns']):>5} {run['last_prompt_tokens']:>11} "
-            f"{run['cached_fraction_from_turn_2']:>17.1%} {run['history_reused_from_turn_2']:>13.1%} {run['prefilled_total']:>9} {run['ttft_p50_s'] * 1e3:>7.0f}ms"
-            + (f"  ({run['stopped']})" if run["stopped"] else "")
+            f"{run['cached_fraction_from_turn_2']:>17.1%} {run['history_reused_from_turn_2']:>13.1%} {run['prefilled_total']:>9} {run['prefilled_per_turn_from_2']:>8.0f} "
+            f"{run['ttft_p50_s'] * 1e3:>7.0f}ms" + (f"  ({run['stopped']})" if run["stopped"] else "")
         )
     save(results, "agent_loop", plot)
 

@@ -21,6 +21,11 @@ bandwidth measured in this run (``roof_tok_s``; null on a CPU).
     python bench/decode.py --shape llama3-8b --device cuda --batch 1,8,32 --context 8192 --gen 128 --json
     python bench/decode.py --shape llama3-8b --device cuda --batch 1 --context 8192 --prefill 32768,65536
 
+Several engines (``--deterministic on,off``, ``--kv-dtype``, ``--layouts`` lists) decode step for
+step alternately on a CPU (``--interleave``, ``bench/decode_run.py``: a shared machine's load then
+falls on both alike), each run timed once its thread governor has chosen its count; the
+``--deterministic`` A/B reports the median speed ratio of the interleaved step pairs.
+
 Prints a table, then (``--json``) one JSON object as its last line; writes bench/out/<tag>.json/.png.
 """
 
@@ -38,6 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from decode_run import DecodeRun, paired_ratio, run_decode, run_interleaved
 from report import cpu_name, save
 
 from turnkv.attention import cpu_native
@@ -123,101 +129,6 @@ def synthetic_history(engine: Engine, context: int, seed: int) -> SegmentedSnaps
     return SegmentedSnapshot(refs)
 
 
-# -- decode -------------------------------------------------------------------------------------
-def run_decode(engine: Engine, histories: list[SegmentedSnapshot], args, ahead_mode: str = "auto") -> dict:
-    b = len(histories)
-    device = engine.shape.device
-    # room for the histories, a contiguous copy of each, and the turns' own rows
-    held = sum(seg.nbytes for h in histories for seg in h.segments())
-    bank = new_bank(
-        engine, 2 * held + b * (args.new + args.gen + 64) * engine.shape.bytes_per_row + (1 << 30)
-    )
-    g = torch.Generator().manual_seed(7)
-    vocab = engine.loaded.config.vocab_size
-    eos = set(engine.tokenizer.eos_token_ids)
-    ahead = {"auto": run_ahead(engine.cfg, engine), "on": True, "off": False}[ahead_mode]
-    sched = Scheduler(engine, bank, max_running=b, max_batch_tokens=b * args.new, run_ahead=ahead)
-    for i, snap in enumerate(histories):
-        bank.insert(f"c{i}", snap)
-        new = [
-            t if t not in eos else (t + 1) % vocab
-            for t in torch.randint(0, vocab, (args.new,), generator=g).tolist()
-        ]
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i, ignore_eos=True)
-        req = TurnRequest([*snap.tokens, *new], params, max_tokens=args.gen, namespace=f"c{i}")
-        sched.submit(req, lambda ev: None)
-    while not (sched.running and all(e.turn.phase == "decode" for e in sched.running)) and sched.busy:
-        sched.step()  # admission, restore and the follow-ups' prefill
-    for _ in range(min(args.warmup, args.gen // 4)):  # graph captures, contiguous first-use copies
-        sched.step()
-    cached = sum(e.turn.stats.cached_tokens for e in sched.running)
-    steps, waited0 = 0, sched.pipeline.stats.wait_s
-    gpu_ms = None
-    # the loop is timed whole: with run-ahead (CUDA graphs) a step() launches one decode step and
-    # takes the previous one's tokens, so per-call timing with a sync around it would undo it
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while (
-        sched.running
-        and all(e.turn.phase == "decode" for e in sched.running)
-        and steps < args.gen - args.warmup - 8
-    ):
-        sched.step()
-        steps += 1
-    t_all = time.perf_counter() - t0
-    host = t_all - (sched.pipeline.stats.wait_s - waited0)
-    if device.type == "cuda" and sched.running:
-        gpu_ms = profile_gpu_ms(sched, 4, args.profile_top)
-    if device.type != "cuda" and args.profile_top and sched.running:
-        profile_cpu_ops(sched, 4, args.profile_top)
-    if args.host_profile and sched.running:
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(min(8, args.gen // 8)):
-            sched.step()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.host_profile)
-    while sched.busy:
-        sched.step()
-    return {"steps": steps, "wall_s": t_all, "host_s": host, "gpu_ms": gpu_ms, "cached": cached,
-            "graph_replays": engine.graphs.replays, "run_ahead_steps": sched.pipeline.stats.ahead_steps}  # fmt: skip
-
-
-def profile_gpu_ms(sched: Scheduler, n: int, top: int = 0) -> float:
-    """Kernel time per step over ``n`` steps, from torch.profiler's device times; prints the
-    ``top`` kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            if not sched.running:
-                break
-            sched.step()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
-    for e in events[:top]:
-        print(f"    {e.self_device_time_total / n:>9.1f} us/step {e.count // n:>5}x  {e.key[:90]}")
-    return sum(e.self_device_time_total for e in events) / 1e3 / n
-
-
-def profile_cpu_ops(sched: Scheduler, n: int, top: int) -> None:
-    """Prints the ``top`` torch ops by self CPU time per step over ``n`` steps (a CPU run)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(n):
-            if not sched.running:
-                break
-            sched.step()
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    for e in events[:top]:
-        print(f"    {e.self_cpu_time_total / n / 1e3:>9.2f} ms/step {e.count // n:>6}x  {e.key[:80]}")
-
-
 # -- prefill ------------------------------------------------------------------------------------
 def run_prefill(engine: Engine, n: int, chunk: int, flops_rate: float | None, args) -> dict:
     mc = engine.loaded.config
@@ -286,6 +197,12 @@ def main() -> None:
         help="on | off, or on,off to A/B them (one model loaded, an engine each)",
     )
     ap.add_argument(
+        "--interleave",
+        default="auto",
+        help="several engines (e.g. --deterministic on,off): alternate their decode steps one by one, each "
+        "timed alone, and report paired ratios (auto: on a CPU; bench/decode_run.py says why) | on | off",
+    )
+    ap.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else each turn samples (seeded)"
     )
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -348,6 +265,11 @@ def measure(args, group=None) -> dict:
             engines[label] = e
     cpu_int4.set_enabled(True)
     first = next(iter(engines.values()))
+    for e in engines.values():
+        # torch's thread count is the process's: one governor for all (a server has one engine);
+        # each with its own, two engines of an A/B kept different counts on a loaded VM, one a
+        # spinning 2-thread team at half the other's speed (docs/BENCHMARKS.md, issue 33)
+        e.threads = first.threads
     device = first.shape.device
     capacity = kv_capacity(first)  # before the histories take memory, as a server would see it
     bw = copy_bandwidth(device)
@@ -362,16 +284,37 @@ def measure(args, group=None) -> dict:
         from turnkv import cbuild
 
         say(f"# CPU {cpu_name()}, {torch.get_num_threads()} thread(s), C kernels {cbuild.variant()}")
-    runs = []
+    runs, pairs_out = [], []
     for b in [int(x) for x in args.batch.split(",") if x]:
         histories = {}  # per KV dtype: rows of one dtype restore only into caches of it
         for e in engines.values():
             if e.shape.dtype not in histories:
                 histories[e.shape.dtype] = [synthetic_history(e, args.context, seed=i) for i in range(b)]
         kernels = getattr(args, "cpu_kernel", "auto").split(",")
-        for (name, engine), ahead, kern in itertools.product(
-            engines.items(), args.run_ahead.split(","), kernels
-        ):
+        combos = list(itertools.product(engines.items(), args.run_ahead.split(","), kernels))
+        mode = getattr(args, "interleave", "off")
+        # engines only: the C-kernel switch is process-wide, and run-ahead names no engine apart
+        interleave = len(combos) == len(engines) > 1 and (
+            mode == "on" or (mode == "auto" and device.type == "cpu")
+        )
+        if interleave:
+            done, pairs = run_interleaved(
+                [DecodeRun(e, histories[e.shape.dtype], args, ahead) for (_, e), ahead, _ in combos]
+            )
+            steps = {n: p for ((n, _), _, _), p in zip(combos, pairs, strict=True)}
+            for ((name, e), ahead, _), r in zip(combos, done, strict=True):
+                runs.append(_run_row(name, b, args, e, ahead, r, wbytes, bw))
+                _say_run(say, runs[-1], name, ahead)
+            for name in steps:  # a --deterministic A/B: each on engine against its off twin
+                twin = name.replace("det-on", "det-off")
+                if "det-on" in name and twin in steps:
+                    ab = {"batch": b, "a": name, "b": twin, **paired_ratio(steps[name], steps[twin])}
+                    pairs_out.append(ab)
+                    say(f"{name} speed / {twin}: x{ab['median']} (quartiles {ab['q1']}-{ab['q3']}, "
+                        f"{ab['pairs']} interleaved step pairs)", flush=True)  # fmt: skip
+            del histories
+            continue
+        for (name, engine), ahead, kern in combos:
             if kern != "auto":
                 cpu_native.set_enabled(kern == "c")
                 name = f"{name}+{kern}" if len(kernels) > 1 else name
@@ -383,24 +326,8 @@ def measure(args, group=None) -> dict:
                 traceback.print_exc()
                 runs.append({"layout": name, "batch": b, "context": args.context, "error": repr(exc)})
                 continue
-            ctx = args.context + args.new + args.gen // 2
-            kv = b * ctx * engine.shape.bytes_per_row
-            roof = b / ((wbytes + kv) / bw) if bw else None
-            tok_s = b * r["steps"] / r["wall_s"] if r["wall_s"] else 0.0
-            runs.append({
-                "layout": name, "batch": b, "context": args.context, "tok_s": round(tok_s, 2),
-                "step_ms": round(1e3 * r["wall_s"] / max(r["steps"], 1), 3),
-                "host_ms": round(1e3 * r["host_s"] / max(r["steps"], 1), 3),
-                "gpu_ms": r["gpu_ms"] and round(r["gpu_ms"], 3),
-                "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
-                "cached_tokens": r["cached"], "steps": r["steps"], "graph_replays": r["graph_replays"],
-                "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
-                "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(), "cpu_int4": engine.info.weights["matmul"],
-            })  # fmt: skip
-            x = runs[-1]
-            say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {args.context:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
-                f"  host {x['host_ms']:>7.3f} ms  gpu {x['gpu_ms']} ms  roof {x['roof_tok_s']} tok/s ({x['roof_pct']} %)",
-                flush=True)  # fmt: skip
+            runs.append(_run_row(name, b, args, engine, ahead, r, wbytes, bw))
+            _say_run(say, runs[-1], name, ahead)
         del histories
     prefills = []
     timed = list(engines.items()) if len(dets) > 1 else [("", first)]  # the A/B: each engine
@@ -428,7 +355,35 @@ def measure(args, group=None) -> dict:
             "all_reduce": group.health.all_reduce if group is not None else None,
             "attention": info.verdict.route, "graphs": info.graphs, "copy_bytes_s": bw,
             "matmul_flop_s": rate, "weight_bytes_per_step": wbytes, "kv_capacity": capacity,
-            "runs": runs, "prefill": prefills}  # fmt: skip
+            "runs": runs, "interleaved_ab": pairs_out, "prefill": prefills}  # fmt: skip
+
+
+def _run_row(name: str, b: int, args, engine: Engine, ahead: str, r: dict, wbytes: int, bw) -> dict:
+    """One run's row of the table and the JSON."""
+    ctx = args.context + args.new + args.gen // 2
+    kv = b * ctx * engine.shape.bytes_per_row
+    roof = b / ((wbytes + kv) / bw) if bw else None
+    tok_s = b * r["steps"] / r["wall_s"] if r["wall_s"] else 0.0
+    med = r["median_step_s"]
+    return {
+        "layout": name, "batch": b, "context": args.context, "tok_s": round(tok_s, 2),
+        "step_ms": round(1e3 * r["wall_s"] / max(r["steps"], 1), 3),
+        "median_step_ms": med and round(1e3 * med, 3),
+        "host_ms": round(1e3 * r["host_s"] / max(r["steps"], 1), 3),
+        "gpu_ms": r["gpu_ms"] and round(r["gpu_ms"], 3),
+        "roof_tok_s": roof and round(roof, 2), "roof_pct": roof and round(100 * tok_s / roof, 1),
+        "cached_tokens": r["cached"], "steps": r["steps"], "settle_steps": r["settle_steps"],
+        "threads": r["threads"], "graph_replays": r["graph_replays"],
+        "run_ahead": ahead, "run_ahead_steps": r["run_ahead_steps"],
+        "kv_dtype": engine.info.kv_dtype, "cpu_kernel": cpu_native.status(), "cpu_int4": engine.info.weights["matmul"],
+    }  # fmt: skip
+
+
+def _say_run(say, x: dict, name: str, ahead: str) -> None:
+    b = x["batch"]
+    say(f"{name:>10} {'ahead ' + ahead if ahead != 'auto' else '':>9} batch {b:>3} ctx {x['context']:>6}: {x['tok_s']:>9.1f} tok/s  step {x['step_ms']:>8.3f} ms"
+        f"  host {x['host_ms']:>7.3f} ms  gpu {x['gpu_ms']} ms  roof {x['roof_tok_s']} tok/s ({x['roof_pct']} %)",
+        flush=True)  # fmt: skip
 
 
 def kv_capacity(engine: Engine) -> dict:

@@ -14,8 +14,14 @@ down in turn, a fresh shared block store each):
 
 Per variant: output tok/s (completion tokens over wall time), TTFT p50/p99 at the client, the
 cached fraction of follow-ups (cached / prompt tokens, turns after the first), and the router's
-overhead per request (the front's route computation plus the router's decision: p50/p99 from
-``/health.router``).
+overhead per request: the front's route computation (``route_of``) and the router's decision
+(``AffinityRouter.choose_replicas``), p50/p99 from ``/health.router``. For the N-affinity variant
+also the whole endpoint's cost per request over calling a replica directly (``--probe`` rounds):
+each conversation's last request, made invalid (``max_tokens: 0``, a 400 from the replica's
+validation, so the model does not hide the routing) is sent through the endpoint (HTTP proxy,
+front, route, router, replica) and straight to a replica's ``forward`` through a Serve handle
+from this process (no front, no affinity decision), interleaved; p50/p99 of each and their
+difference.
 
     python bench/replicas.py                        # default model on the CPU, 2 replicas
     python bench/replicas.py --replicas 2 --device cuda --model random:llama3-8b
@@ -105,7 +111,7 @@ def workload(base: str, conversations: int, turns: int, clients: int, words: int
     prompt = sum(r["usage"]["prompt_tokens"] for r in follow)
     ttfts = sorted(r["ttft"] for r in rows)
     out = sum(r["usage"]["completion_tokens"] for r in rows)
-    return {
+    return convs, {
         "requests": len(rows),
         "out_tok_s": out / wall,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
@@ -113,6 +119,39 @@ def workload(base: str, conversations: int, turns: int, clients: int, words: int
         "cached_fraction": cached / max(prompt, 1),
         "wall_s": wall,
     }
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def probe(base: str, convs: list[list[dict]], rounds: int) -> dict:
+    """ms per request through the endpoint and straight to a replica (see the module docstring)."""
+    handle = serve.get_deployment_handle("turnkv-replica", app_name="turnkv").options(stream=True)
+    bodies = [json.dumps({"model": "default", "messages": c, "max_tokens": 0}).encode() for c in convs]
+    headers = [("host", "127.0.0.1"), ("content-type", "application/json")]
+    via, direct = [], []
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for i in range(rounds * len(bodies)):
+            body = bodies[i % len(bodies)]
+            t0 = time.perf_counter()
+            r = http.post("/v1/chat/completions", content=body, headers=dict(headers))
+            via.append(time.perf_counter() - t0)
+            assert r.status_code == 400, r.text
+            req = {"method": "POST", "path": "/v1/chat/completions", "query": "", "headers": headers}
+            t0 = time.perf_counter()
+            head, *_ = list(handle.forward.remote(req | {"body": body}, {"nth": i}))
+            direct.append(time.perf_counter() - t0)
+            assert head["status"] == 400, head
+    row = {"requests": len(via)}
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        row |= {
+            f"endpoint_{name}_ms": 1000 * quantile(via, q),
+            f"direct_{name}_ms": 1000 * quantile(direct, q),
+        }
+        row[f"extra_{name}_ms"] = row[f"endpoint_{name}_ms"] - row[f"direct_{name}_ms"]
+    return row
 
 
 def main() -> None:
@@ -126,6 +165,7 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=300)
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--port", type=int, default=8471)
+    ap.add_argument("--probe", type=int, default=40, help="rounds over the conversations (0: no probe)")
     a = ap.parse_args()
     gpus = 1 if a.device.startswith("cuda") else 0
     ray.init(include_dashboard=False, logging_level="error")
@@ -144,7 +184,9 @@ def main() -> None:
             cfg = EngineConfig(model=a.model, device=a.device, threads=threads, no_disk=True)
         serve.run(app(cfg, n, gpus, policy), name="turnkv", route_prefix="/")
         base = f"http://127.0.0.1:{a.port}"
-        row = workload(base, a.conversations, a.turns, a.clients, a.system_words, a.answer_tokens)
+        convs, row = workload(base, a.conversations, a.turns, a.clients, a.system_words, a.answer_tokens)
+        if name.endswith("affinity") and a.probe:
+            row["probe"] = probe(base, convs, a.probe)
         row["router"] = httpx.get(base + "/health", timeout=60).json()["router"]
         results["variants"][name] = row
         serve.delete("turnkv")
@@ -153,15 +195,25 @@ def main() -> None:
     ray.shutdown()
     one = results["variants"]["1 replica"]
     print(
-        f"\n{'variant':<18}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'cached':>8}{'route p50':>10}{'p99':>8}"
+        f"\n{'variant':<18}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'cached':>8}"
+        f"{'route p50/p99':>16}{'decide p50/p99':>16}"
     )
     for name, r in results["variants"].items():
         rt = r["router"]
         print(
             f"{name:<18}{r['out_tok_s']:>10.1f}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms"
-            f"{r['cached_fraction']:>8.3f}{rt['route_p50_ms'] or 0:>8.3f}ms{rt['route_p99_ms'] or 0:>6.3f}ms"
-            f"   x{r['out_tok_s'] / one['out_tok_s']:.2f} tok/s"
+            f"{r['cached_fraction']:>8.3f}{rt['route_p50_ms'] or 0:>8.3f}/{rt['route_p99_ms'] or 0:.3f}ms"
+            f"{rt['decide_p50_ms'] or 0:>8.3f}/{rt['decide_p99_ms'] or 0:.3f}ms"
+            f"   x{r['out_tok_s'] / one['out_tok_s']:.2f} tok/s ({rt['decisions']} decisions)"
         )
+    for name, r in results["variants"].items():
+        if pr := r.get("probe"):
+            print(
+                f"\n{name}, {pr['requests']} invalid requests (400): endpoint p50 {pr['endpoint_p50_ms']:.2f} ms,"
+                f" p99 {pr['endpoint_p99_ms']:.2f} ms; straight to a replica p50 {pr['direct_p50_ms']:.2f} ms,"
+                f" p99 {pr['direct_p99_ms']:.2f} ms; the endpoint's extra p50 {pr['extra_p50_ms']:.2f} ms,"
+                f" p99 {pr['extra_p99_ms']:.2f} ms"
+            )
     save(results, "replicas", plot)
 
 

@@ -162,6 +162,8 @@ def summarize(rows: list[dict], errors: list[str], wall: float, before: dict, af
         "budget": s1.get("budget"),
         "jit_after_ready": s1.get("jit_after_ready"),
         "jit_during": (s1.get("jit_after_ready") or 0) - (s0.get("jit_after_ready") or 0),
+        "jit_late": s1.get("jit_late"),  # the variants compiled after ready, in words
+        "graph_misses": s1.get("graph_misses"),  # steps run eagerly: their keys were not captured
     }
 
 
@@ -184,6 +186,9 @@ def run_variant(variant: str, args, cache: str, base: str) -> dict:
     out = {"variant": variant, "ready_s": round(ready, 2), "startup_line": srv.startup_line()}
     out |= summarize(rows, errors, wall, before, after)
     out["warm_pass"] = warm
+    out["tiers"] = {k: after.get(k) for k in ("ram", "disk")}  # writes done/dropped, restores
+    noted = ("warn", "error", "compiled", "failed")  # what the server logged: late compiles, faults
+    out["server_log"] = [x for x in srv.lines if any(w in x.lower() for w in noted)][:40]
     if errors:
         out["server_tail"] = srv.lines[-20:]
     return out

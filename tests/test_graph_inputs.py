@@ -3,14 +3,16 @@ prompt rows is captured at, and its inputs laid out for the graph's padded rows.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnkv.attention.segment_table import ROW_BUCKETS, row_bucket
-from turnkv.engine.graphs import padded_inputs
+from turnkv.engine.graphs import GraphStep, StepGraphs, padded_inputs
 from turnkv.engine.step import Window, host_inputs
 from turnkv.kv.cache import KVWindow
+from turnkv.models.matmul import MatmulPlan
 
 
 @given(st.integers(1, 9000))
@@ -55,3 +57,20 @@ def test_padded_inputs_keep_every_real_word_where_the_graph_reads_it(shape, extr
     starts = [sum(len(w.tokens) for w in windows[:i]) for i in range(len(windows))]
     assert feeds[: len(fed)].tolist() == [starts[i] for i in fed]
     assert all(rows[offsets[i]] < n for i in range(len(windows)) if windows[i].logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_replays_logits_are_the_callers_own_not_the_graphs_buffer(dtype):
+    """A graph's output buffer is rewritten by its next replay (issue 33: a test's reference row,
+    kept across steps, changed under it): the step's fp32 logits are a tensor of their own, the
+    real rows of the buffer upcast (bf16: the upcast every step makes anyway)."""
+    windows = [Window(_Cache(), [3], 1), Window(_Cache(), [4, 5], 1)]
+    kv = [KVWindow((), 9, 1), KVWindow((), 0, 2)]
+    staged = GraphStep(windows, kv, (4, 4, None, False), None, None, 0, 3, 2, [0, 1])
+    buffer = torch.randn(4, 8).to(dtype)  # [padded logit rows, V] in the compute dtype
+    inputs = torch.zeros(16, dtype=torch.int64)
+    res = StepGraphs._result(staged, buffer, inputs[:4], inputs[4:8], inputs[8:12], MatmulPlan())
+    want = buffer[:2].float().clone()
+    buffer.fill_(7.0)  # the next replay of this graph
+    assert res.logits.dtype == torch.float32 and torch.equal(res.logits, want)
+    assert res.of(1).shape == (1, 8)

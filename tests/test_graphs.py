@@ -18,6 +18,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import GenEvent, TurnRequest
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
+from turnkv.engine.step import Window
 from turnkv.runtime import build, load_engine, new_bank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -107,3 +108,26 @@ def test_speculation_replays_verify_windows_and_keeps_the_greedy_text():
     assert texts["on"] == texts["off"]
     stats = on.speculation.stats
     assert stats.status == "on" and stats.drafted > 0 and stats.windows > 0
+
+
+def test_a_steps_logits_are_its_own_after_later_replays_of_its_graph():
+    """A replay rewrites its graph's output buffer: a step's logits, kept by a caller (a reference
+    row, issue 33's test), must not change when a later step replays the same graph (one decode
+    graph of batch 1 here, and one mixed graph of a narrow prompt window)."""
+    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", speculate="off")
+    engine = load_engine(cfg)
+    caches = [engine.new_cache() for _ in range(3)]
+    kept = []
+    for i, cache in enumerate(caches):  # the same graph keys for each conversation
+        kept.append(engine.run_step([Window(cache, list(range(10 + i, 27 + i)), logits=1)]).logits)
+        cache.commit(list(range(10 + i, 27 + i)))
+        kept.append(engine.run_step([Window(cache, [40 + i])]).logits)
+        cache.commit([40 + i])
+    copies = [t.clone() for t in kept]
+    later = engine.new_cache()
+    engine.run_step([Window(later, list(range(60, 80)), logits=1)])
+    later.commit(list(range(60, 80)))
+    engine.run_step([Window(later, [5])])
+    assert engine.graphs.replays >= 8
+    assert all(torch.equal(a, b) for a, b in zip(kept, copies, strict=True))
+    assert not torch.equal(kept[0], kept[2])  # different prompts: different logits

@@ -25,6 +25,7 @@ LAYERS = [
         "turnkv.server",
         "turnkv.chat",
         "turnkv.cache_cli",
+        "turnkv.serve_times",
         "turnkv.serve_router",
         "turnkv.serve_ray",
         "turnkv.cli",

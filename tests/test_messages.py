@@ -239,6 +239,46 @@ def test_a_tool_loop_reads_95_percent_of_its_prompt_from_the_cache(tool_live):
     assert shares[0] == 0 and min(shares[1:]) >= 0.95, shares
 
 
+def test_a_call_cut_by_max_tokens_and_sent_back_as_received_breaks_no_cache(tool_live):
+    """A ``tool_use`` cut by ``max_tokens`` has arguments that are no JSON: its ``input`` is their
+    partial parse (what the SDK's stream builds, non-streamed the same), and the next turn, which
+    sends that ``input`` back, reuses everything banked (the bank holds the call as sent back)."""
+    msgs = [{"role": "user", "content": "Weather in Bergen today?"}]  # no other test's conversation
+    one = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    kw = {"model": tool_live.engine.info.model_name, "messages": msgs, "tools": TOOLS, "tool_choice": one}
+    whole = ask(tool_live, msgs, max_tokens=120, tools=TOOLS, tool_choice=one, salt="cut-whole")
+    assert whole.stop_reason == "tool_use"
+    cut = whole.usage.output_tokens - 16  # inside the arguments: the call's tail is 14 bytes or more
+    answers = {
+        "create": ask(tool_live, msgs, max_tokens=cut, tools=TOOLS, tool_choice=one, salt="cut-create")
+    }
+    with client(tool_live).messages.stream(
+        **kw, max_tokens=cut, extra_body={**GREEDY, "cache_salt": "cut-stream"}
+    ) as s:
+        raw = "".join(
+            ev.delta.partial_json
+            for ev in s
+            if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta"
+        )
+        answers["stream"] = s.get_final_message()
+    with pytest.raises(ValueError):
+        json.loads(raw)  # the premise: the arguments were cut
+    inputs = [next(b for b in m.content if b.type == "tool_use").input for m in answers.values()]
+    assert inputs[0] == inputs[1]  # non-streamed, the partial parse the SDK's stream builds
+    for (mode, m), result in zip(answers.items(), ("rain", "snow"), strict=True):  # apart from the 1st byte
+        assert m.stop_reason == "max_tokens", mode
+        call = next(b for b in m.content if b.type == "tool_use")
+        turn = [
+            *msgs,
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]},
+        ]
+        after = ask(tool_live, turn, max_tokens=2, tools=TOOLS, salt=f"cut-{mode}")
+        brk = after.usage.model_extra["cache_break"]
+        assert brk["reason"] == "none", (mode, brk)
+        assert after.usage.cache_read_input_tokens >= prompt_of(m), mode
+
+
 # -- keys and errors ------------------------------------------------------------------------------
 
 

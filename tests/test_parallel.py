@@ -143,6 +143,24 @@ def test_two_ranks_compute_what_one_process_computes(model, monkeypatch):
     check_group_against_one_process(model, 2)
 
 
+def test_two_ranks_report_the_logprobs_of_the_whole_vocabulary():
+    """Prompt and answer logprobs under tensor parallelism are a log-softmax of the gathered
+    vocabulary (every rank's shard, the last rank's padding row dropped: 509 = 2 x 255 - 1), as
+    one process computes them; a padding logit of 0 kept would shift every value by ~1/509."""
+    tp_ranks.register()
+    one = tp_ranks.logprobs_program(None, "random:tp-odd")
+    ranks = run_group(2, "cpu", tp_ranks.logprobs_program, "random:tp-odd", threads=1, timeout_s=300)
+    assert ranks[0] == ranks[1]  # every rank reports the same figures
+    tp = ranks[0]
+    assert tp["tokens"] == one["tokens"] and len(tp["prompt"]) == len(tp_ranks.PROMPT) - 1
+    for part in ("prompt", "answer"):
+        assert len(tp[part]) == len(one[part]) > 0, part
+        for (token, value, top), (token1, value1, top1) in zip(tp[part], one[part], strict=True):
+            assert token == token1 and value == pytest.approx(value1, abs=2e-5), part
+            assert [v for _, v in top] == pytest.approx([v for _, v in top1], abs=2e-5), part
+            assert all(0 <= t < tp_ranks.ODD.vocab_size for t, _ in top), part  # never a padding id
+
+
 @pytest.mark.parametrize("case", ["qwen2-bias"])
 def test_two_ranks_load_their_cut_of_a_hugging_face_folder(case, tmp_path):
     """Each rank reads every safetensors tensor and keeps its rows or columns: q/k/v (and their

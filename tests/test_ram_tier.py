@@ -172,18 +172,24 @@ def test_a_shared_prefix_is_stored_once_and_evicted_last():
     assert got is not None and got.num_tokens == 2 * B and _same_rows(got, _rows(system))
 
 
-def test_the_pool_is_pinned_behind_the_server_and_restores_across_its_chunks(monkeypatch):
-    """Before ``grow_behind`` the pool holds its first chunk (a full pool drops, never allocates on
-    the caller's thread); after it, a thread of its own pins the rest, chunk by chunk."""
+def test_the_pool_is_pinned_while_the_server_is_idle_and_restores_across_its_chunks(monkeypatch):
+    """At start the pool holds its first chunks (a full pool drops, never allocates on the
+    caller's thread); ``grow_behind`` pins the rest on a thread of its own, only while idle."""
+    import threading
+
     import turnkv.bank.ram as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)  # two slots a chunk
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     ram = RamTier("fp", SHAPE, 5)
     assert len(ram._chunks) == 1 and not ram.whole  # only the first chunk at start
     ids = list(range(5 * B))
     ram.write_behind("ns", _rows(ids))
     assert len(ram._chunks) == 1 and ram.health()["blocks"] == 2 and ram.health()["dropped"] == 3
-    ram.grow_behind()
+    idle = threading.Event()
+    ram.grow_behind(idle.is_set)
+    assert not ram.wait_whole(0.3) and len(ram._chunks) == 1  # busy: nothing is pinned
+    idle.set()
     assert ram.wait_whole(30) and len(ram._chunks) == 3  # 2 + 2 + 1 slots
     ram.write_behind("ns", _rows(ids))
     assert ram.health()["blocks"] == 5
@@ -195,6 +201,7 @@ def test_a_pool_that_stops_growing_keeps_its_slots_and_says_why_on_health(monkey
     import turnkv.bank.ram as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     ram = RamTier("fp", SHAPE, 6)
 
     def no_memory(*a, **kw):

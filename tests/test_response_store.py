@@ -1,9 +1,37 @@
-"""The Responses-API store (``bank.response_store``): records round-trip, belong to a namespace,
-survive reopening the file, and are bounded by a TTL, a count and a byte cap, oldest first."""
+"""The Responses-API stores (``bank.response_store`` in SQLite, ``bank.response_store_redis`` in
+a real ``redis-server``): records round-trip, belong to a namespace, survive reopening the file
+or are seen by another process's store, and are bounded by a TTL, a count and a byte cap, oldest
+first; a Redis that does not answer raises ``ResponseStoreDown`` (a ``ConnectionError``)."""
 
 from __future__ import annotations
 
+import pytest
+from redis_helpers import free_port, redis_server
+
 from turnkv.bank.response_store import FILE_NAME, ResponseStore, StoredResponse
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make(request):
+    """``make(**bounds)``: a fresh store of each kind (Redis: its database flushed)."""
+    if request.param == "sqlite":
+        return ResponseStore
+    from turnkv.bank.response_store_redis import RedisResponseStore
+
+    url = request.getfixturevalue("redis_url")
+
+    def fresh(**kw) -> RedisResponseStore:
+        store = RedisResponseStore(url, **kw)
+        store._redis.flushdb()
+        return store
+
+    return fresh
 
 
 def record(rid: str, created: float, ns: str = "public", tokens: int = 10) -> StoredResponse:
@@ -29,8 +57,8 @@ class Clock:
         return self.now
 
 
-def test_a_record_round_trips_in_its_namespace_only():
-    store = ResponseStore()
+def test_a_record_round_trips_in_its_namespace_only(make):
+    store = make()
     rec = record("resp_a", 1.0e12)
     store.put(rec)
     assert store.get("resp_a", "public") == rec
@@ -48,9 +76,9 @@ def test_records_survive_reopening_the_file(tmp_path):
     assert (tmp_path / FILE_NAME).exists() and again.get("resp_a", "public").chain == list(range(5000))
 
 
-def test_the_ttl_expires_records_on_read_and_on_put():
+def test_the_ttl_expires_records_on_read_and_on_put(make):
     clock = Clock()
-    store = ResponseStore(ttl_s=60, clock=clock)
+    store = make(ttl_s=60, clock=clock)
     store.put(record("old", clock.now))
     clock.now += 61
     assert store.get("old", "public") is None
@@ -58,18 +86,33 @@ def test_the_ttl_expires_records_on_read_and_on_put():
     assert store.counts()[0] == 1
 
 
-def test_the_count_and_byte_caps_evict_oldest_first():
-    store = ResponseStore(max_records=3)
+def test_the_count_and_byte_caps_evict_oldest_first(make):
+    store = make(max_records=3)
     for i in range(5):
         store.put(record(f"r{i}", 1.0e12 + i))
     assert [store.get(f"r{i}", "public") is not None for i in range(5)] == [False, False, True, True, True]
     one = len(record("x", 0, tokens=20000).blob())
-    store = ResponseStore(max_bytes=int(2.5 * one))
+    store.close()
+    store = make(max_bytes=int(2.5 * one))
     for i in range(4):
         store.put(record(f"r{i}", 1.0e12 + i, tokens=20000))
     n, nbytes = store.counts()
     assert n == 2 and nbytes <= 2.5 * one
     assert store.get("r3", "public") is not None and store.get("r1", "public") is None
+
+
+def test_another_replicas_redis_store_finds_a_record_and_a_dead_redis_raises(redis_url):
+    from turnkv.bank.response_store_redis import RedisResponseStore, ResponseStoreDown
+
+    one, other = RedisResponseStore(redis_url, prefix="t2:"), RedisResponseStore(redis_url, prefix="t2:")
+    one.put(record("resp_shared", 1.0e12, tokens=5000))
+    assert other.get("resp_shared", "public").chain == list(range(5000))
+    assert other.delete("resp_shared", "public") and one.get("resp_shared", "public") is None
+    dead = RedisResponseStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        dead.get("resp_shared", "public")
+    with pytest.raises(ResponseStoreDown):
+        dead.put(record("resp_x", 1.0e12))
 
 
 def test_a_chain_history_keeps_the_chain_ids_and_crosses_to_other_ranks():
@@ -93,3 +136,5 @@ def test_a_chain_history_keeps_the_chain_ids_and_crosses_to_other_ranks():
     assert history.continued("something else") == tok.encode("something else")
     again = history_from_spec(history_spec(history), tok)
     assert again == history and again("ok") == history("ok")
+    messages_turn = ChatHistory(tok, messages, None, "hermes", 1, calls_as_input=True)
+    assert history_from_spec(history_spec(messages_turn), tok) == messages_turn  # keeps calls_as_input

@@ -7,6 +7,7 @@ random-weight model with a tool template (tests/tool_models.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -134,6 +135,38 @@ def test_a_chain_reads_the_previous_prompt_and_answer_from_the_bank(live):
     assert third.usage.input_tokens_details.cached_tokens >= second.usage.total_tokens
     convo += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "And five."}]
     same_as_chat(third, chat(client, convo))
+
+
+def test_a_chain_made_on_one_server_continues_on_another_over_one_redis(default_model, live):
+    """Replicas over ``--disk-store redis://``: the id and the chain's blocks are in Redis, so
+    another server answers the follow-up as the chat of the whole conversation, its cache from
+    the first one's blocks; a Redis that stops answering makes a stored id a 503, not a 500."""
+    from redis_helpers import redis_server
+
+    with contextlib.ExitStack() as stack:
+        with redis_server() as url:
+            one = Live(default_model, disk_store=url)
+            first = respond(one.client(), instructions=FACTS, input="Which lake does river 5 flow into?")
+            one.idle()
+            one.close()  # shutdown drains the write behind of its blocks
+            other = Live(default_model, disk_store=url)
+            stack.callback(other.close)
+            second = respond(
+                other.client(), instructions=FACTS, input="And river 6?", previous_response_id=first.id
+            )
+            convo = [
+                {"role": "system", "content": FACTS},
+                {"role": "user", "content": "Which lake does river 5 flow into?"},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And river 6?"},
+            ]
+            same_as_chat(second, chat(live.client(), convo))
+            cached = second.usage.input_tokens_details.cached_tokens
+            assert cached >= B and cached >= first.usage.input_tokens // B * B
+        # redis-server is stopped
+        r = other.post("/v1/responses", {"model": MODEL, "input": "More?", "previous_response_id": second.id})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unreachable"
+        assert httpx.get(f"{other.url}/v1/responses/{second.id}", timeout=30).status_code == 503
 
 
 def test_a_streamed_turn_continues_a_chain_and_is_a_link_of_it(live):

@@ -18,7 +18,7 @@ from turnkv.engine.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,
-    apply_logit_bias,
+    processed_rows,
 )
 
 V = 64
@@ -87,16 +87,21 @@ def test_out_of_range_parameters_name_their_field(field, bad):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=8))
-def test_logit_bias_adds_each_bias_to_its_logit(bias):
-    logits = _logits(4)
+@given(
+    st.lists(st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=8), min_size=1, max_size=5)
+)
+def test_logit_bias_adds_each_rows_bias_to_its_logits_only(biases):
+    """A step's rows, each under its own ``logit_bias`` (some none): each row's logits plus its own
+    bias, no other row's; the logits it was given are not changed."""
+    logits = torch.stack([_logits(i) for i in range(len(biases))])  # [S, V]
     want = logits.clone()
-    for tid, b in bias.items():
-        want[tid] += b
-    ids = torch.tensor(list(bias), dtype=torch.long)
-    got = apply_logit_bias(logits, ids, torch.tensor(list(bias.values()), dtype=torch.float32))
+    for row, bias in enumerate(biases):
+        for tid, b in bias.items():
+            want[row, tid] += b
+    samplers = [Sampler(SamplingParams(logit_bias=tuple(bias.items()))) for bias in biases]
+    got = processed_rows(samplers, logits)
     assert torch.equal(got, want)
-    assert torch.equal(logits, _logits(4))  # the row it was given is not changed
+    assert torch.equal(logits, torch.stack([_logits(i) for i in range(len(biases))]))
 
 
 def test_logit_bias_bans_and_forces_tokens_greedy_and_sampled():

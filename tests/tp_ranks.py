@@ -110,6 +110,29 @@ def program(group, model: str) -> dict:
     }
 
 
+def logprobs_program(group, model: str) -> dict:
+    """A greedy turn that asks for its prompt's and its answer's logprobs (5 alternatives each):
+    the tokens, and each logprob with its alternatives as ``(id, value)``."""
+    from turnkv.engine.events import GenEvent, TurnRequest
+    from turnkv.engine.scheduler import Scheduler, run_turn
+
+    register()
+    torch.set_num_threads(1)
+    engine = engine_for(model, 1 if group is None else group.size)
+    req = TurnRequest(list(PROMPT), SamplingParams(), max_tokens=6, logprobs=5, prompt_logprobs=5)
+    scheduler = Scheduler(engine, new_bank(engine, "64M"), max_running=1)
+    events = [e for e in run_turn(scheduler, req) if isinstance(e, GenEvent)]
+
+    def flat(lps) -> list:
+        return [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in lps]
+
+    return {
+        "tokens": [e.token_id for e in events],
+        "prompt": flat(events[0].prompt_logprobs),
+        "answer": flat([e.logprob for e in events if e.logprob is not None]),
+    }
+
+
 def disk_program(
     group, directory: str, missing_on: int | None, model: str = "random:test", device: str = "cpu"
 ) -> dict:

@@ -271,10 +271,6 @@ class Runtime:
             self.measure_budget(progress)
             report = warm_up(self.scheduler(self.new_bank()), progress, _warm_grammar(self))
         WATCH.mark_ready(self.engine)
-        from turnkv.bank.tiers import TierChain
-
-        if self.bank is not None and isinstance(self.bank.tier, TierChain):
-            self.bank.tier.serving()  # after the probe's timings: RAM pins the rest of its pool now
         self.warm = report
         return report
 

@@ -3,9 +3,7 @@
 On a cluster of your own (``ray start --head`` and workers; docs/REPLICAS.md)::
 
     import ray
-    from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from ray import serve
+    from ray import serve
     from turnkv.config import EngineConfig
     from turnkv.serve_ray import app
 
@@ -21,7 +19,9 @@ inside a Serve replica actor, one per GPU (``ray_actor_options={"num_gpus": tp}`
 works as on one server, streaming included: the response's head and then its body chunks come
 back through a streaming ``DeploymentHandle``. :class:`Front` is the ingress: it computes the
 request's route (``serve_router.route_of``) and passes it beside the request, which
-:class:`~turnkv.serve_router.AffinityRouter` reads. ``/health`` and ``/metrics`` ask every replica
+:class:`~turnkv.serve_router.AffinityRouter` reads; for ``POST /v1/responses`` the route names
+the id the response will have (the replica's server takes it from the ASGI scope), so the router
+knows where a ``previous_response_id`` lives as soon as it routed the request that makes it. ``/health`` and ``/metrics`` ask every replica
 and show each one. A replica that dies mid-stream ends only its streams (an error event in
 the stream, or a 503 before the head); Serve stops routing to it and starts a replacement.
 With a shared ``--disk-store`` every replica restores every conversation.
@@ -40,11 +40,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from turnkv import serve_times
 from turnkv.config import EngineConfig
-from turnkv.serve_router import DECISIONS, route_of
+from turnkv.serve_router import lookup_keys, response_key, route_of
+from turnkv.server.messages_stream import anthropic_body
+from turnkv.server.openai_responses import RESPONSE_ID
+from turnkv.server.responses_stream import new_id
 from turnkv.server.schemas import ApiError
 
 PUBLISH_KEYS = 4096  # chain keys a replica publishes to the router (its newest)
+PUBLISH_RESPONSES = 4096  # response keys it publishes (apart: long chains do not push them out)
 STATS_PERIOD_S = 0.5  # how often Serve collects them
 
 
@@ -59,20 +64,21 @@ class Replica:
         self.rt = build(self.cfg, "serve", progress=False)
         self.app = create_app(self.rt)
         self.keys: deque[str] = deque(maxlen=PUBLISH_KEYS)
+        self.responses: deque[str] = deque(maxlen=PUBLISH_RESPONSES)
         try:
             self.id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (a test)
             self.id = f"local-{os.getpid()}"
 
     def record_routing_stats(self) -> dict:
-        """What the router reads (``RunningReplica.routing_stats``): the chain keys served here."""
-        return {"keys": list(self.keys)}
+        """What the router reads (``RunningReplica.routing_stats``): the chain keys served here
+        and the keys of the responses made here."""
+        return {"keys": list(self.keys), "responses": list(self.responses)}
 
     async def forward(self, req: dict, route: dict) -> AsyncIterator:
         """Run one HTTP request through this server's app: yields the head
         ``{"status", "headers", "replica"}``, then the body's chunks (bytes)."""
-        keys = [*([route["hint"]] if route.get("hint") else []), *route.get("keys", ())]
-        self.keys.extend(keys)
+        self.keys.extend(lookup_keys(route))
         out: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
         sent = False
@@ -99,6 +105,8 @@ class Replica:
             "client": ("127.0.0.1", 0),
             "server": ("127.0.0.1", 0),
         }
+        if route.get("response"):  # the id the front chose for the response made here
+            scope[RESPONSE_ID] = route["response"]
         task = asyncio.create_task(self.app(scope, receive, out.put))
         try:
             while True:
@@ -111,6 +119,8 @@ class Replica:
                 msg = getter.result()
                 if msg["type"] == "http.response.start":
                     headers = [(k.decode(), v.decode()) for k, v in msg.get("headers", ())]
+                    if route.get("response") and msg["status"] == 200:
+                        self.responses.append(response_key(route["response"]))
                     yield {"status": msg["status"], "headers": headers, "replica": self.id}
                 elif msg["type"] == "http.response.body":
                     if body := msg.get("body", b""):
@@ -163,10 +173,7 @@ def _front(replicas_n: int):
         @api.get("/health")
         async def health(self):
             each = [{"replica": h["replica"], **json.loads(b)} for h, b in await self._each("/health")]
-            ok = bool(each) and all(e.get("status") == "ok" for e in each)
-            body = {"status": "ok" if ok else "degraded", "replicas": len(each), "expected": replicas_n}
-            body["router"] = _router_times()
-            body["each"] = each
+            body = merge_health(each, replicas_n) | {"router": serve_times.summary(), "each": each}
             return JSONResponse(body, status_code=200 if each else 503)
 
         @api.get("/metrics")
@@ -181,62 +188,76 @@ def _front(replicas_n: int):
             headers = [(k, v) for k, v in request.headers.items()]
             t0 = time.perf_counter()
             route = route_of(request.url.path, dict(request.headers), body)
-            _note_route(time.perf_counter() - t0)
+            if request.method == "POST" and request.url.path == "/v1/responses":
+                route["response"] = new_id("resp")  # the router notes where it is made
+            serve_times.ROUTE_OF.append(time.perf_counter() - t0)  # by the module: Front is pickled by value
             req = {"method": request.method, "path": request.url.path, "query": request.url.query}
             req |= {"headers": headers, "body": body}
             gen = self.replica.forward.remote(req, route)
             try:
                 head = await gen.__anext__()
             except Exception as exc:  # the replica died before answering
-                return JSONResponse(_error(f"the replica failed before answering: {type(exc).__name__}"), 503)
+                why = f"the replica failed before answering: {type(exc).__name__}"
+                return JSONResponse(failure_body(request.url.path, why), 503)
             headers = {
                 k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")
             }
             headers["x-turnkv-replica"] = head["replica"]
-            return StreamingResponse(_rest(gen), status_code=head["status"], headers=headers)
+            sse = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(
+                _rest(gen, request.url.path if sse else None), status_code=head["status"], headers=headers
+            )
 
     return Front
 
 
-async def _rest(gen) -> AsyncIterator[bytes]:
+async def _rest(gen, sse_path: str | None) -> AsyncIterator[bytes]:
+    """The body's chunks; when the replica dies mid-stream, one clean error event in the shape of
+    ``sse_path``'s API ends this stream only (a body that is not a stream just ends)."""
+    events = 0
     try:
         async for chunk in gen:
+            events += chunk.count(b"\n\n")  # the replica's app sends whole events
             yield chunk
-    except Exception as exc:  # the replica died mid-stream: a clean error event ends this stream only
-        yield (
-            b"data: "
-            + json.dumps(_error(f"the replica serving this stream failed: {type(exc).__name__}")).encode()
-        )
-        yield b"\n\n"
+    except Exception as exc:
+        if sse_path is not None:
+            yield stream_failure(
+                sse_path, events, f"the replica serving this stream failed: {type(exc).__name__}"
+            )
 
 
-ROUTE_OF: deque = deque(maxlen=4096)  # seconds per request computing its route (health)
+def failure_body(path: str, message: str) -> dict:
+    """A 503 for a replica that failed, in the error shape of ``path``'s API."""
+    err = ApiError(503, message, "server_error", code="replica_failed")
+    return anthropic_body(err) if path.startswith("/v1/messages") else err.body()
 
 
-def _note_route(seconds: float) -> None:
-    ROUTE_OF.append(seconds)  # a module function: Front is pickled by value, this module is not
+def stream_failure(path: str, events: int, message: str) -> bytes:
+    """The event that ends a stream whose replica died, as each API ends a failed stream: the
+    Responses API's ``error`` event (numbered after the ``events`` sent), Anthropic's ``event:
+    error``, else OpenAI's ``data: {"error": ...}`` (what a chat or completion stream sends)."""
+    if path.startswith("/v1/responses"):
+        ev = {"type": "error", "code": "replica_failed", "message": message, "param": None}
+        data = json.dumps(ev | {"sequence_number": events})
+        return f"event: error\ndata: {data}\n\n".encode()
+    body = json.dumps(failure_body(path, message))
+    return (
+        f"event: error\ndata: {body}\n\n" if path.startswith("/v1/messages") else f"data: {body}\n\n"
+    ).encode()
 
 
-def _router_times() -> dict:
-    """p50/p99 in ms of the front's route computation (``route_of``) and, where Serve runs the
-    router in this process, of the router's decisions (``decisions`` 0: it runs elsewhere)."""
-
-    def pick(xs, q):
-        xs = sorted(xs)
-        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
-
+def merge_health(each: list[dict], expected: int) -> dict:
+    """The front's ``/health`` over its replicas' own: ``ok`` when all answered ``ok`` with their
+    stores answering; ``degraded`` names each replica's store that does not (a Redis down: they
+    serve from their bank and RAM tier meanwhile)."""
+    down = {e["replica"]: e["disk"]["degraded"] for e in each if (e.get("disk") or {}).get("degraded")}
+    ok = len(each) == expected and all(e.get("status") == "ok" for e in each) and not down
     return {
-        "requests": len(ROUTE_OF),
-        "route_p50_ms": pick(ROUTE_OF, 0.5),
-        "route_p99_ms": pick(ROUTE_OF, 0.99),
-        "decisions": len(DECISIONS),
-        "decide_p50_ms": pick(DECISIONS, 0.5),
-        "decide_p99_ms": pick(DECISIONS, 0.99),
+        "status": "ok" if ok else "degraded",
+        "replicas": len(each),
+        "expected": expected,
+        "degraded": down,
     }
-
-
-def _error(message: str) -> dict:
-    return ApiError(503, message, "server_error", code="replica_failed").body()  # the OpenAI shape
 
 
 def _merge_metrics(each: list[tuple[dict, bytes]]) -> str:
@@ -272,15 +293,13 @@ def app(
     each replica's ongoing requests (0: ``cfg.max_running``); past it the router falls back."""
     from ray.serve.config import RequestRouterConfig
 
-    replica = serve.deployment(
-        Replica
-    ).options(
+    replica = serve.deployment(Replica).options(
         name="turnkv-replica",
         num_replicas=replicas,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": 0},
         max_ongoing_requests=max_queue or cfg.max_running,
         request_router_config=RequestRouterConfig(
-            request_router_class="turnkv.serve_router.AffinityRouter",  # by name: its DECISIONS are this module's
+            request_router_class="turnkv.serve_router.AffinityRouter",
             request_router_kwargs={"policy": policy},
             request_routing_stats_period_s=STATS_PERIOD_S,
         ),

@@ -3,18 +3,24 @@
 ``route_of`` turns a request into its *chain*: keys chained over its messages, ``key(i) =
 SHA-256(key(i-1), message i)`` under a root of the namespace (API key, ``cache_salt``, model), so
 a follow-up (the history plus a reply and a new message) shares its first keys with every earlier
-turn of its conversation and nothing with another tenant's. ``X-Session-Id`` adds a key of its own
-as a hint, ``previous_response_id`` the response's (a Responses conversation lives with its store).
+turn of its conversation and nothing with another tenant's. ``X-Session-Id`` adds a key of its
+own as a hint. A Responses request chained by ``previous_response_id`` carries only its new
+input, so its chain starts at the response's key (``response_key``): the front names each new
+response's id before routing (``route["response"]``), the router notes that key with the replica
+it chose, and the replica publishes the ids it made, so a follow-up naming the id goes where the
+id was made (at once: no wait for the replica's next publication).
 
 :class:`AffinityRouter` is Ray Serve's request-router extension point (``RequestRouter``). It
 ranks the replica holding the longest prefix of the request's chain first, then the others by
 queue length: Serve takes the first rank with a free slot (``max_ongoing_requests`` bounds each
-replica's queue), so a saturated holder falls back to the least loaded replica. What a replica
+replica's queue), so a saturated holder falls back to the least loaded replica (equals in turn,
+so that new conversations spread over idle replicas). What a replica
 holds is what the router sent it (known at once) joined with what each replica publishes
-(``record_routing_stats``: the chain keys it served, newest last; a replacement replica publishes
-none). A replica that died is dropped from the tables when Serve reports it
-(``on_replica_actor_died``), and Serve never offers it as a candidate again, so a conversation
-held by it goes to the least loaded live replica, which restores it from the shared block store.
+(``record_routing_stats``: the chain keys it served and the response keys it made, newest last;
+a replacement replica publishes none). A replica that died is dropped from the tables when Serve
+reports it (``on_replica_actor_died``), and Serve never offers it as a candidate again, so a
+conversation held by it goes to the least loaded live replica, which restores it from the shared
+block store (and a response id from the shared response store, docs/REPLICAS.md).
 """
 
 from __future__ import annotations
@@ -22,17 +28,24 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
-DECISIONS: deque[float] = deque(maxlen=4096)  # seconds per routing decision in this process (health)
+from turnkv import serve_times
+
 KEEP_KEYS = 65536  # chain keys the router remembers (about 100 bytes each)
 ROOT = "turnkv.route/1"
 
 
-def chain_keys(namespace: str, items: Sequence) -> list[str]:
-    """``key(i)`` of each prefix ``items[: i + 1]`` (messages or input items, as JSON)."""
-    key = hashlib.sha256(f"{ROOT}|{namespace}".encode()).hexdigest()
+def response_key(response_id: str) -> str:
+    """The key of a Responses id: its conversation, held where the response was made."""
+    return hashlib.sha256(f"{ROOT}|response|{response_id}".encode()).hexdigest()
+
+
+def chain_keys(namespace: str, items: Sequence, start: str | None = None) -> list[str]:
+    """``key(i)`` of each prefix ``items[: i + 1]`` (messages or input items, as JSON), chained
+    on from ``start`` (a response's key) or from the namespace's root."""
+    key = start or hashlib.sha256(f"{ROOT}|{namespace}".encode()).hexdigest()
     keys = []
     for item in items:
         h = hashlib.sha256(bytes.fromhex(key))
@@ -57,11 +70,27 @@ def route_of(path: str, headers: dict[str, str], body: bytes) -> dict:
         items = [items]
     if isinstance(doc.get("system"), str | list):
         items = [{"system": doc["system"]}, *items]
-    keys = chain_keys(ns, items if isinstance(items, list) else [items])
+    items = items if isinstance(items, list) else [items]
+    prev = doc.get("previous_response_id")
+    if isinstance(prev, str) and prev:  # only the new input: it continues the response's chain
+        keys = [response_key(prev), *chain_keys(ns, items, start=response_key(prev))]
+    else:
+        keys = chain_keys(ns, items)
     hint = None
     if sid := headers.get("x-session-id"):
         hint = hashlib.sha256(f"session|{ns}|{sid}".encode()).hexdigest()
     return {"keys": keys, "hint": hint}
+
+
+def lookup_keys(route: dict) -> list[str]:
+    """The keys a request is matched on, shortest prefix first (the hint counts least)."""
+    return [*([route["hint"]] if route.get("hint") else []), *route.get("keys", ())]
+
+
+def made_keys(route: dict) -> list[str]:
+    """What the replica serving ``route`` holds afterwards: its keys and the response it makes."""
+    made = [response_key(route["response"])] if route.get("response") else []
+    return [*lookup_keys(route), *made]
 
 
 class Holders:
@@ -110,12 +139,13 @@ class AffinityRouter(FIFOMixin, RequestRouter):
         self.policy = policy  # "affinity" or "round_robin" (the benchmark's baseline)
         self.holders = Holders()
         self._turn = 0
+        self._sets: dict[str, tuple[dict, set[str]]] = {}  # replica -> (its stats, their keys)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         t0 = time.perf_counter()
         ranks = self._choose(candidate_replicas, pending_request)
         if "nth" not in _route(pending_request):
-            DECISIONS.append(time.perf_counter() - t0)
+            serve_times.DECISIONS.append(time.perf_counter() - t0)  # by the module (see serve_times)
         return ranks
 
     def _choose(self, candidate_replicas, pending_request):
@@ -132,11 +162,13 @@ class AffinityRouter(FIFOMixin, RequestRouter):
             first = ordered[self._turn % len(ordered)]
             return [[first], [r for r in ordered if r is not first]]
         alive = {r.replica_id.unique_id for r in ordered}
-        published = {r.replica_id.unique_id: set(r.routing_stats.get("keys", ())) for r in ordered}
-        keys = [*([route["hint"]] if route.get("hint") else []), *route.get("keys", ())]
-        # the hint counts as the shortest prefix: a match on the messages wins over it
-        rid = self.holders.best(keys, alive, published)
+        published = {r.replica_id.unique_id: self._published(r) for r in ordered}
+        rid = self.holders.best(lookup_keys(route), alive, published)
         rest = [r for r in ordered if r.replica_id.unique_id != rid]
+        if rest:  # Serve takes the least loaded of a rank, the first of equals: rotate the equals,
+            self._turn += 1  # or new conversations on idle replicas would all go to the first
+            k = self._turn % len(rest)
+            rest = rest[k:] + rest[:k]
         if rid is None:
             ranks = [rest]  # nobody holds it: Serve picks the less loaded of two
         else:
@@ -144,15 +176,24 @@ class AffinityRouter(FIFOMixin, RequestRouter):
             ranks = [[holder], rest]
         return ranks
 
+    def _published(self, replica) -> set[str]:
+        """The keys ``replica`` published (a set built once per publication, not per request)."""
+        stats = replica.routing_stats
+        seen = self._sets.get(replica.replica_id.unique_id)
+        if seen is None or seen[0] is not stats:
+            seen = (stats, {*stats.get("keys", ()), *stats.get("responses", ())})
+            self._sets[replica.replica_id.unique_id] = seen
+        return seen[1]
+
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         route = _route(pending_request)
-        if "nth" not in route:
-            keys = [*([route["hint"]] if route.get("hint") else []), *route.get("keys", ())]
-            self.holders.note(keys, replica_id.unique_id)
+        if "nth" not in route:  # known at once, before the replica publishes it
+            self.holders.note(made_keys(route), replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         self.holders.forget(replica_id.unique_id)
+        self._sets.pop(replica_id.unique_id, None)
 
 
 def _route(pending_request) -> dict:

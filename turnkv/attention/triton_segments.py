@@ -92,7 +92,9 @@ def _tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["LAYER"])
+# counts that vary per step are not specialized (== 1, % 16): each value class was a variant of
+# its own, and a loaded server met combinations the warm-up had not compiled
+@triton.jit(do_not_specialize=["LAYER", "NSPLIT", "NGROUPS", "NPART"])
 def _segment_attn_kernel(
     Q, Out, PartO, PartL, Table, LAYER,
     sqm, sqh, som, soh,
@@ -203,7 +205,7 @@ def _segment_attn_kernel(
         tl.store(PartO + (prow + pid_p)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NPART", "NGROUPS"])
 def _combine_kernel(
     PartO, PartL, Out, Table, HQ, M, NPART, NGROUPS, som, soh,
     HEAD_DIM: tl.constexpr, NP2: tl.constexpr, MAX_SEG: tl.constexpr, INTERP: tl.constexpr,

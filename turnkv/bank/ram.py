@@ -1,11 +1,11 @@
 """The host-RAM tier: sealed KV rows mirrored to host memory, restored when the bank lost them.
 
 Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
-chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed: the first at start (a failure
-there turns the tier off), the rest on a thread of its own once the server is warm
-(``grow_behind``; a failure then stops the growth, with the reason on ``/health.ram``). No step
-ever pins memory: on the engine thread it stalled every stream for a fraction of a second per
-chunk. Pinned on CUDA (copies at the bus's speed, no per-turn ``pin_memory``; a server does not
+chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed: ``START_CHUNKS`` at start (a
+failure of the first turns the tier off), the rest on a thread of its own while the server is
+idle (``grow_behind``; a failure then stops the growth, with the reason on ``/health.ram``).
+Pinning holds the CUDA driver's lock: no step pins memory, and none waits for more than one
+chunk's pinning. Pinned on CUDA (copies at the bus's speed, no per-turn ``pin_memory``; a server does not
 wait for all of its budget to be pinned before it serves), plain CPU
 tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
 asked for, and CI tests its logic with it). Blocks are keyed by the disk tier's chained keys
@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -47,7 +47,9 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # the pool is pinned by this much at a time (pinning is slow: ~GB/s)
+CHUNK_BYTES = 1 << 28  # the pool is pinned by this much at a time (pinning is slow: ~GB/s)
+START_CHUNKS = 4  # pinned at start; the rest while the server is idle (``grow_behind``)
+IDLE_POLL_S = 0.05
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -122,6 +124,9 @@ class RamTier:
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
         self._grower: threading.Thread | None = None
         self._grow()  # the first chunk now: a failure raises, and the caller serves without RAM
+        for _ in range(START_CHUNKS - 1):
+            if not self.whole:
+                self._grow()
 
     def _grow(self) -> None:
         """One more chunk of slots (raises RuntimeError/MemoryError when the memory is not had).
@@ -140,17 +145,23 @@ class RamTier:
         """The pool holds its whole budget (or stopped growing: ``grow_failed`` says why)."""
         return len(self._chunks) * self.per_chunk >= self.capacity or self.grow_failed is not None
 
-    def grow_behind(self) -> None:
-        """Pin the rest of the pool on a thread of its own, chunk by chunk, each chunk's slots free as
-        it lands. Until then the pool holds what it has (a full pool evicts or drops, it never
-        allocates): a step must not wait for pinning. The composition root calls this when the
-        warm-up is over (pinning beside the budget probe would skew its timings)."""
+    def grow_behind(self, idle: Callable[[], bool] | None = None) -> None:
+        """Pin the rest of the pool on a thread of its own, a chunk at a time and only while
+        ``idle()`` says no step runs or waits: pinning holds the CUDA driver's lock, and pinning
+        beside a loaded server stalled every stream for as long as it ran (tens of seconds for a
+        budget of tens of GB). Each chunk's slots are free as it lands; until then the pool holds
+        what it has (a full pool evicts or drops, it never allocates in a step)."""
         if self._grower is None and not self.whole:
-            self._grower = threading.Thread(target=self._grow_all, name="turnkv-ram-grow", daemon=True)
+            self._grower = threading.Thread(
+                target=self._grow_all, args=(idle,), name="turnkv-ram-grow", daemon=True
+            )
             self._grower.start()
 
-    def _grow_all(self) -> None:
+    def _grow_all(self, idle: Callable[[], bool] | None) -> None:
         while not self.whole:
+            if idle is not None and not idle():
+                time.sleep(IDLE_POLL_S)
+                continue
             try:
                 self._grow()
             except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has

@@ -284,7 +284,7 @@ class RedisStore:
     def __init__(self, url: str, prefix: str = "turnkv:", timeout_s: float = 2.0) -> None:
         import redis
 
-        self.target = url
+        self.target, self.prefix = url, prefix
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         p = prefix
         self._lru, self._size, self._depth, self._bytes = p + "lru", p + "size", p + "depth", p + "bytes"

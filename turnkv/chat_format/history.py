@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from turnkv.chat_format.toolcalls import FORMATS, parse, template_message
+from turnkv.chat_format.toolcalls import FORMATS, call_input, parse, template_message
 from turnkv.kv.cache import common_prefix_len
 from turnkv.tokenizer import Tokenizer
 
@@ -23,13 +23,17 @@ class ChatHistory:
     With ``tools`` (what the template renders) the history is the text the *next* request of an
     agent loop starts with (``next_turn_prefix``): the answer as an assistant message (its calls
     parsed in format ``tool_format``, at most ``max_calls``, as the response reported them) and
-    the opening of the message that follows it."""
+    the opening of the message that follows it. ``calls_as_input``: the API reports a call's
+    arguments as an object (the Messages API's ``input``: ``call_input``), so a call cut by
+    ``max_tokens`` comes back as the partial object, not as the text generated (OpenAI's
+    ``arguments`` string, which comes back as it was)."""
 
     tokenizer: Tokenizer = field(repr=False, compare=False)
     messages: list[dict]
     tools: list[dict] | None = None
     tool_format: str | None = None  # a key of toolcalls.FORMATS; None: the answer is content
     max_calls: int | None = None
+    calls_as_input: bool = False
 
     def __call__(self, answer: str) -> list[int]:
         return self.tokenizer.encode(self.text(answer))
@@ -52,10 +56,17 @@ class ChatHistory:
             return {"role": "assistant", "content": answer}
         content, calls = parse(FORMATS[self.tool_format], answer, self.max_calls)
         wire = [
-            {"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": self._arguments(c)},
+            }
             for i, c in enumerate(calls)
         ]
         return template_message({"role": "assistant", "content": content or "", "tool_calls": wire or None})
+
+    def _arguments(self, call) -> str | dict:
+        return call_input(call.arguments) if self.calls_as_input else call.arguments
 
     def next_turn_prefix(self, answer: dict) -> str:
         """The text the next request of an agent loop starts with: the history, the answer as the
@@ -121,7 +132,8 @@ def history_spec(history: object) -> tuple[str, object] | None:
     if history is None:
         return None
     if isinstance(history, ChatHistory):
-        return ("chat", (history.messages, history.tools, history.tool_format, history.max_calls))
+        h = history
+        return ("chat", (h.messages, h.tools, h.tool_format, h.max_calls, h.calls_as_input))
     if isinstance(history, TextHistory):
         return ("text", history.text)
     if isinstance(history, ChainHistory):

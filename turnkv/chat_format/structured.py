@@ -70,10 +70,12 @@ class JsonFormat:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How the answer is read: calls in ``fmt``, at most ``max_calls`` of them (None: any)."""
+    """How the answer is read: calls in ``fmt``, at most ``max_calls`` of them (None: any);
+    ``calls_as_input``: the API reports a call's arguments as an object (``ChatHistory``'s)."""
 
     fmt: ToolFormat
     max_calls: int | None
+    calls_as_input: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 from jinja2 import meta
+from pydantic_core import from_json  # jiter's parser: the partial mode the anthropic SDK uses
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # what the OpenAI API allows as a function name
 
@@ -95,6 +96,19 @@ def template_message(message: dict) -> dict:
     if calls:
         out["tool_calls"] = [_template_call(c) for c in calls]
     return out
+
+
+def call_input(arguments: str) -> dict:
+    """A call's arguments (the JSON text the model wrote) as an object, the Anthropic API's
+    ``input``: text cut by ``max_tokens`` gives the object it spells so far (the complete members;
+    jiter's partial mode, the parse the ``anthropic`` SDK's stream builds from the argument
+    pieces, so a client that sends the call back sends what the server reported); text that is no
+    JSON object is ``{}``."""
+    try:
+        value = from_json(arguments, allow_partial=True) if arguments.strip() else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _template_call(call: dict) -> dict:

@@ -9,9 +9,14 @@ count is right on both machines, and a neighbour can come and go while the serve
 So the governor measures decode steps (every window one row: frequent, alike from one step to
 the next, and the most sensitive to a team's wake-ups): it runs ``probes`` of them at each
 candidate count, interleaved, keeps the count with the lowest median seconds per window (a count
-whose best step is twice another's is dropped at once), and probes again after ``period`` decode
-steps, or as soon as the recent median of the kept count is ``drift`` times what the probe
-measured (a neighbour arrived). Candidates: the cores available, half of them, and one. Other
+whose best of two steps is twice another's best is dropped at once), and probes again after
+``period`` decode steps, or as soon as the recent median of the kept count is ``drift`` times what
+the probe measured (a neighbour arrived), or its last ``SEVERE`` steps each ``cut`` times (a
+neighbour arrived beside a spinning team: steps of seconds). One step never decides alone: a
+step can take several times its usual time beside a busy neighbour or on an engine's first use,
+and a count dropped on such a sample left a 2-core VM on a spinning 2-thread team at 0.1-6 s a
+step for 16 steps before the drift rule probed again (the 4-5x gap between two engines of
+``bench/decode.py --deterministic on,off``, docs/BENCHMARKS.md). Candidates: the cores available, half of them, and one. Other
 steps take the kept count without being timed, because their times do not compare: prefill
 chunks differ in size, and a verify window of drafts costs more than a decode row. Prefill
 suffers the same contention.
@@ -32,6 +37,8 @@ import torch
 
 from turnkv.threads import available_cores, set_threads
 
+SEVERE = 4  # consecutive steps of the kept count each ``cut`` times its probe's median: probe again
+
 
 def is_decode(window_rows: Sequence[int]) -> bool:
     """A decode step, the kind the governor times: every window one row."""
@@ -51,7 +58,7 @@ class ThreadGovernor:
     testable without timing anything.
 
     State: ``queue`` the counts still to probe (in order), ``samples`` the seconds per window measured
-    per count in the current probe, ``chosen`` the kept count, ``baseline`` its median in the probe
+    per count in the current probe (``dropped``: counts that lost at once), ``chosen`` the kept count, ``baseline`` its median in the probe
     that chose it, ``recent`` its latest decode steps.
     """
 
@@ -107,10 +114,18 @@ class ThreadGovernor:
         self.since += 1
         self.recent.append(per_window)
         full = len(self.recent) == self.recent.maxlen
-        if self.since >= self.period or (
-            full and statistics.median(self.recent) > self.drift * self.baseline
+        last = list(self.recent)[-SEVERE:]
+        if (
+            self.since >= self.period
+            or (full and statistics.median(self.recent) > self.drift * self.baseline)
+            or (len(last) == SEVERE and min(last) > self.cut * self.baseline)
         ):
             self._start_probe()
+
+    @property
+    def probing(self) -> bool:
+        """Whether decode steps are still being timed at other counts (a bench waits this out)."""
+        return bool(self.queue)
 
     def health(self) -> dict:
         """``/health.scheduler.threads``: the mode, the candidates, the count in use, probes run."""
@@ -126,23 +141,26 @@ class ThreadGovernor:
         order = [self.chosen, *(c for c in self.counts if c != self.chosen)]
         self.queue = order * self.probes if len(order) > 1 else []
         self.samples = {}
+        self.dropped: set[int] = set()  # counts that lost at once in this probe
         self.since = 0
         self.recent.clear()
 
     def _drop_losers(self) -> None:
-        """Stop probing a count whose best step is ``cut`` times another's best: beside a busy
-        process a spinning team's step can take many times one thread's, so each such probe step
-        costs the server what many steps would (docs/BENCHMARKS.md, issue 11)."""
+        """Stop probing a count whose best of two or more steps is ``cut`` times another's best:
+        beside a busy process a spinning team's step can take many times one thread's, so each
+        such probe step costs the server what many steps would (docs/BENCHMARKS.md, issue 11).
+        Never on one step of the loser: one slow outlier would drop the right count."""
         best = {n: min(v) for n, v in self.samples.items()}
         fastest = min(best.values())
-        losers = {n for n, b in best.items() if b > self.cut * fastest}
+        losers = {n for n, b in best.items() if b > self.cut * fastest and len(self.samples[n]) >= 2}
         if losers:
+            self.dropped |= losers  # out of this probe's choice too (``_choose``)
             self.queue = [n for n in self.queue if n not in losers]
             if len(set(self.queue)) == 1:  # no rival left to compare with
                 self.queue = []
 
     def _choose(self) -> None:
-        medians = {n: statistics.median(v) for n, v in self.samples.items()}
+        medians = {n: statistics.median(v) for n, v in self.samples.items() if n not in self.dropped}
         self.chosen = min(medians, key=lambda n: (medians[n], -n))
         self.baseline = medians[self.chosen]
         self.probes_done += 1
@@ -158,6 +176,8 @@ class FixedThreads:
     @property
     def mode(self) -> str:
         return "fixed" if self.threads else "none"
+
+    probing = False  # nothing is timed
 
     def begin(self, window_rows: Sequence[int]) -> int:
         return self.threads or 0

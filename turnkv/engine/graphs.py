@@ -19,6 +19,8 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
   window; a replay equals the same staged step run eagerly (``StepGraphs.eager``, what the
   capture's warm-up runs) bit for bit.
 
+A graph's output buffer is rewritten by its next replay, so a step's fp32 logits are upcast from it
+after the replay into a tensor of the caller's (``_result``): a kept row stays what its step gave.
 Padding sequences have ``q_len`` 0 and are neither read nor written by the kernels. Captures are
 lazy (the first step of a key captures it: a warm-up forward that compiles the kernels at those
 shapes, then the capture), so no JIT runs inside a capture. Once the server's warm-up has run
@@ -78,7 +80,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: torch.Tensor  # [2 * rows + 3 * logits] int64: ids | positions | logit rows | feeds
     table: torch.Tensor  # the segment table's words
-    logits: torch.Tensor  # [logits, V]
+    logits: torch.Tensor  # [logits, V] in the compute dtype, rewritten by every replay (``_result``)
 
 
 @dataclass
@@ -235,16 +237,22 @@ class StepGraphs:
         """The forward of ``staged`` run eagerly on its graph's buffers, what its capture's
         warm-up runs (the reference a replay equals bit for bit: ``tests/test_mixed_graphs.py``)."""
         ids, pos, rows, matmul = self._buffers(staged, prev)
-        logits = self.model(ids, pos, rows, staged.step, matmul)
+        logits = self.model(ids, pos, rows, staged.step, matmul, upcast=False)
         return self._result(staged, logits, ids, pos, rows, matmul)
 
     @staticmethod
     def _result(staged: GraphStep, logits, ids, pos, rows, matmul) -> StepResult:
+        """The step's result, its fp32 logits a tensor of its own: ``logits`` (the graph's output
+        in the compute dtype) is rewritten by the next replay of this graph, which a caller that
+        keeps a step's logits (a test's reference row) must not see. The upcast that every step
+        makes anyway runs here, after the replay, so owning them costs no copy (fp32 models:
+        one)."""
         n, r = staged.rows, staged.logits
         plan = StepPlan(
             staged.windows, staged.kv, ids[:n], pos[:n], rows[:r], staged.offsets, staged.step, matmul
         )
-        return StepResult(plan, logits[:r])
+        own = logits[:r].float() if logits.dtype != torch.float32 else logits[:r].clone()  # [R, V]
+        return StepResult(plan, own)
 
     def _new_buffers(self, rows: int, logits: int, tables: int) -> _Captured:
         device = self.model.device
@@ -256,7 +264,7 @@ class StepGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the kernels at these shapes
-            model(ids, pos, rows, step, matmul)
+            model(ids, pos, rows, step, matmul, upcast=False)
         torch.cuda.current_stream().wait_stream(stream)
         if self.threaded:
             # the step's NCCL collectives are captured too; NCCL's watchdog thread may still query
@@ -266,7 +274,7 @@ class StepGraphs:
         # copies, the disk writer's event syncs, NCCL's watchdog: pytorch/pytorch#104487) make CUDA calls on their own streams; a
         # global-mode capture forbids those in every thread and fails, so forbid only this one's
         with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode="thread_local"):
-            captured.logits = model(ids, pos, rows, step, matmul)
+            captured.logits = model(ids, pos, rows, step, matmul, upcast=False)  # [R, V], compute dtype
         self.captures += 1
         log.info("captured a step graph for %d rows, %d logit rows", ids.shape[0], rows.shape[0])
 

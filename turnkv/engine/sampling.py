@@ -10,8 +10,8 @@ fp32 (below ~1.4e-45) is greedy; logits are shifted by their maximum before the 
 tiny temperature sends every other logit to ``-inf`` rather than the maximum to ``inf`` (which
 would make ``softmax`` NaN); top-p always keeps the most likely token, however small ``top_p`` is.
 
-``apply_logit_bias`` is a separate step on a logits row (OpenAI's ``logit_bias``), so a batched
-sampler can apply it per row before its own sampling. The order, per row: the grammar's mask (in
+OpenAI's ``logit_bias`` is a separate step over a step's rows (``processed_rows``: each row's
+bias added in one launch for all of them) before the sampling. The order, per row: the grammar's mask (in
 the logits already), the bias, the penalties (``engine.penalties``), then greedy's argmax or the
 draw's temperature, ``min_p`` (keep tokens at least ``min_p`` times as likely as the most likely,
 after temperature, as vLLM), top-k and top-p.
@@ -102,20 +102,13 @@ class SamplingParams:
 
 
 def logit_bias_tensors(bias: tuple[tuple[int, float], ...], device: torch.device | str = "cpu"):
-    """``(ids [B] long, values [B] fp32)`` of ``bias`` for :func:`apply_logit_bias`; None if empty."""
+    """``(ids [B] long, values [B] fp32)`` of ``bias`` for :func:`processed_rows`; None if empty."""
     if not bias:
         return None
-    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)  # [B]
-    values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)  # [B]
+    device = torch.device(device)
+    ids = on_device([t for t, _ in bias], torch.long, device)  # [B]; no wait for the device's queue
+    values = on_device([b for _, b in bias], torch.float32, device)  # [B]
     return ids, values
-
-
-def apply_logit_bias(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """OpenAI's ``logit_bias`` on one row: ``logits`` ``[V]`` -> fp32 ``[V]`` with ``values`` added at
-    ``ids`` (a new tensor; a repeated id adds each of its values). Ids must be ``< V``."""
-    out = logits.float().clone()  # [V]
-    out.index_add_(0, ids.to(out.device), values.to(out.device))
-    return out
 
 
 class Sampler:
@@ -168,10 +161,16 @@ def processed_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tenso
     """The rows a draw and a logprob read: ``logits`` ``[S, V]`` (masked) -> fp32 ``[S, V]`` with
     each row's ``logit_bias`` added (before the penalties, temperature, min-p, top-k and top-p,
     which only a draw applies)."""
-    x = logits.float()  # [S, V]
-    if any(sp.bias is not None for sp in samplers):
-        x = torch.stack([apply_logit_bias(r, *sp.bias) if sp.bias is not None else r
-                         for r, sp in zip(x, samplers, strict=True)])  # fmt: skip
+    biased = [(i, sp.bias) for i, sp in enumerate(samplers) if sp.bias is not None]
+    if not biased:
+        return logits.float()  # [S, V]
+    # every row's bias in one add over the flattened rows (a row at a time was 2 launches a row)
+    x = logits.to(torch.float32, copy=True)  # [S, V]
+    v = x.shape[1]
+    ids = torch.cat([b[0] for _, b in biased])  # [N]
+    values = torch.cat([b[1] for _, b in biased])  # [N]
+    base = on_device([i * v for i, b in biased for _ in range(b[0].numel())], torch.long, x.device)  # [N]
+    x.view(-1).index_add_(0, ids.to(x.device) + base, values.to(x.device))
     return x
 
 

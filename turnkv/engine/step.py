@@ -115,7 +115,7 @@ class StepResult:
     """The logits of one step, per window: ``logits[off_i : off_i + windows[i].logits]``."""
 
     plan: StepPlan
-    logits: torch.Tensor  # [R, V] fp32, device
+    logits: torch.Tensor  # [R, V] fp32, device; the caller's own, never rewritten by a later step
 
     def of(self, i: int) -> torch.Tensor:
         off = self.plan.logit_offsets[i]

@@ -268,13 +268,15 @@ class LlamaModel(nn.Module):
         logit_rows: torch.Tensor,
         attention: StepAttention,
         matmul: MatmulPlan = PLAIN,
+        upcast: bool = True,
     ) -> torch.Tensor:
         """One step: token ``ids`` ``[N]`` at ``positions`` ``[N]`` (device tensors; the step's
         windows back to back, as ``attention`` and ``matmul`` were planned) -> fp32 logits
         ``[R, V]`` of the rows ``logit_rows`` ``[R]``. ``matmul``: the matmul path of the rows
         (``matmul.plan_matmul``: packed weights' wide rows; ``solo`` rows, each rounding as
         alone; every other op is row-wise). Positions must be covered by ``rope.ensure``. Never
-        commits."""
+        commits. ``upcast`` False: the logits in the compute dtype (a CUDA graph's output, which
+        ``engine.graphs`` upcasts after each replay into a tensor of its own)."""
         cfg = self.cfg
         n = ids.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -302,11 +304,10 @@ class LlamaModel(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         dtype = x.dtype
         x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))  # [R, hidden]
+        logits = linear(x, head, None, matmul.head(), dtype)  # [R, V] ([R, V / n] per rank)
         if tp is not None:
-            return tp.gather_vocab(
-                linear(x, head, None, matmul.head(), dtype)
-            ).float()  # [R, V / n] per rank -> [R, V]
-        return linear(x, head, None, matmul.head(), dtype).float()  # [R, V]
+            logits = tp.gather_vocab(logits)  # -> [R, V]
+        return logits.float() if upcast else logits
 
     def _row_linear(
         self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, matmul: MatmulPlan

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from turnkv.bank.session_bank import SessionBank
+from turnkv.bank.tiers import TierChain
 from turnkv.chat_format.grammar import Grammars
 from turnkv.chat_format.structured import Structure
 from turnkv.engine.events import Failed, TurnRequest
@@ -78,6 +79,8 @@ class Server:
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
         scheduler.pipeline.observe = self.metrics.step
         self.worker = EngineWorker(scheduler)
+        if isinstance(self.bank.tier, TierChain):  # RAM pins the rest of its pool while no step runs
+            self.bank.tier.serving(lambda: self.worker.idle)
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
         self.model_names = {engine.info.model_name, cfg.model}

@@ -19,6 +19,7 @@ included); docs/SERVER.md documents them.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -63,10 +64,12 @@ def conversation_structure(count_only: bool):
                 for j, b in enumerate(m.content):
                     if isinstance(b, ToolUseBlock):
                         check_arguments(b.input, f"messages[{i}].content[{j}].input")
-            return chat_structure(grammars, template, None, tools, choice, conv.parallel())
+            st = chat_structure(grammars, template, None, tools, choice, conv.parallel())
         except ChatFormatError as e:
             param = e.param.replace(".function.parameters", ".input_schema")
             raise bad_request(e.message.replace(e.param, param), param=param) from None
+        # a call comes back as its ``input`` object (a cut one as its partial parse)
+        return replace(st, plan=replace(st.plan, calls_as_input=True)) if st.plan else st
 
     return structure
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from turnkv.bank.breaks import CacheBreak
-from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser
+from turnkv.chat_format.toolcalls import CallArgs, CallStart, Content, Piece, ToolCallParser, call_input
 from turnkv.engine.events import Admitted, Failed, GenEvent
 from turnkv.server.responses import break_body, note_usage, route_label
 from turnkv.server.stream import TurnStream, failed_error
@@ -67,16 +67,6 @@ def message_id() -> str:
 
 def tool_use_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
-
-
-def tool_input(arguments: str) -> dict:
-    """A call's arguments (the JSON text the model wrote) as ``input``; text that is no JSON object
-    (a call cut by ``max_tokens``) is ``{}``."""
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def stop_reason(ev: GenEvent, calls: int) -> str:
@@ -133,7 +123,7 @@ async def answer(
         content = [{"type": "text", "text": parser.content}] if parser.content else []
         for c in parser.calls:
             content.append(
-                {"type": "tool_use", "id": tool_use_id(), "name": c.name, "input": tool_input(c.arguments)}
+                {"type": "tool_use", "id": tool_use_id(), "name": c.name, "input": call_input(c.arguments)}
             )
         calls = len(parser.calls)
     body = {

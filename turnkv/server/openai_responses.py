@@ -30,6 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
 from turnkv.bank.response_store import ResponseStore, StoredResponse
+from turnkv.bank.response_store_redis import RedisResponseStore
+from turnkv.bank.shared_stores import RedisStore
 from turnkv.chat_format.history import ChainHistory, ChatHistory
 from turnkv.chat_format.structured import (
     ChatFormatError,
@@ -62,6 +64,7 @@ from turnkv.server.stream import failed_error
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"  # as server.app reads it
+RESPONSE_ID = "turnkv.response_id"  # an ASGI scope key: the id a replica's front chose (serve_ray)
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -74,6 +77,21 @@ def not_found(response_id: str, param: str | None = None) -> ApiError:
         code="previous_response_not_found" if param else "response_not_found",
         param=param,
     )
+
+
+def store_down(exc: ConnectionError) -> ApiError:
+    """A response store (Redis) that does not answer: the request can be retried."""
+    return ApiError(
+        503, f"{exc}; stored responses cannot be read now", "server_error", code="store_unreachable"
+    )
+
+
+async def in_store(fn, *args):
+    """``fn(*args)`` of the response store in a thread; a store that does not answer is a 503."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except ConnectionError as exc:
+        raise store_down(exc) from None
 
 
 def json_format(fmt: TextFormat | None) -> JsonFormat | None:
@@ -138,7 +156,10 @@ class ResponsesApi:
         srv, tok = self.srv, self.srv.engine.tokenizer
         prev = None
         if req.previous_response_id is not None:
-            prev = self.store.get(req.previous_response_id, namespace)
+            try:
+                prev = self.store.get(req.previous_response_id, namespace)
+            except ConnectionError as exc:
+                raise store_down(exc) from None
             if prev is None:
                 raise not_found(req.previous_response_id, "previous_response_id")
         items = req.items()
@@ -238,7 +259,10 @@ class ResponsesApi:
             plan.tools,
             response,
         )
-        self.store.put(rec)
+        try:
+            self.store.put(rec)
+        except ConnectionError as exc:  # the answer still goes out; a follow-up naming it is a 404
+            log.warning("response %s not stored: %s", rid, exc)
 
 
 async def create(api: ResponsesApi, request: Request) -> Response:
@@ -260,7 +284,7 @@ async def create(api: ResponsesApi, request: Request) -> Response:
     )
     stream = srv.stream(turn, request)
     admitted = await stream.start()
-    rid = new_id("resp")
+    rid = request.scope.get(RESPONSE_ID) or new_id("resp")  # not a header: clients cannot set it
     base = api.response(rid, req, params)
     output = Output(plan.structure.plan)
     route = route_label(request)
@@ -324,12 +348,15 @@ async def create(api: ResponsesApi, request: Request) -> Response:
     )
 
 
-def open_store(srv) -> ResponseStore:
-    """``responses.sqlite`` in the disk tier's directory, or in memory without a disk tier (or
-    when that file cannot be opened: logged, and ids then last as long as the process)."""
+def open_store(srv) -> ResponseStore | RedisResponseStore:
+    """``responses.sqlite`` in the disk tier's directory, in the disk tier's Redis (what replicas
+    over ``--disk-store redis://`` share), or in memory without a disk tier (or when that file
+    cannot be opened: logged, and ids then last as long as the process)."""
     tier = srv.bank.tier
     disk = getattr(tier, "disk", tier)  # a TierChain's disk part, or the disk tier itself
     store = getattr(disk, "store", None)
+    if isinstance(store, RedisStore):
+        return RedisResponseStore(store.target, prefix=store.prefix)
     root = getattr(store, "root", None)
     if root is None:
         return ResponseStore()
@@ -350,14 +377,14 @@ def register_responses_api(app: FastAPI, srv) -> ResponsesApi:
 
     @app.get("/v1/responses/{response_id}", **STORED_RESPONSE)
     async def _get(request: Request, response_id: str) -> dict:
-        rec = await asyncio.to_thread(api.store.get, response_id, srv.namespace(request, None))
+        rec = await in_store(api.store.get, response_id, srv.namespace(request, None))
         if rec is None:
             raise not_found(response_id)
         return rec.response
 
     @app.delete("/v1/responses/{response_id}", **DELETED_RESPONSE)
     async def _delete(request: Request, response_id: str) -> dict:
-        if not await asyncio.to_thread(api.store.delete, response_id, srv.namespace(request, None)):
+        if not await in_store(api.store.delete, response_id, srv.namespace(request, None)):
             raise not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

@@ -174,7 +174,8 @@ ERRORS = {
     408: "the body did not arrive within --body-timeout",
     413: "the body is larger than --max-body-bytes",
     415: "the body is not declared application/json",
-    503: "the turn waited past --queue-timeout (Retry-After), or a tensor-parallel rank is down",
+    503: "the turn waited past --queue-timeout (Retry-After), a tensor-parallel rank is down, or the "
+    "response store (Redis) does not answer",
     507: "the turn does not fit the KV budget (needed_bytes, available_bytes)",
 }
 EVERY_ROUTE = (400, 403)  # a repeated Host header; a Host the server does not answer
@@ -207,11 +208,11 @@ COMPLETIONS_ROUTE = completion_route(CompletionRequest, Completion)
 RESPONSES_ROUTE = completion_route(ResponsesRequest, ResponseObject)
 STORED_RESPONSE = {
     "response_model": None,
-    "responses": {200: {"model": ResponseObject}, **errors(*KEYED, 404)},
+    "responses": {200: {"model": ResponseObject}, **errors(*KEYED, 404, 503)},
 }
 DELETED_RESPONSE = {
     "response_model": None,
-    "responses": {200: {"model": ResponseDeleted}, **errors(*KEYED, 404)},
+    "responses": {200: {"model": ResponseDeleted}, **errors(*KEYED, 404, 503)},
 }
 
 

@@ -84,7 +84,9 @@ class Prompts:
         ids = tok.encode(self.chat_text(messages, tools))
         if plan is None:
             return ids, ChatHistory(tok, messages, tools or None)
-        return ids, ChatHistory(tok, messages, tools or None, plan.fmt.name, plan.max_calls)
+        return ids, ChatHistory(
+            tok, messages, tools or None, plan.fmt.name, plan.max_calls, plan.calls_as_input
+        )
 
     def completion(self, prompt: str | list[int]) -> tuple[list[int], History | None]:
         """Prompt ids of a raw completion prompt (text, or token ids checked against the vocabulary)."""
