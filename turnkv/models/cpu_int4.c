@@ -408,8 +408,10 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
 #if TKV_VNNI
 #define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
 #define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
-#elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f */
-#define TILES4 4, 2, 2, 1, 1, 1, 1, 1, 1, 1
+#elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f; 5-10 rows: 4 tiles, re-timed
+                 with the prefetch and the weights streaming from memory (8 rows 1.14x, 10 rows
+                 1.23x over 1 tile; docs/BENCHMARKS.md, 'AVX2 kernels on their own ISA') */
+#define TILES4 4, 2, 2, 1, 4, 4, 4, 4, 4, 4
 #define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
 #else /* plain C */
 #define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
