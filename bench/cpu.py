@@ -400,7 +400,8 @@ def markdown(rows: list[dict], cpu: str) -> str:
     out = [
         f"CPU: {cpu}",
         "",
-        "| engine | kernels | threads | neighbour | decode short tok/s | decode 2K tok/s | prefill tok/s "
+        f"| engine | kernels | threads | neighbour | decode short tok/s | decode {rows[0]['long_context'] if rows else '?'}-token "
+        "context tok/s | prefill tok/s "
         "| RSS MiB | decode CPU ms/token |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]

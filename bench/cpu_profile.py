@@ -1,6 +1,6 @@
 """Where one CPU decode step's time goes: the C matmuls by shape, the attention kernel, the rest.
 
-Wraps ``cpu_int4.mm`` and ``NativeStep.attend`` with wall-clock timers around a greedy decode of the
+Wraps ``cpu_int4.Matrix.mm`` and ``NativeStep.attend`` with wall-clock timers around a greedy decode of the
 default model (``TURNKV_CPU_ISA`` picks the kernels' variant), one process per thread count:
 
     TURNKV_CPU_ISA=avx2 python bench/cpu_profile.py --threads 1,2
@@ -44,11 +44,12 @@ def child(threads: int, gen: int) -> dict:
     times: dict[str, float] = defaultdict(float)
     wbytes: dict[str, int] = {}
     calls: dict[str, int] = defaultdict(int)
-    mm, attend = cpu_int4.mm, cpu_native.NativeStep.attend
+    mm, attend = cpu_int4.Matrix.mm, cpu_native.NativeStep.attend
 
-    def timed_mm(a, packed, n):
+    def timed_mm(self, a, residual=None):
         t0 = time.perf_counter()
-        out = mm(a, packed, n)
+        out = mm(self, a, residual)
+        packed, n = self.packed, self.n
         key = f"mm M={a.shape[0]} {n}x{a.shape[1]}{' q8' if cpu_int4.is_q8(packed) else ''}"
         times[key] += time.perf_counter() - t0
         calls[key] += 1
@@ -61,7 +62,7 @@ def child(threads: int, gen: int) -> dict:
         times["attention"] += time.perf_counter() - t0
         calls["attention"] += 1
 
-    cpu_int4.mm, cpu_native.NativeStep.attend = timed_mm, timed_attend
+    cpu_int4.Matrix.mm, cpu_native.NativeStep.attend = timed_mm, timed_attend
     ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
 
     def run(n: int, ns: str) -> float:
@@ -101,7 +102,9 @@ def main() -> None:
         print(json.dumps(child(a.child, a.gen)))
         return
     print(f"load average before: {os.getloadavg()}")
-    cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    from report import cpu_name
+
+    cpu = cpu_name()  # the model and its vector extensions
     for t in (int(s) for s in a.threads.split(",")):
         out = subprocess.run(
             [sys.executable, __file__, "--child", str(t), "--gen", str(a.gen)],

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from decode_run import DecodeRun, paired_ratio, run_decode, run_interleaved
-from report import save
+from report import cpu_name, save
 
 from turnkv.attention import cpu_native
 from turnkv.config import EngineConfig
@@ -280,6 +280,10 @@ def measure(args, group=None) -> dict:
     say(f"# {info.model_name} on {info.device} {info.dtype} x{size}; attention {info.verdict.route} "
         f"({info.verdict.verdict}); graphs {info.graphs}; {ceilings}"
         f"weights read per step {wbytes / 1e9:.3f} GB per GPU; KV capacity {capacity['tokens']} tokens")  # fmt: skip
+    if device.type == "cpu":  # the CPU and its vector extensions, and the C kernels' variant
+        from turnkv import cbuild
+
+        say(f"# CPU {cpu_name()}, {torch.get_num_threads()} thread(s), C kernels {cbuild.variant()}")
     runs, pairs_out = [], []
     for b in [int(x) for x in args.batch.split(",") if x]:
         histories = {}  # per KV dtype: rows of one dtype restore only into caches of it

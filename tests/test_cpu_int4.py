@@ -128,12 +128,46 @@ def test_activations_are_quantized_as_the_reference_says_ties_included():
 
 def test_rows_that_do_not_fit_the_weights_are_an_error_with_the_numbers():
     packed = cpu_int4.pack(planes(16, 64, 1, seed=0, exact=True), 16, 64)
-    with pytest.raises(ValueError, match=r"bf16 rows of 64 values .* got torch.bfloat16 \[1, 96\]"):
+    with pytest.raises(ValueError, match=r"rows of 64 values .* got torch.bfloat16 \[1, 96\]"):
         cpu_int4.mm(torch.zeros(1, 96, dtype=torch.bfloat16), packed, 16)
-    with pytest.raises(ValueError, match=r"got torch\.float32"):
-        cpu_int4.mm(torch.zeros(1, 64), packed, 16)
+    with pytest.raises(ValueError, match=r"got torch\.float16"):
+        cpu_int4.mm(torch.zeros(1, 64, dtype=torch.float16), packed, 16)
     with pytest.raises(ValueError, match="at most 16 outputs"):
         cpu_int4.mm(torch.zeros(1, 64, dtype=torch.bfloat16), packed, 17)
+    with pytest.raises(ValueError, match=r"residual must be fp32 \[2, 16\]"):
+        cpu_int4.mm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 16, residual=torch.zeros(1, 16))
+
+
+def fp32_rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """fp32 rows whose bf16 rounding has every case: random values, exact ties between two bf16
+    values (odd and even), values that round up to a power of two, zeros, subnormals, infinities."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10
+    bits = x.view(torch.int32)
+    ties = torch.rand(m, k, generator=gen) < 0.3
+    bits[ties] = (bits[ties] & ~0xFFFF) | 0x8000  # halfway: ties to even, both parities occur
+    x[:, 5] = 1.9999999  # rounds up to 2
+    x[:, 6] = 0.0
+    x[:, 7] = -1e-40  # subnormal
+    x[0, 40] = float("inf")  # a group of its own with an infinity: NaN/garbage alike in both
+    return x
+
+
+@pytest.mark.parametrize(("m", "q8"), [(1, False), (8, False), (13, True)])
+def test_fp32_rows_give_the_bits_of_their_bf16_cast_and_the_residual_those_of_torch_add(m, q8):
+    """The C rounds fp32 rows to bf16 as ``.bfloat16()`` does, so fp32 rows and their cast give the
+    same bits; the residual it adds gives the bits of ``y + residual`` in torch."""
+    n, k = 40, 96
+    if q8:
+        packed = cpu_int4.pack_q8(*q8_matrix(n, k, seed=m, exact=False), n, k)
+    else:
+        packed = cpu_int4.pack(planes(n, k, 2, seed=m, exact=False), n, k)
+    x = fp32_rows(m, k, seed=m)
+    cast = cpu_int4.mm(x.bfloat16(), packed, n)
+    got = cpu_int4.mm(x, packed, n)
+    assert torch.equal(got.isnan(), cast.isnan()) and torch.equal(got.nan_to_num(), cast.nan_to_num())
+    r = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(cpu_int4.mm(x, packed, n, residual=r).nan_to_num(), (cast + r).nan_to_num())
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"), reason="x86 cc")

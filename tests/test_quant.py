@@ -208,8 +208,9 @@ class Bf16Dense:
     def __init__(self, w: torch.Tensor):
         self.w = w
 
-    def mm(self, x: torch.Tensor, wide=()) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(torch.bfloat16).float(), self.w).to(torch.bfloat16)
+    def mm(self, x: torch.Tensor, wide=(), residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.nn.functional.linear(x.to(torch.bfloat16).float(), self.w).to(torch.bfloat16)
+        return y if residual is None else torch.add(residual, y)
 
 
 def bf16_yardstick(loaded):

@@ -256,7 +256,13 @@ static inline __attribute__((always_inline)) void scores(const item_t *it, const
         const int64_t t_end = v[8] < it->keys - g ? v[8] : it->keys - g;
         for (int64_t t0 = 0; t0 < t_end; t0 += 16, g += 16) {
             const int64_t nb = t_end - t0 < 16 ? t_end - t0 : 16;
-            for (int64_t i = 0; i < nb; i++) load_row(kb, (t0 + i) * v[4], it->dtype, nw, kblk[i]);
+            for (int64_t i = 0; i < nb; i++) {
+                /* the next block's keys: rows a row stride apart, which the hardware prefetcher
+                   follows too late from memory (prefetches never fault, past the view included) */
+                const char *next = kb + (t0 + 16 + i) * v[4] * it->esize;
+                for (int64_t l = 0; l < nw * VL * it->esize; l += 64) __builtin_prefetch(next + l, 0, 3);
+                load_row(kb, (t0 + i) * v[4], it->dtype, nw, kblk[i]);
+            }
             for (int64_t i = nb; i < 16; i++)
                 for (int64_t c = 0; c < nw; c++) kblk[i][c] = (vn){0};
             for (int64_t p = 0; p < pairs; p++) {
@@ -310,6 +316,7 @@ static inline __attribute__((always_inline)) void values(const item_t *it, const
         const char *vb = (const char *)(intptr_t)v[1] + off * it->esize;
         const int64_t t_end = v[8] < n - g ? v[8] : n - g;
         for (int64_t t = 0; t < t_end; t++, g++) {
+            for (int64_t l = 0; l < cw * VL * it->esize; l += 64) __builtin_prefetch(vb + ((t + 16) * v[7]) * it->esize + l, 0, 3);
             load_row(vb, t * v[7], it->dtype, cw, vr);
             for (int pp = 0; pp < np; pp++) {
                 const float wt = s[(p0 + pp) * it->keys + g];

@@ -59,6 +59,16 @@
 #endif
 #define BIG_BLOCK 4
 
+/* Ask for the next block's bytes of this group (the T tiles after these): a block reads T streams
+ * 5760+ bytes apart, which the hardware prefetcher follows too late from memory (a decode step's
+ * weights never stay in cache); prefetches do not fault, so past the matrix's end is harmless.
+ * Measured: docs/BENCHMARKS.md, 'AVX2 kernels on their own ISA'. */
+static inline __attribute__((always_inline)) void prefetch_next(const int T, const uint8_t *w, int64_t tile_bytes,
+                                                                int64_t off, int bytes) {
+    for (int t = 0; t < T; t++)
+        for (int l = 0; l < bytes; l += 64) __builtin_prefetch(w + (T + t) * tile_bytes + off + l, 0, 3);
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
     float f;
@@ -159,6 +169,7 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
     for (int64_t g = 0; g < G; g++) {
         for (int64_t p = 0; p < P; p++) {
             const int64_t off = (g * P + p) * PLANE_BYTES;
+            prefetch_next(T, w, tile_bytes, off, PLANE_BYTES);
 #if TKV_VNNI
             __m512i sum[MAX_ROWS * 8];
             for (int i = 0; i < R * T; i++) sum[i] = _mm512_setzero_si512();
@@ -276,6 +287,7 @@ static inline __attribute__((always_inline)) void block8(const int R, const int 
     (void)dq;
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = g * Q8_BYTES;
+        prefetch_next(T, w, tile_bytes, off, Q8_BYTES);
 #if TKV_VNNI
         __m512i sum[MAX_ROWS * 8];
         for (int i = 0; i < R * T; i++) sum[i] = _mm512_setzero_si512();
@@ -396,8 +408,10 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
 #if TKV_VNNI
 #define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
 #define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
-#elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f */
-#define TILES4 4, 2, 2, 1, 1, 1, 1, 1, 1, 1
+#elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f; 5-10 rows: 4 tiles, re-timed
+                 with the prefetch and the weights streaming from memory (8 rows 1.14x, 10 rows
+                 1.23x over 1 tile; docs/BENCHMARKS.md, 'AVX2 kernels on their own ISA') */
+#define TILES4 4, 2, 2, 1, 4, 4, 4, 4, 4, 4
 #define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
 #else /* plain C */
 #define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
@@ -415,37 +429,84 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
 RUN_ROWS_(run_rows4, block, TILES4)
 RUN_ROWS_(run_rows8, block8, TILES8)
 
-/* y[M, n_out] (fp32, row stride out_stride) = x[M, K] (bf16, row stride x_stride) @ W.T.
- * w: the packed planes of N = tiles * 16 columns (n_out <= N real); P = 0: the int8 form.
- * threads: the column cut. */
-int turnkv_q4_mm(int64_t M, int64_t K, int64_t tiles, int64_t P, const uint16_t *x, int64_t x_stride,
-                 const uint8_t *w, float *out, int64_t out_stride, int64_t n_out, int64_t threads) {
-    if (K % GROUP) return 1;
-    const int64_t G = K / GROUP, tile_bytes = P ? G * P * PLANE_BYTES : G * Q8_BYTES;
-    const int64_t rows = M > 0 ? M : 1;
-    int8_t *q = (int8_t *)malloc((size_t)(rows * K + 2 * rows * G * (int64_t)sizeof(float)));
-    if (!q) return 2;
-    float *d = (float *)(void *)(q + ((rows * K + 3) & ~(int64_t)3)), *dq = d + rows * G;
-    quantize_rows(M, K, x, x_stride, q, d, dq, TKV_AVX2 && P > 0);
-    if (threads > tiles) threads = tiles;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
-    for (int64_t part = 0; part < threads; part++) {
-        /* equal shares of the tiles; every thread walks all rows of its tiles, so a block of tiles
-           stays in cache across the row blocks. Up to 10 rows are one block (one unpack of the
-           weights); more go 4 at a time, the fastest per row (docs/BENCHMARKS.md, 'Figures
-           moved out of code comments'). */
-        int64_t t0 = tiles * part / threads, t1 = tiles * (part + 1) / threads;
-        for (int64_t tb = t0; tb < t1; tb += 24) {
-            int64_t te = tb + 24 < t1 ? tb + 24 : t1;
-            const int64_t rb = M <= TKV_ONE_BLOCK ? M : BIG_BLOCK;
-            for (int64_t r0 = 0; r0 < M; r0 += rb) {
-                int64_t R = M - r0 < rb ? M - r0 : rb;
-                (P ? run_rows4 : run_rows8)(R, tb, te, G, P, q + r0 * K, K, d + r0 * G, dq + r0 * G, w,
-                                            tile_bytes, out, out_stride, n_out, r0);
-            }
+/* A matrix's constants, set once per packed matrix (cpu_int4.Matrix), so a call passes one
+ * pointer for them: ctypes converts every argument of every call (~0.1 us each). */
+typedef struct {
+    int64_t K, tiles, P; /* P = 0: the int8 form */
+    int64_t n_out;       /* real columns (<= tiles * 16) */
+    const uint8_t *w;
+} tkv_matrix;
+
+/* Row m of fp32 activations rounded to bf16 (nearest, ties to even; NaN -> 0x7FC0), as torch's
+ * .bfloat16() rounds: the kernel takes fp32 rows without a cast op of their own in between. */
+static void round_rows_bf16(int64_t M, int64_t K, const float *x, int64_t x_stride, uint16_t *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *src = (const uint32_t *)(const void *)(x + m * x_stride);
+        uint16_t *dst = out + m * K;
+        for (int64_t k = 0; k < K; k++) {
+            const uint32_t u = src[k];
+            const uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            dst[k] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : r;
         }
     }
-    free(q);
+}
+
+static void run_part(const tkv_matrix *mat, int64_t part, int64_t threads, int64_t M, const int8_t *q,
+                     const float *d, const float *dq, float *out, const float *residual) {
+    const int64_t K = mat->K, G = K / GROUP, P = mat->P, tiles = mat->tiles, n_out = mat->n_out;
+    const int64_t tile_bytes = P ? G * P * PLANE_BYTES : G * Q8_BYTES;
+    /* equal shares of the tiles; every thread walks all rows of its tiles, so a block of tiles
+       stays in cache across the row blocks. Up to 10 rows are one block (one unpack of the
+       weights); more go 4 at a time, the fastest per row (docs/BENCHMARKS.md, 'Figures
+       moved out of code comments'). */
+    int64_t t0 = tiles * part / threads, t1 = tiles * (part + 1) / threads;
+    for (int64_t tb = t0; tb < t1; tb += 24) {
+        int64_t te = tb + 24 < t1 ? tb + 24 : t1;
+        const int64_t rb = M <= TKV_ONE_BLOCK ? M : BIG_BLOCK;
+        for (int64_t r0 = 0; r0 < M; r0 += rb) {
+            int64_t R = M - r0 < rb ? M - r0 : rb;
+            (P ? run_rows4 : run_rows8)(R, tb, te, G, P, q + r0 * K, K, d + r0 * G, dq + r0 * G, mat->w,
+                                        tile_bytes, out, n_out, n_out, r0);
+        }
+    }
+    if (residual) /* out += residual over this part's columns, after its sums (fp32 adds, as torch's) */
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t n1 = t1 * TILE < n_out ? t1 * TILE : n_out;
+            for (int64_t n = t0 * TILE; n < n1; n++) out[m * n_out + n] += residual[m * n_out + n];
+        }
+}
+
+#define STACK_BYTES 32768 /* activations of a decode step's rows go on the stack, more to malloc */
+
+/* y[M, n_out] (fp32, contiguous) = x[M, K] (row stride x_stride; bf16, or fp32 with x_fp32, then
+ * rounded to bf16 first) @ W.T (+ residual[M, n_out], fp32 contiguous, or NULL). threads: the
+ * column cut; one thread runs without an OpenMP region (its entry costs ~0.4 us a call). */
+int turnkv_q4_mm(const tkv_matrix *mat, int64_t M, const void *x, int64_t x_stride, int64_t x_fp32, float *out,
+                 const float *residual, int64_t threads) {
+    const int64_t K = mat->K, tiles = mat->tiles;
+    if (K % GROUP) return 1;
+    const int64_t G = K / GROUP, rows = M > 0 ? M : 1;
+    const size_t q_bytes = (size_t)((rows * K + 3) & ~(int64_t)3), need = q_bytes + (size_t)(2 * rows * G) * sizeof(float)
+                           + (x_fp32 ? (size_t)(rows * K) * sizeof(uint16_t) : 0);
+    _Alignas(64) uint8_t stack[STACK_BYTES];
+    uint8_t *buf = need <= STACK_BYTES ? stack : (uint8_t *)malloc(need);
+    if (!buf) return 2;
+    int8_t *q = (int8_t *)buf;
+    float *d = (float *)(void *)(buf + q_bytes), *dq = d + rows * G;
+    const uint16_t *xb = (const uint16_t *)x;
+    if (x_fp32) {
+        uint16_t *r = (uint16_t *)(void *)(dq + rows * G);
+        round_rows_bf16(M, K, (const float *)x, x_stride, r);
+        xb = r, x_stride = K;
+    }
+    quantize_rows(M, K, xb, x_stride, q, d, dq, TKV_AVX2 && mat->P > 0);
+    if (threads > tiles) threads = tiles;
+    if (threads <= 1) {
+        run_part(mat, 0, 1, M, q, d, dq, out, residual);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int64_t part = 0; part < threads; part++) run_part(mat, part, threads, M, q, d, dq, out, residual);
+    }
+    if (buf != stack) free(buf);
     return 0;
 }

@@ -14,6 +14,12 @@ the activations' rounding (``quant_check.error_bound`` bounds it), as in llama.c
 A row's bits do not depend on the other rows of the call (see the C file's header), so a
 conversation's logits are the same alone and in company.
 
+A weight binds its packed matrix once (``Matrix``) and a call passes only the rows: fp32 rows as
+they are (the C rounds them to bf16 as ``.bfloat16()`` does) and, for o and down, the residual,
+which the C adds to its sums (a decode step makes ~120 calls; each torch op or ctypes argument
+saved is paid ~120 times a token). Each block prefetches the next block's bytes: a step's weights
+stream from memory, in T tile streams the hardware prefetcher follows too late.
+
 ``TURNKV_CPU_KERNEL=off`` or a failed build (``status()`` says why) keep torch's int4 kernel.
 """
 
@@ -55,9 +61,15 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, (amax / QMAX).squeeze(-1)
 
 
+class _MatrixArgs(ctypes.Structure):
+    """The C's ``tkv_matrix``: a packed matrix's constants, set once (``Matrix``)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("k", "tiles", "planes", "n")] + [("w", ctypes.c_void_p)]
+
+
 def _setup(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.turnkv_q4_mm.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.turnkv_q4_mm.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64]
     lib.turnkv_q4_mm.restype = ctypes.c_int
 
 
@@ -132,22 +144,55 @@ def values(packed: torch.Tensor, n: int) -> torch.Tensor:
     return w.sum(0).reshape(n, g * GROUP)
 
 
-def mm(a: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``a @ W.T`` for bf16 rows ``a`` ``[M, K]`` (last dim contiguous) -> fp32 ``[M, n]``. Weights
-    packed for the C kernel keep using it after ``set_enabled(False)`` (which only decides how
-    weights packed later are held)."""
-    lib = KERNEL.lib or KERNEL.loaded
-    assert lib is not None, "cpu_int4.mm needs the built kernel (check cpu_int4.library())"
-    m, k = a.shape
-    tiles, g, p, _ = packed.shape
-    if k != g * GROUP or a.dtype != torch.bfloat16 or a.stride(-1) != 1 or n > tiles * TILE:
-        raise ValueError(
-            f"cpu_int4.mm takes bf16 rows of {g * GROUP} values (last dim contiguous) for at most "
-            f"{tiles * TILE} outputs; got {a.dtype} [{m}, {k}] stride {a.stride(-1)}, n={n}"
+class Matrix:
+    """A packed matrix bound for the C call, made once per weight (``QuantWeight`` keeps one): its
+    shape checked and its constants in a C struct, so a call converts only the rows' pointers (a
+    decode step makes ~120 calls; each argument ctypes converts costs ~0.1 us).
+
+    Invariant: ``packed`` (kept alive here) is ``[tiles, K/32, P, 320]`` or the int8 form, ``n <=
+    tiles * 16``; ``mm`` never reads past it."""
+
+    __slots__ = ("_addr", "_args", "k", "n", "packed")
+
+    def __init__(self, packed: torch.Tensor, n: int):
+        tiles, g, p, _ = packed.shape
+        if n > tiles * TILE or not packed.is_contiguous() or packed.dtype != torch.uint8:
+            raise ValueError(f"cpu_int4.Matrix: {n} outputs from packed {tuple(packed.shape)} {packed.dtype}")
+        self.packed, self.n, self.k = packed, n, g * GROUP
+        self._args = _MatrixArgs(self.k, tiles, 0 if is_q8(packed) else p, n, packed.data_ptr())
+        self._addr = ctypes.addressof(self._args)
+
+    def mm(self, a: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``a @ W.T (+ residual)`` for rows ``a`` ``[M, K]``, bf16 or fp32 (rounded to bf16 in the C,
+        as ``.bfloat16()`` rounds: the same bits as casting first), last dim contiguous -> fp32
+        ``[M, n]``; ``residual``: fp32 ``[M, n]`` contiguous, added in the C (``y + residual`` in
+        fp32, as torch's add). Weights packed for the C kernel keep using it after
+        ``set_enabled(False)`` (which only decides how weights packed later are held)."""
+        lib = KERNEL.lib or KERNEL.loaded
+        assert lib is not None, "cpu_int4.mm needs the built kernel (check cpu_int4.library())"
+        m, k = a.shape
+        fp32 = a.dtype == torch.float32
+        if k != self.k or not (fp32 or a.dtype == torch.bfloat16) or a.stride(-1) != 1:
+            raise ValueError(
+                f"cpu_int4.mm takes bf16 or fp32 rows of {self.k} values (last dim contiguous); got "
+                f"{a.dtype} [{m}, {k}] stride {a.stride(-1)}"
+            )
+        out = torch.empty(m, self.n)
+        res = 0
+        if residual is not None:
+            if residual.dtype != torch.float32 or residual.shape != out.shape or not residual.is_contiguous():
+                raise ValueError(f"cpu_int4.mm: residual must be fp32 [{m}, {self.n}] contiguous")
+            res = residual.data_ptr()
+        rc = lib.turnkv_q4_mm(
+            self._addr, m, a.data_ptr(), a.stride(0), fp32, out.data_ptr(), res, torch.get_num_threads()
         )
-    out = torch.empty(m, n)
-    rc = lib.turnkv_q4_mm(m, k, tiles, 0 if is_q8(packed) else p, a.data_ptr(), a.stride(0), packed.data_ptr(), out.data_ptr(),
-                          n, n, torch.get_num_threads())  # fmt: skip
-    if rc:
-        raise RuntimeError(f"turnkv_q4_mm failed ({rc})")
-    return out
+        if rc:
+            raise RuntimeError(f"turnkv_q4_mm failed ({rc})")
+        return out
+
+
+def mm(a: torch.Tensor, packed: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``Matrix(packed, n).mm(a, residual)``: for a matrix multiplied once (tests, benches)."""
+    if n > packed.shape[0] * TILE:
+        raise ValueError(f"cpu_int4.mm: at most {packed.shape[0] * TILE} outputs from this matrix, got n={n}")
+    return Matrix(packed, n).mm(a, residual)

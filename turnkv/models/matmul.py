@@ -156,10 +156,7 @@ def residual_linear(
         if bias is None:
             return torch.addmm(x, h, w.t())
         return x + F.linear(h, w, bias)
-    y = w.mm(h, plan.wide)
-    # fp32 + bf16: the product cast first, then added in place, cheaper than torch.add's promotion,
-    # which makes the same copy inside (docs/BENCHMARKS.md, 'Per-token overhead cut', issue 11)
-    y = y.float().add_(x) if x.dtype == torch.float32 else torch.add(x, y)
+    y = w.mm(h, plan.wide, residual=x)  # the C kernel adds it to its sums (one op fewer a call)
     return y if bias is None else y.add_(bias)
 
 

@@ -185,6 +185,7 @@ class QuantWeight(nn.Module):
         self.register_buffer("scale_zeros", None, persistent=False)
         self.wide_ok = False  # the wide-window path is enabled by check_layout
         self._views: tuple = (None, [])  # (packed, [(plane, scale_zeros)]) see _planes
+        self._matrix: cpu_int4.Matrix | None = None  # the C call's bound matrix, see _int4
         self.native = bool(planes) and packed_kernel() == "c"
         if self.native:
             n, k = self.shape
@@ -220,11 +221,16 @@ class QuantWeight(nn.Module):
         parts = (self.blocks, self.packed, self.scale_zeros)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
-    def mm(self, x: torch.Tensor, wide: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """``x @ W.T`` for x ``[..., K]`` (any float dtype) -> ``[..., N]``: fp32 from the C kernel,
-        else bf16 (fp32 when two planes).
+    def mm(
+        self, x: torch.Tensor, wide: Sequence[tuple[int, int]] = (), residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ W.T (+ residual)`` for x ``[..., K]`` (any float dtype) -> ``[..., N]``: fp32 from
+        the C kernel, else bf16 (fp32 when two planes); ``residual`` ``[..., N]`` is added as
+        ``torch.add(residual, y)`` adds (its dtype promotion included), in the C kernel's call
+        where it runs (fp32: a bf16 residual widened exactly; one op fewer a call).
 
-        The C kernel takes every row (one unpack per block of up to 10 rows). Under torch's int4
+        The C kernel takes every row (one unpack per block of up to 10 rows), fp32 rows as they
+        are (it rounds them to bf16 as the cast would). Under torch's int4
         kernel (one unpack per 4 rows), rows in the ``wide`` ranges ``[start, end)`` (the step's
         windows of ``WIDE_ROWS`` rows or more: prefill chunks; ``matmul.plan_matmul``) dequantize the
         planes to bf16 once and take oneDNN's bf16 GEMM instead (``wide_ok``, see ``WIDE_ROWS``).
@@ -233,9 +239,14 @@ class QuantWeight(nn.Module):
         # Only the calls that do something: a decode step makes ~120 of these (no-op .to/
         # .reshape/.contiguous calls each cost a dispatch; counted by the profiler, not timed).
         a = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
-        a = cast(a, torch.bfloat16)
+        if not (self.native and a.dtype == torch.float32):
+            a = cast(a, torch.bfloat16)
         a = a if a.is_contiguous() else a.contiguous()
         wide = wide if self.wide_ok else ()
+        res = None if residual is None else residual.reshape(a.shape[0], self.shape[0])
+        if self.native and not wide:
+            y = self._c_matrix().mm(a, None if res is None else cast(res, torch.float32).contiguous())
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
         if not wide:
             y = self._int4(a)
         elif len(wide) == 1 and wide[0] == (0, a.shape[0]):
@@ -250,7 +261,18 @@ class QuantWeight(nn.Module):
                 at = end
             dtype = pieces[0].dtype if len({t.dtype for t in pieces}) == 1 else torch.float32
             y = torch.cat([t.to(dtype) for t in pieces])
+        if res is not None:  # fp32 + bf16: the product cast first, then added in place, cheaper
+            # than torch.add's promotion, which makes the same copy inside (docs/BENCHMARKS.md,
+            # 'Per-token overhead cut', issue 11)
+            y = y.float().add_(res) if res.dtype == torch.float32 else torch.add(res, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.shape[0])
+
+    def _c_matrix(self) -> cpu_int4.Matrix:
+        """The packed buffer bound for the C call, made again only when the buffer was replaced."""
+        packed = self._buffers["packed"]
+        if self._matrix is None or self._matrix.packed is not packed:
+            self._matrix = cpu_int4.Matrix(packed, self.shape[0])
+        return self._matrix
 
     def _planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each plane's packed values and scales/zeros, indexed once: a decode step makes ~120
@@ -267,7 +289,7 @@ class QuantWeight(nn.Module):
         """The C kernel (fp32 out) or torch's int4 kernel (bf16 out; fp32 when two planes) over
         bf16 rows ``a`` ``[M, K]`` -> ``[M, N]``."""
         if self.native:
-            return cpu_int4.mm(a, self._buffers["packed"], self.shape[0])
+            return self._c_matrix().mm(a)
         mm = _int4_mm()
         (p0, sz0), *more = self._planes()
         y = mm(a, p0, GROUP, sz0)  # [M, Np]
