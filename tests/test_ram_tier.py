@@ -181,7 +181,6 @@ def test_the_pool_is_pinned_while_the_server_is_idle_and_restores_across_its_chu
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)  # two slots a chunk
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
-    monkeypatch.setattr(ram_module, "IDLE_S", 0.2)
     ram = RamTier("fp", SHAPE, 5)
     assert len(ram._chunks) == 1 and not ram.whole  # only the first chunk at start
     ids = list(range(5 * B))

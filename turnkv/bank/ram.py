@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 28  # the pool is pinned by this much at a time (pinning is slow: ~GB/s)
 START_CHUNKS = 4  # pinned at start; the rest while the server is idle (``grow_behind``)
 IDLE_POLL_S = 0.05
-IDLE_S = 1.0  # how long the server must have been idle before a chunk is pinned
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -147,10 +146,10 @@ class RamTier:
         return len(self._chunks) * self.per_chunk >= self.capacity or self.grow_failed is not None
 
     def grow_behind(self, idle: Callable[[], bool] | None = None) -> None:
-        """Pin the rest of the pool on a thread of its own, a chunk at a time, and only once
-        ``idle()`` has said for ``IDLE_S`` that no turn runs or waits: pinning holds the CUDA
-        driver's lock, and pinning beside a loaded server stalled every stream for as long as it
-        ran (tens of seconds for a budget of tens of GB). Each chunk's slots are free as it lands; until then the pool holds
+        """Pin the rest of the pool on a thread of its own, a chunk at a time and only while
+        ``idle()`` says no step runs or waits: pinning holds the CUDA driver's lock, and pinning
+        beside a loaded server stalled every stream for as long as it ran (tens of seconds for a
+        budget of tens of GB). Each chunk's slots are free as it lands; until then the pool holds
         what it has (a full pool evicts or drops, it never allocates in a step)."""
         if self._grower is None and not self.whole:
             self._grower = threading.Thread(
@@ -159,17 +158,10 @@ class RamTier:
             self._grower.start()
 
     def _grow_all(self, idle: Callable[[], bool] | None) -> None:
-        quiet_since = None  # when the server was last seen busy -> idle
         while not self.whole:
-            if idle is not None:  # a closed loop of clients leaves the engine idle for moments
-                now = time.monotonic()  # between turns: only a longer quiet counts
-                if not idle():
-                    quiet_since = None
-                elif quiet_since is None:
-                    quiet_since = now
-                if quiet_since is None or now - quiet_since < IDLE_S:
-                    time.sleep(IDLE_POLL_S)
-                    continue
+            if idle is not None and not idle():
+                time.sleep(IDLE_POLL_S)
+                continue
             try:
                 self._grow()
             except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
