@@ -286,10 +286,8 @@ class QuantWeight(nn.Module):
         return self._views[1]
 
     def _int4(self, a: torch.Tensor) -> torch.Tensor:
-        """The C kernel (fp32 out) or torch's int4 kernel (bf16 out; fp32 when two planes) over
-        bf16 rows ``a`` ``[M, K]`` -> ``[M, N]``."""
-        if self.native:
-            return self._c_matrix().mm(a)
+        """Torch's int4 kernel (bf16 out; fp32 when two planes) over bf16 rows ``a`` ``[M, K]`` ->
+        ``[M, N]`` (native weights never come here: ``mm`` calls the C kernel for them)."""
         mm = _int4_mm()
         (p0, sz0), *more = self._planes()
         y = mm(a, p0, GROUP, sz0)  # [M, Np]
