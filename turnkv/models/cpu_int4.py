@@ -157,7 +157,10 @@ class Matrix:
     def __init__(self, packed: torch.Tensor, n: int):
         tiles, g, p, _ = packed.shape
         if n > tiles * TILE or not packed.is_contiguous() or packed.dtype != torch.uint8:
-            raise ValueError(f"cpu_int4.Matrix: {n} outputs from packed {tuple(packed.shape)} {packed.dtype}")
+            raise ValueError(
+                f"cpu_int4.Matrix: at most {tiles * TILE} outputs from a contiguous uint8 packing; got "
+                f"n={n} from {tuple(packed.shape)} {packed.dtype}"
+            )
         self.packed, self.n, self.k = packed, n, g * GROUP
         self._args = _MatrixArgs(self.k, tiles, 0 if is_q8(packed) else p, n, packed.data_ptr())
         self._addr = ctypes.addressof(self._args)
@@ -193,6 +196,4 @@ class Matrix:
 
 def mm(a: torch.Tensor, packed: torch.Tensor, n: int, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``Matrix(packed, n).mm(a, residual)``: for a matrix multiplied once (tests, benches)."""
-    if n > packed.shape[0] * TILE:
-        raise ValueError(f"cpu_int4.mm: at most {packed.shape[0] * TILE} outputs from this matrix, got n={n}")
     return Matrix(packed, n).mm(a, residual)
