@@ -73,7 +73,8 @@ def route_of(path: str, headers: dict[str, str], body: bytes) -> dict:
     items = items if isinstance(items, list) else [items]
     prev = doc.get("previous_response_id")
     if isinstance(prev, str) and prev:  # only the new input: it continues the response's chain
-        keys = [response_key(prev), *chain_keys(ns, items, start=response_key(prev))]
+        start = response_key(prev)
+        keys = [start, *chain_keys(ns, items, start=start)]
     else:
         keys = chain_keys(ns, items)
     hint = None
