@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import time
@@ -15,6 +16,10 @@ OUT = Path(__file__).resolve().parent / "out"
 
 
 def git_commit() -> str:
+    """The tree's commit; ``TURNKV_COMMIT`` where the tree has no git state of its own (the lent GPU
+    machine gets a copy of the working tree, and its ``.git`` does not name the tree it runs)."""
+    if os.environ.get("TURNKV_COMMIT"):
+        return os.environ["TURNKV_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
