@@ -172,11 +172,10 @@ def test_a_shared_prefix_is_stored_once_and_evicted_last():
     assert got is not None and got.num_tokens == 2 * B and _same_rows(got, _rows(system))
 
 
-def test_the_pool_is_pinned_while_the_server_is_idle_and_restores_across_its_chunks(monkeypatch):
+def test_the_pool_starts_with_its_first_chunks_and_grows_behind_the_steps_across_chunks(monkeypatch):
     """At start the pool holds its first chunks (a full pool drops, never allocates on the
-    caller's thread); ``grow_behind`` pins the rest on a thread of its own, only while idle."""
-    import threading
-
+    caller's thread); ``grow_behind`` adds the rest on a thread of its own, and a restore reads
+    across the chunks."""
     import turnkv.bank.ram as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)  # two slots a chunk
@@ -186,15 +185,37 @@ def test_the_pool_is_pinned_while_the_server_is_idle_and_restores_across_its_chu
     ids = list(range(5 * B))
     ram.write_behind("ns", _rows(ids))
     assert len(ram._chunks) == 1 and ram.health()["blocks"] == 2 and ram.health()["dropped"] == 3
-    idle = threading.Event()
-    ram.grow_behind(idle.is_set)
-    assert not ram.wait_whole(0.3) and len(ram._chunks) == 1  # busy: nothing is pinned
-    idle.set()
+    ram.grow_behind()
     assert ram.wait_whole(30) and len(ram._chunks) == 3  # 2 + 2 + 1 slots
     ram.write_behind("ns", _rows(ids))
     assert ram.health()["blocks"] == 5
     got = ram.extend("ns", [*ids, 1], None)
     assert got is not None and got.num_tokens == 5 * B and _same_rows(got, _rows(ids))
+
+
+def test_close_stops_the_grower_at_its_next_chunk(monkeypatch):
+    import threading
+
+    import turnkv.bank.ram as ram_module
+
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", B * SHAPE.bytes_per_row)  # one slot a chunk
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
+    ram = RamTier("fp", SHAPE, 50)
+    gate, grown = threading.Event(), []
+    real = ram_module.host_empty
+
+    def slow(*a, **kw):  # each chunk waits for the test
+        gate.wait(5)
+        grown.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ram_module, "host_empty", slow)
+    ram.grow_behind()
+    closer = threading.Thread(target=ram.close)
+    closer.start()
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and len(ram._chunks) < 50  # it stopped well short of its budget
 
 
 def test_a_pool_that_stops_growing_keeps_its_slots_and_says_why_on_health(monkeypatch):
@@ -207,7 +228,7 @@ def test_a_pool_that_stops_growing_keeps_its_slots_and_says_why_on_health(monkey
     def no_memory(*a, **kw):
         raise RuntimeError("CUDA error: out of memory\nmore lines")
 
-    monkeypatch.setattr(ram_module.torch, "empty", no_memory)
+    monkeypatch.setattr(ram_module, "host_empty", no_memory)
     ram.grow_behind()
     assert ram.wait_whole(30)  # stopped: whole as far as it goes
     reason = ram.health()["reason"]

@@ -2,11 +2,13 @@
 
 Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
 chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed: ``START_CHUNKS`` at start (a
-failure of the first turns the tier off), the rest on a thread of its own while the server is
-idle (``grow_behind``; a failure then stops the growth, with the reason on ``/health.ram``).
-Pinning holds the CUDA driver's lock: no step pins memory, and none waits for more than one
-chunk's pinning. Pinned on CUDA (copies at the bus's speed, no per-turn ``pin_memory``; a server does not
-wait for all of its budget to be pinned before it serves), plain CPU
+failure of the first turns the tier off), the rest on a thread of its own once the server serves
+(``grow_behind``; a failure then stops the growth, with the reason on ``/health.ram``). On CUDA a
+chunk's pages are faulted first and then registered (``host_memory.host_empty``): the driver's
+lock, which every step's launches need, is held only for the registration, not for the faulting
+(``cudaHostAlloc`` held it for all of it), so the pool grows to its budget under load within
+seconds and no step waits for more than one chunk's registration. Pinned on CUDA (copies at the
+bus's speed, no per-turn ``pin_memory``), plain CPU
 tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
 asked for, and CI tests its logic with it). Blocks are keyed by the disk tier's chained keys
 (``disk_blocks.block_keys``), so a block is stored once whatever number of conversations of a
@@ -36,20 +38,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, block_context, block_keys, host_copy
+from turnkv.bank.host_memory import host_empty
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 28  # the pool is pinned by this much at a time (pinning is slow: ~GB/s)
-START_CHUNKS = 4  # pinned at start; the rest while the server is idle (``grow_behind``)
-IDLE_POLL_S = 0.05
+CHUNK_BYTES = 1 << 28  # the pool is registered by this much at a time (the longest lock hold)
+START_CHUNKS = 4  # pinned at start; the rest once the server serves (``grow_behind``)
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -123,6 +125,7 @@ class RamTier:
         self._inflight: list[tuple[object, SegmentedSnapshot, list[int]]] = []
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
         self._grower: threading.Thread | None = None
+        self._closing = False  # close(): the grower stops at its next chunk
         self._grow()  # the first chunk now: a failure raises, and the caller serves without RAM
         for _ in range(START_CHUNKS - 1):
             if not self.whole:
@@ -130,12 +133,12 @@ class RamTier:
 
     def _grow(self) -> None:
         """One more chunk of slots (raises RuntimeError/MemoryError when the memory is not had).
-        The allocation runs outside the lock: pinning a chunk takes a fraction of a second."""
+        The allocation runs outside the lock: faulting and registering a chunk take tens of ms."""
         s, have = self.shape, len(self._chunks) * self.per_chunk
         n = min(self.per_chunk, self.capacity - have)
         dims = (n, s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
-        k = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)  # pinned: async copies on CUDA
-        v = torch.empty(dims, dtype=s.dtype, pin_memory=self.cuda)
+        k = host_empty(dims, s.dtype, pinned=self.cuda)  # pinned: async copies on CUDA
+        v = host_empty(dims, s.dtype, pinned=self.cuda)
         with self._lock:
             self._chunks.append((k, v))
             self._free.extend(range(have + n - 1, have - 1, -1))
@@ -145,23 +148,18 @@ class RamTier:
         """The pool holds its whole budget (or stopped growing: ``grow_failed`` says why)."""
         return len(self._chunks) * self.per_chunk >= self.capacity or self.grow_failed is not None
 
-    def grow_behind(self, idle: Callable[[], bool] | None = None) -> None:
-        """Pin the rest of the pool on a thread of its own, a chunk at a time and only while
-        ``idle()`` says no step runs or waits: pinning holds the CUDA driver's lock, and pinning
-        beside a loaded server stalled every stream for as long as it ran (tens of seconds for a
-        budget of tens of GB). Each chunk's slots are free as it lands; until then the pool holds
-        what it has (a full pool evicts or drops, it never allocates in a step)."""
+    def grow_behind(self) -> None:
+        """Pin the rest of the pool on a thread of its own, a chunk at a time, beside the steps
+        (each chunk holds the driver's lock only while it is registered). Each chunk's slots are
+        free as it lands; until then the pool holds what it has (a full pool evicts or drops, it
+        never allocates in a step). Called once the server serves: after the warm-up, whose CUDA
+        graph captures a registration on another thread would break."""
         if self._grower is None and not self.whole:
-            self._grower = threading.Thread(
-                target=self._grow_all, args=(idle,), name="turnkv-ram-grow", daemon=True
-            )
+            self._grower = threading.Thread(target=self._grow_all, name="turnkv-ram-grow", daemon=True)
             self._grower.start()
 
-    def _grow_all(self, idle: Callable[[], bool] | None) -> None:
-        while not self.whole:
-            if idle is not None and not idle():
-                time.sleep(IDLE_POLL_S)
-                continue
+    def _grow_all(self) -> None:
+        while not self.whole and not self._closing:
             try:
                 self._grow()
             except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
@@ -416,6 +414,9 @@ class RamTier:
         return True
 
     def close(self) -> None:
+        self._closing = True
+        if self._grower is not None:
+            self._grower.join()
         self.flush()
 
     def health(self) -> dict:

@@ -10,7 +10,7 @@ tier that holds each of its blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -56,10 +56,11 @@ class TierChain:
     ram_off: str | None = None
     name = "chain"
 
-    def serving(self, idle: Callable[[], bool]) -> None:
-        """The server is up: the RAM tier pins the rest of its pool while ``idle()`` (``grow_behind``)."""
+    def serving(self) -> None:
+        """The server is up (warm: no graph capture follows): the RAM tier pins the rest of its
+        pool (``grow_behind``)."""
         if self.ram is not None:
-            self.ram.grow_behind(idle)
+            self.ram.grow_behind()
 
     def parts(self) -> list[Tier]:
         return [t for t in (self.ram, self.disk) if t is not None]

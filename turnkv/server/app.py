@@ -79,8 +79,8 @@ class Server:
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
         scheduler.pipeline.observe = self.metrics.step
         self.worker = EngineWorker(scheduler)
-        if isinstance(self.bank.tier, TierChain):  # RAM pins the rest of its pool while no step runs
-            self.bank.tier.serving(lambda: self.worker.idle)
+        if isinstance(self.bank.tier, TierChain):  # RAM pins the rest of its pool beside the steps
+            self.bank.tier.serving()
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())
         self.model_names = {engine.info.model_name, cfg.model}

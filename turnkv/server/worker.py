@@ -50,11 +50,6 @@ class EngineWorker:
     def waiting(self) -> int:
         return len(self.scheduler.waiting) + self._queue.qsize()
 
-    @property
-    def idle(self) -> bool:
-        """No turn runs, waits or is queued (read from other threads: a hint, not a lock)."""
-        return not self.scheduler.busy and self._queue.empty()
-
     def submit(self, request: TurnRequest, emit: Emit) -> None:
         with self._lock:
             self._requests[id(request)] = request
