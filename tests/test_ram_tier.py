@@ -431,3 +431,22 @@ def test_the_server_restores_from_ram_and_reports_it_on_health_and_metrics(tmp_p
     assert h["disk"]["enabled"] and h["disk"]["hits"] == 0  # RAM answered first
     assert "turnkv_ram_hits_total 1.0" in metrics and "turnkv_ram_blocks 2.0" in metrics
     assert off["enabled"] is False and "CPU" in off["reason"]  # auto on a CPU device
+
+
+def test_the_warm_up_pins_the_whole_pool_before_ready_and_says_how_long(monkeypatch, tmp_path):
+    """``Runtime.warm_up`` pins the rest of the RAM pool first (no step, capture or request runs
+    beside it); the report keeps its seconds for the startup line and ``/health``."""
+    import turnkv.bank.ram as ram_module
+    from turnkv.config import EngineConfig
+    from turnkv.runtime import build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
+    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", ram_bytes="8M", no_disk=True)
+    rt = build(cfg, "serve", progress=False)
+    ram = rt.bank.tier.ram
+    assert ram is not None and not ram.whole and ram.pool_bytes < ram.budget_bytes
+    report = rt.warm_up()
+    assert ram.whole and ram.pool_bytes == ram.budget_bytes
+    assert report.ram_s is not None and report.doc()["ram_s"] >= 0

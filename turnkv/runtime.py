@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
@@ -268,11 +269,30 @@ class Runtime:
         elif self.hook is not None or self.engine.tp is not None:
             report.note = "off: tensor parallelism (each rank compiles on its first steps)"
         else:
+            pinned = self.pin_ram(progress)
             self.measure_budget(progress)
             report = warm_up(self.scheduler(self.new_bank()), progress, _warm_grammar(self))
+            report.ram_s = pinned
         WATCH.mark_ready(self.engine)
         self.warm = report
         return report
+
+    def pin_ram(self, progress: WarmProgress | None = None) -> float | None:
+        """Pin the RAM tier's whole pool before the warm-up and before ready; its seconds (None:
+        no RAM tier). Registering pages holds the CUDA driver's lock and, beside a loaded
+        server, stalled its steps (its rate fell ~20x): before ready nothing waits for it, and a
+        graph capture would break on a registration from another thread, so it runs alone."""
+        from turnkv.bank.tiers import TierChain
+
+        tier = self.bank.tier if self.bank is not None else None
+        if not isinstance(tier, TierChain) or tier.ram is None or tier.ram.whole:
+            return None
+        if progress is not None:
+            progress.phase = "ram"
+        t0 = time.perf_counter()
+        tier.ram.grow_behind()
+        tier.ram.wait_whole()
+        return time.perf_counter() - t0
 
     def measure_budget(self, progress: WarmProgress | None = None) -> None:
         """``--max-batch-tokens auto``: time steps of prompt rows (``engine.budget_probe``) over a

@@ -2,12 +2,13 @@
 
 Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
 chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed: ``START_CHUNKS`` at start (a
-failure of the first turns the tier off), the rest on a thread of its own once the server serves
-(``grow_behind``; a failure then stops the growth, with the reason on ``/health.ram``). On CUDA a
-chunk's pages are faulted first and then registered (``host_memory.host_empty``): the driver's
-lock, which every step's launches need, is held only for the registration, not for the faulting
-(``cudaHostAlloc`` held it for all of it), so the pool grows to its budget under load within
-seconds and no step waits for more than one chunk's registration. Pinned on CUDA (copies at the
+failure of the first turns the tier off), the rest before the warm-up (``Runtime.pin_ram``, which
+waits for ``grow_behind``'s thread), or, when no warm-up runs, once the server serves; a failure
+stops the growth, with the reason on ``/health.ram``. On CUDA a chunk's pages are faulted first
+and then registered (``host_memory.host_empty``): the driver's lock is held for the registration
+only, where ``cudaHostAlloc`` held it for the faulting too. Pinning beside a loaded server still
+stalled its steps, so a served pool is whole before ready and no step ever pins.
+Pinned on CUDA (copies at the
 bus's speed, no per-turn ``pin_memory``), plain CPU
 tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
 asked for, and CI tests its logic with it). Blocks are keyed by the disk tier's chained keys
@@ -149,11 +150,10 @@ class RamTier:
         return len(self._chunks) * self.per_chunk >= self.capacity or self.grow_failed is not None
 
     def grow_behind(self) -> None:
-        """Pin the rest of the pool on a thread of its own, a chunk at a time, beside the steps
-        (each chunk holds the driver's lock only while it is registered). Each chunk's slots are
-        free as it lands; until then the pool holds what it has (a full pool evicts or drops, it
-        never allocates in a step). Called once the server serves: after the warm-up, whose CUDA
-        graph captures a registration on another thread would break."""
+        """Pin the rest of the pool on a thread of its own, a chunk at a time. Each chunk's slots
+        are free as it lands; until then the pool holds what it has (a full pool evicts or drops,
+        it never allocates in a step). Never beside a CUDA graph capture, which a registration
+        from another thread would break: ``Runtime.pin_ram`` waits for it before the warm-up."""
         if self._grower is None and not self.whole:
             self._grower = threading.Thread(target=self._grow_all, name="turnkv-ram-grow", daemon=True)
             self._grower.start()
@@ -163,9 +163,8 @@ class RamTier:
             try:
                 self._grow()
             except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
-                have = len(self._chunks) * self.per_chunk * self.block_bytes
                 self.grow_failed = (
-                    f"pinned memory stopped at {have / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
+                    f"pinned memory stopped at {self.pool_bytes / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
                 )
                 log.warning("KV RAM tier: %s; it holds what it has", self.grow_failed)
 
@@ -180,6 +179,11 @@ class RamTier:
         c, j = divmod(i, self.per_chunk)
         k, v = self._chunks[c]
         return k[j], v[j]
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the pool holds now (``budget_bytes`` once whole)."""
+        return len(self._chunks) * self.per_chunk * self.block_bytes
 
     @property
     def budget_bytes(self) -> int:

@@ -57,8 +57,8 @@ class TierChain:
     name = "chain"
 
     def serving(self) -> None:
-        """The server is up (warm: no graph capture follows): the RAM tier pins the rest of its
-        pool (``grow_behind``)."""
+        """The server is up (warm: no graph capture follows): the RAM tier pins what of its pool
+        the warm-up did not (all of it with ``--warmup off``; ``grow_behind``)."""
         if self.ram is not None:
             self.ram.grow_behind()
 

@@ -76,6 +76,7 @@ class WarmReport:
     captures: int = 0  # step graphs captured by the end of it (``graphs.StepGraphs``)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     note: str = ""
+    ram_s: float | None = None  # the RAM tier's pool pinned before it (``Runtime.pin_ram``)
 
     def doc(self) -> dict:
         return {
@@ -86,6 +87,7 @@ class WarmReport:
             "captures": self.captures,
             "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "note": self.note,
+            "ram_s": None if self.ram_s is None else round(self.ram_s, 2),
         }
 
 

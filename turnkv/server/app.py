@@ -79,7 +79,7 @@ class Server:
         self.metrics = Metrics(engine, self.bank, lambda: scheduler.snapshot)
         scheduler.pipeline.observe = self.metrics.step
         self.worker = EngineWorker(scheduler)
-        if isinstance(self.bank.tier, TierChain):  # RAM pins the rest of its pool beside the steps
+        if isinstance(self.bank.tier, TierChain):  # RAM pins what the warm-up did not
             self.bank.tier.serving()
         self.keys = {k for k in cfg.api_key if k}
         self.created = int(time.time())

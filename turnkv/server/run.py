@@ -130,6 +130,10 @@ def start(cfg: EngineConfig, gate, progress, port: int) -> None:
         warm = f"warm-up {report.note}"
     if rt.probe is not None:  # --max-batch-tokens auto's measurement (before the warm-up)
         warm = f"budget probe {rt.probe.seconds:.1f} s (ceiling {rt.step_budget().ceiling} rows), {warm}"
+    if report.ram_s is not None:  # the RAM tier's pool, pinned first
+        warm = (
+            f"RAM pool {srv.bank.tier.ram.pool_bytes / 2**30:.1f} GiB pinned in {report.ram_s:.1f} s, {warm}"
+        )
     print(
         f"turnkv: serving {rt.engine.info.model_name} on http://{cfg.host}:{port}/v1 ({_facts(cfg, rt, srv)})"
         f"\nturnkv: ready in {ready:.1f} s: load {loaded - check:.1f} s, self-check {check:.1f} s, {warm}",
