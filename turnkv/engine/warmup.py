@@ -143,8 +143,9 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
             if long:  # the same long prompt every time: the bank restores it after the first
                 group.append(_turn(long, 0, vocab, 4))
             decode.append([Arrival(0, r) for r in group])
-    # prompt chunks over a history (follow-ups, restored from the bank): the split count of a
-    # chunk's attention, and so its combine kernel's variant, follows the keys it reads
+    # prompt chunks over a history (follow-ups, restored from the bank): a graphed chunk's split
+    # count rides in its table, but an eager one's (past a graph's limits) follows the keys it
+    # reads, and with it its combine kernel's variant
     history: list[Group] = []
     for h in [h for h in _keys(max(longs, default=0)) if h + budget < room]:
         for r in [2, 8, 16, 40, 200, budget]:
@@ -165,10 +166,11 @@ def mixed_groups(sched: Scheduler, grammar, seed) -> list[Group]:
     widest window), a short one (the narrow table's 32-row grid beside the decode rows) and two
     together (a wide table of two chunks: a head beside another prompt's tail under load).
 
-    A mixed graph is keyed by the row bucket and each table's batch, rows and splits: too many
-    keys to capture all; these are the ones a loaded server meets most (``graphs.StepGraphs.seal``
-    runs the rest eagerly), and between them they compile every Triton variant a mixed step
-    takes (row-count classes, split counts, direct and split launches, one and two masked rows)."""
+    A mixed graph is keyed by the row bucket and each table's batch and rows (its split count
+    rides in the table, so the context is no part of it): still too many keys to capture all;
+    these are the ones a loaded server meets most (``graphs.StepGraphs.seal`` runs the rest
+    eagerly), and between them they compile every Triton variant a mixed step takes (row-count
+    classes, direct and split launches, one and two masked rows)."""
     engine = sched.engine
     vocab = engine.loaded.config.vocab_size
     budget, running = sched.max_batch_tokens, sched.max_running
