@@ -183,17 +183,18 @@ def test_padding_sequences_are_neither_read_nor_written():
 
 def test_a_mixed_launch_pads_rows_and_sequences_and_attends_the_real_rows_alike():
     # a step with prompt rows captured whole (engine.graphs): each table padded to its batch, its
-    # grid sized for a bucket of its widest window, the step's rows padded to their bucket; the
-    # real rows store and attend as the oracle says, and no padding row is written
+    # grid sized for 32 rows (narrow) or the step's row bucket (wide), the step's rows padded to
+    # that bucket; the real rows store and attend as the oracle says, and no padding row is written
     hkv, gqa, d, layer = HEADS, 4, 64, 1
     shapes = [([_len(7), 0], 1), ([_len(3)], 1), ([_len(20)], 40), ([_len(2)], 3), ([_len(5)], 33)]
     windows = [window4(hkv, lengths, m, d, seed=20 + i) for i, (lengths, m) in enumerate(shapes)]
     backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
     launch = backend.mixed_launch(windows)
     assert (launch.narrow.batch, launch.narrow.rows) == (padded_batch(3), 32)
-    assert (launch.wide.batch, launch.wide.rows) == (2, row_bucket(40))
     n = sum(w.rows for w in windows)
     np_ = row_bucket(n)
+    assert (launch.wide.batch, launch.wide.rows) == (2, np_)  # the step's rows, not its widest chunk's
+    assert np_ > row_bucket(40)
     step = backend.plan(windows, launch, out=backend.graph_table(launch.batch))
     assert [lc.meta.batch for lc in step.launches] == [launch.narrow.batch, launch.wide.batch]
     g = torch.Generator().manual_seed(5)

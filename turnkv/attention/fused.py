@@ -198,12 +198,17 @@ class FusedBackend:
         """``MixedLaunch`` of a step with prompt rows (None past ``MAX_SEGMENTS`` views or
         ``GRAPH_BATCHES[-1]`` windows of one kind). A table's grid is sized for its padded batch
         and a bucket of its widest window: one-row windows 1, other narrow ones
-        ``MAX_WINDOW_ROWS``, prefill chunks their row bucket; its tiles follow from those, and its
+        ``MAX_WINDOW_ROWS``, prefill chunks the step's row bucket (the graph's rows: so a chunk's
+        size within the step is no part of the key either; the rows past a chunk's are programs
+        that read nothing, and its splits are those of a chunk as wide as the step, at most 1.5x
+        fewer where the chunk's own bucket is one below: 9 -> 6 at 64 -> 96 rows, 8B shapes); its
+        tiles follow from those, and its
         room for splits is the most any context could ask at that batch (``split_room``): the
         step's own split count is written into the table (``table_splits``), so neither the
         context nor the conversation count enters the graph's key."""
         if any(len(w.views) > MAX_SEGMENTS for w in windows):
             return None
+        step_rows = row_bucket(sum(w.rows for w in windows))
         tables: list[TableLaunch | None] = []
         for wide in (False, True):
             group = [w for w in windows if narrow(w.rows) != wide]
@@ -212,7 +217,7 @@ class FusedBackend:
                 continue
             batch = padded_batch(len(group))
             widest = max(w.rows for w in group)
-            rows = row_bucket(widest) if wide else (1 if widest == 1 else MAX_WINDOW_ROWS)
+            rows = step_rows if wide else (1 if widest == 1 else MAX_WINDOW_ROWS)
             if batch > GRAPH_BATCHES[-1] or rows is None:
                 return None
             tables.append(self.table_launch(batch, rows, group[0].views[0][0].dtype))

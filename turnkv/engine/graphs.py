@@ -14,8 +14,9 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
   same batch bit for bit.
 - **Steps with prompt rows** (prefill chunks, alone or beside decode and verify rows): keyed by
   the row bucket of their rows (``segment_table.row_bucket``, up to 8192), their padded logit
-  rows and the attention's ``MixedLaunch`` (per table: padded batch, widest-window bucket, and
-  the tiles and room for splits those give). No context enters the key: each table's grid has
+  rows and the attention's ``MixedLaunch`` (per table: padded batch, the grid's rows: 1 or 32
+  for the narrow table, the step's row bucket for the wide one, and the tiles and room for
+  splits those give). Neither a chunk's size nor any context enters the key: each table's grid has
   room for the most splits any context could ask at its batch, and the step's own split count
   (by the key bucket of its longest context and its conversations) is written into the segment
   table, where the kernels read it; the programs past it read and write nothing

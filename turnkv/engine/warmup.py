@@ -162,8 +162,8 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
 def mixed_groups(sched: Scheduler, grammar, seed) -> list[Group]:
     """Decode rows beside prompt chunks, for each captured batch of decode rows: ``b`` turns
     decoding (greedy, sampled, logprobs and grammar-masked among them) while prompts arrive one
-    every other step, each filling the step to a row bucket (the graph's rows and its wide table's
-    widest window), a short one (the narrow table's 32-row grid beside the decode rows) and two
+    every other step, each filling the step to a row bucket (the graph's rows, which its wide
+    table's grid is sized for whatever its chunks' sizes), a short one (the narrow table's 32-row grid beside the decode rows) and two
     together (a wide table of two chunks: a head beside another prompt's tail under load).
 
     A mixed graph is keyed by the row bucket and each table's batch and rows (its split count
