@@ -87,3 +87,18 @@ def test_a_steps_key_holds_no_context_and_no_chunk_size():
             keys.add(staged_key(windows))
     assert len(keys) == 2  # (100 + 7 rows: the 128 bucket; 187: the 192 bucket)
     assert {k[0] for k in keys} == {128, 192}
+
+
+def test_the_warm_up_counts_the_possible_keys_it_captured():
+    from types import SimpleNamespace
+
+    from turnkv.engine.warmup import mixed_coverage
+
+    engine = SimpleNamespace(shape=SimpleNamespace(dtype=DTYPE))
+    sched = SimpleNamespace(max_batch_tokens=256, max_running=8, engine=engine)
+    possible = shapes(256, 8)
+    some = sorted(possible, key=str)[:5]
+    held = {key(BACKEND, s, DTYPE): None for s in some} | {(8, 8, 4, False): None}  # + a decode graph
+    graphs = SimpleNamespace(capture=True, backend=BACKEND, graphs=held)
+    assert mixed_coverage(sched, graphs) == {"possible": len(possible), "captured": 5}
+    assert mixed_coverage(sched, SimpleNamespace(status="off: no CUDA (cpu)")) == {}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from turnkv.attention.segment_table import GRAPH_BATCHES, ROW_BUCKETS, row_bucket
 from turnkv.engine.events import Banked, Failed, TurnRequest
+from turnkv.engine.mixed_keys import key, shapes
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.limits import MAX_WINDOW_ROWS
@@ -74,6 +75,8 @@ class WarmReport:
     steps: int = 0
     failed: int = 0  # turns that ended in a Failed (logged; the server still starts)
     captures: int = 0  # step graphs captured by the end of it (``graphs.StepGraphs``)
+    # mixed graph keys the limits allow (``mixed_keys.shapes``) and how many of them it captured
+    mixed_keys: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     note: str = ""
 
@@ -84,6 +87,7 @@ class WarmReport:
             "steps": self.steps,
             "failed": self.failed,
             "captures": self.captures,
+            "mixed_keys": self.mixed_keys,
             "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "note": self.note,
         }
@@ -264,12 +268,30 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     graphs = getattr(sched.engine, "graphs", None)
     if graphs is not None:
         report.captures = int(getattr(graphs, "captures", 0))
+        report.mixed_keys = mixed_coverage(sched, graphs)
         graphs.seal()  # from here a key not captured runs eagerly: nothing captures while serving
     report.seconds = time.perf_counter() - t0
     report.turns = progress.total
     if report.failed:
         log.warning("warm-up: %d of %d turns failed (see above); serving anyway", report.failed, report.turns)
     return report
+
+
+def mixed_coverage(sched: Scheduler, graphs) -> dict[str, int]:
+    """``{"possible": keys, "captured": of them}``: the mixed graph keys ``sched``'s limits allow
+    (``mixed_keys.shapes``) and how many the warm-up captured; the rest run eagerly when met
+    (``/health.scheduler.graph_misses``). Empty where steps are not captured."""
+    from turnkv.attention.backend import MixedLaunch
+
+    if not getattr(graphs, "capture", False):
+        return {}
+    possible = shapes(sched.max_batch_tokens, sched.max_running)
+    captured = {k for k in graphs.graphs if isinstance(k[2], MixedLaunch)}
+    dtype = sched.engine.shape.dtype
+    return {
+        "possible": len(possible),
+        "captured": len(captured & {key(graphs.backend, s, dtype) for s in possible}),
+    }
 
 
 def _drive(sched: Scheduler, arrivals: list[Arrival], progress: WarmProgress, report: WarmReport) -> int:
