@@ -33,8 +33,9 @@ shapes, then the capture), so no JIT runs inside a capture. Once the server's wa
 eagerly on its staged buffers (``eager``: the same bits a replay would give) and is counted in
 ``misses`` instead of capturing while serving (a capture stalls every running turn for a forward
 and more, and captured under load it shares the device with the tiers' copy threads). The
-mixed keys still multiply (row bucket x each table's batch and rows: hundreds for a 2048-row
-budget), so the warm-up captures the common ones and the rest stay eager.
+mixed keys still multiply (row bucket x the narrow table's batch and grid rows x the wide
+table's batch: 786 for a 2048-row budget and 64 running, ``engine.mixed_keys``), so the warm-up
+captures the common ones and the rest stay eager (``/health.scheduler.warmup.mixed_keys``).
 
 ``--cuda-graphs off`` stages every step the same way and runs it eagerly on those buffers (so
 graphs on or off change no bit). ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``
