@@ -10,12 +10,12 @@ For a CUDA graph the plan is built into a static buffer (``out``, ``graph_table`
 ``DecodeLaunch`` (``decode_launch``: padding sequences up to the captured batch, the split count
 of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.graphs``. A step
 with prompt rows is captured whole the same way by its ``MixedLaunch`` (``mixed_launch``): per
-table, padded batch, widest window (a row bucket), the tiles those give and a grid with room for
-the most splits any context could ask at that batch; the step's own split count (by the key
-bucket of its longest context and its conversations) is written into the table, where the kernels
-read it, so one graph serves every context. The same
-key bucket bounds a verify window (``verify_rows``), whose rows must split as they would decoded
-alone: the split-count invariant lives here and in ``triton_segments.decode_splits``.
+table, padded batch, grid rows (1 or 32 narrow, the step's row bucket wide), the tiles those give
+and a grid with room for the most splits any context could ask at that batch; the step's own
+split count (by the key bucket of its longest context and its conversations) is written into
+the table, where the kernels read it, so one graph serves every context. The same key bucket
+bounds a verify window (``verify_rows``), whose rows must split as they would decoded alone: the
+split-count invariant lives here and in ``triton_segments.decode_splits``.
 """
 
 from __future__ import annotations
@@ -201,11 +201,10 @@ class FusedBackend:
         ``MAX_WINDOW_ROWS``, prefill chunks the step's row bucket (the graph's rows: so a chunk's
         size within the step is no part of the key either; the rows past a chunk's are programs
         that read nothing, and its splits are those of a chunk as wide as the step, at most 1.5x
-        fewer where the chunk's own bucket is one below: 9 -> 6 at 64 -> 96 rows, 8B shapes); its
-        tiles follow from those, and its
-        room for splits is the most any context could ask at that batch (``split_room``): the
-        step's own split count is written into the table (``table_splits``), so neither the
-        context nor the conversation count enters the graph's key."""
+        fewer where the chunk's own bucket is one below: 9 -> 6 at 64 -> 96 rows, 8B shapes). Its
+        tiles follow from those, and its room for splits is the most any context could ask at
+        that batch (``table_launch``): the step's own split count is written into the table
+        (``table_splits``), so neither the context nor the conversation count enters the key."""
         if any(len(w.views) > MAX_SEGMENTS for w in windows):
             return None
         step_rows = row_bucket(sum(w.rows for w in windows))
@@ -225,7 +224,8 @@ class FusedBackend:
 
     def table_launch(self, batch: int, rows: int, dtype: torch.dtype) -> TableLaunch:
         """The launch of a mixed step's table of ``batch`` sequences and a ``rows``-row grid: the
-        tiles of ``pick_config`` and its split count at an unbounded context (``split_room``)."""
+        tiles of ``pick_config`` and, as its room for splits, its split count at an unbounded
+        context."""
         from turnkv.attention import triton_segments as ts
 
         meta = TableMeta(batch, 1, SPLIT_ROOM_KEYS, rows, self.kv_heads, self.head_dim, dtype)
