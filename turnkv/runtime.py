@@ -279,9 +279,8 @@ class Runtime:
 
     def pin_ram(self, progress: WarmProgress | None = None) -> float | None:
         """Pin the RAM tier's whole pool before the warm-up and before ready; its seconds (None:
-        no RAM tier). Registering pages holds the CUDA driver's lock and, beside a loaded
-        server, stalled its steps (its rate fell ~20x): before ready nothing waits for it, and a
-        graph capture would break on a registration from another thread, so it runs alone."""
+        no RAM tier). Registering pages holds the CUDA driver's lock: beside a loaded server it
+        stalled the steps and ran at a twentieth of its idle rate; before ready nothing waits."""
         from turnkv.bank.tiers import TierChain
 
         tier = self.bank.tier if self.bank is not None else None

@@ -152,8 +152,8 @@ class RamTier:
     def grow_behind(self) -> None:
         """Pin the rest of the pool on a thread of its own, a chunk at a time. Each chunk's slots
         are free as it lands; until then the pool holds what it has (a full pool evicts or drops,
-        it never allocates in a step). Never beside a CUDA graph capture, which a registration
-        from another thread would break: ``Runtime.pin_ram`` waits for it before the warm-up."""
+        it never allocates in a step). A server waits for it before its warm-up
+        (``Runtime.pin_ram``): beside loaded steps it stalls them."""
         if self._grower is None and not self.whole:
             self._grower = threading.Thread(target=self._grow_all, name="turnkv-ram-grow", daemon=True)
             self._grower.start()
