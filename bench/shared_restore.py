@@ -51,7 +51,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from report import save
+from report import cpu_name, save
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_TOKENS = 256  # turnkv.bank.disk_blocks.BLOCK_TOKENS (not imported: torch-free client)
@@ -113,6 +113,13 @@ class Replica:
                 got[name.rsplit("_", 1)[1]] = float(value)
         return got.get("sum", 0.0), int(got.get("count", 0))
 
+    def rss(self) -> int:
+        """Resident bytes of the process (pinned host memory counts)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+        return 0
+
     def kill(self) -> None:
         """A death (SIGKILL), not a clean stop: nothing queued gets a chance to finish."""
         self.proc.send_signal(signal.SIGKILL)
@@ -122,9 +129,25 @@ class Replica:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(20)  # the last writes may still be queued: not needed
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def settle(reps: list[Replica], timeout: float = 120) -> float:
+    """Wait until no server's resident memory moved by 64 MiB in a second: a RAM tier pins the
+    rest of its pool while its server is idle (``RamTier.grow_behind``), which would share the
+    host with a measured request of another process. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    reps = [rep for rep in reps if rep.proc.poll() is None]
+    last = [rep.rss() for rep in reps]
+    while time.perf_counter() - t0 < timeout:
+        time.sleep(1.0)
+        now = [rep.rss() for rep in reps]
+        if all(abs(a - b) < 64 << 20 for a, b in zip(now, last, strict=True)):
+            break
+        last = now
+    return time.perf_counter() - t0
 
 
 # -- the disk tier's /health facts ----------------------------------------------------------------
@@ -390,10 +413,12 @@ def main() -> None:
         reps: list[Replica] = []
         try:
             reps += start(max(2, min(args.processes or len(sizes) + 1, len(sizes) + 1)))
+            settled_s = settle(reps)
             model = httpx.get(reps[0].url + "/v1/models", timeout=10).json()["data"][0]["id"]
             for i, size in enumerate(sizes):
                 if len(reps) < i + 2:  # no spare left: a fresh process restores this size
                     reps += start(1)
+                    settled_s += settle(reps)
                 w, r = reps[i], reps[i + 1]  # the last size's restorer writes this one
                 row = run_size(w, r, model, size, args, seed=1000 * (i + 1), spec=spec)
                 row |= {"writer": w.name, "restorer": r.name}
@@ -411,6 +436,7 @@ def main() -> None:
         "page_cache": "dropped (posix_fadvise)" if args.drop_page_cache else "warm (the writer just wrote)",
         "answer_tokens": args.answer_tokens,
         "ready_s": [round(s, 2) for s in starts],
+        "settle_s": round(settled_s, 1),
         "seconds": round(time.perf_counter() - t_all, 1),
         "rows": rows,
     }
@@ -428,7 +454,8 @@ def _line(row: dict) -> str:
 
 def _table(res: dict) -> None:
     print(
-        f"\n{res['model']} on {res['device']} ({res['gpu'] or 'CPU'}), store {res['store']}, {res['seconds']} s"
+        f"\n{res['model']} on {res['device']} ({res['gpu'] or cpu_name()}), store {res['store']}, "
+        f"page cache {res['page_cache']}, {res['seconds']} s"
     )
     print(
         "| history | prompt | cached | restore TTFT (engine) | recompute TTFT (engine) | x | restore | GB/s | "
@@ -460,7 +487,11 @@ def _plot(res: dict, plt, path: Path) -> None:
         ax.text(i, r["recompute"]["ttft_s"], f"x{r['ratio']}", ha="center", va="bottom")
     ax.set_xticks(list(x), [f"{r['history_tokens']} tokens" for r in rows])
     ax.set_ylabel("follow-up TTFT at the client (s)")
-    ax.set_title(f"after its replica's SIGKILL: {res['model']} on {res['gpu'] or 'CPU'}", fontsize=9)
+    ax.set_title(
+        f"a follow-up after its replica's SIGKILL, {res['store']} store: {res['model']}\non {res['gpu'] or res['cpu']}",
+        fontsize=9,
+    )
+    ax.margins(y=0.12)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

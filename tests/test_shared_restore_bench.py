@@ -18,7 +18,7 @@ from turnkv.bank.shared_stores import SharedDirStore
 from turnkv.kv.cache import KVShape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import shared_restore as bench  # noqa: E402
+import shared_restore as bench
 
 SHAPE = KVShape(4, 2, 64, torch.float32, torch.device("cpu"))  # 1 MiB of rows per block
 
