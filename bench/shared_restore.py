@@ -30,7 +30,8 @@ is reported beside the client's. Prints a table; writes ``bench/out/<tag>.json``
 
     python bench/shared_restore.py                                   # default model, CPU
     python bench/shared_restore.py --model random:llama3-8b --device cuda --history 8000,32000 \\
-        --serve-arg=--bank-bytes=20G --serve-arg=--ram-bytes=8G --tag shared_restore_h200
+        --serve-arg=--bank-bytes=16G --serve-arg=--ram-bytes=4G --serve-arg=--disk-bytes=40G \\
+        --tag shared_restore_h200                                    # three servers on one H200
 """
 
 from __future__ import annotations
