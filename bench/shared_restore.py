@@ -249,10 +249,16 @@ def timed(replica: Replica, model: str, messages: list[dict], **extra) -> dict:
 
 
 def answer(replica: Replica, model: str, messages: list[dict], n: int, **extra) -> list:
-    """The greedy answer's tokens, as each token's bytes (logprobs), and its text."""
+    """The greedy answer: each token's bytes, its text, and each token's logprob (a random-weight
+    model's greedy answer may be one token repeated: the logprobs still tell rows apart)."""
     _, body = chat(replica.url, model, messages, n, logprobs=True, **extra)
     choice = body["choices"][0]
-    return [[e["bytes"] for e in choice["logprobs"]["content"]], choice["message"]["content"] or ""]
+    content = choice["logprobs"]["content"]
+    return [
+        [e["bytes"] for e in content],
+        choice["message"]["content"] or "",
+        [e["logprob"] for e in content],
+    ]
 
 
 # -- one history size ------------------------------------------------------------------------------
@@ -309,7 +315,12 @@ def run_size(w: Replica, r: Replica, model: str, size: int, args, seed: int, spe
         "engine_ratio": round(cold["engine_ttft_s"] / restored["engine_ttft_s"], 2),
         "answer_tokens": len(ans_restored[0]),
         "same_tokens": same,
-        "same_answer": ans_restored == ans_cold,
+        "same_answer": ans_restored[:2] == ans_cold[:2],
+        # the answers' logprobs, restored against recomputed, over the tokens they share
+        "max_logprob_diff": max(
+            (abs(a - b) for a, b, _ in zip(ans_restored[2], ans_cold[2], range(same), strict=False)),
+            default=None,
+        ),
         "answer_restored": ans_restored[1],
         "answer_recomputed": ans_cold[1],
     }
@@ -469,7 +480,8 @@ def _table(res: dict) -> None:
             f"| {r['history_tokens']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']} s "
             f"({a['engine_ttft_s']}) | {c['ttft_s']} s ({c['engine_ttft_s']}) | **{r['ratio']}** | "
             f"{r['restore_s']} s | {r['restore_gbps']} | {r['durable_wait_s']} s | "
-            f"{r['same_answer']} ({r['same_tokens']}/{r['answer_tokens']} tokens) |"
+            f"{r['same_answer']} ({r['same_tokens']}/{r['answer_tokens']} tokens, logprobs within "
+            f"{r['max_logprob_diff']}) |"
         )
 
 
