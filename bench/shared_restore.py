@@ -126,16 +126,23 @@ class Replica:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)  # the last writes may still be queued: not needed
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+
+def stop_all(reps: list[Replica], grace: float = 10) -> None:
+    """SIGTERM every live server at once, SIGKILL what is left after ``grace`` seconds (their
+    last queued writes are of no use: the store goes with the run)."""
+    live = [rep for rep in reps if rep.proc.poll() is None]
+    for rep in live:
+        rep.proc.send_signal(signal.SIGTERM)
+    end = time.perf_counter() + grace
+    for rep in live:
+        try:
+            rep.proc.wait(max(0.1, end - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            rep.proc.kill()
+            rep.proc.wait(30)
 
 
-def settle(reps: list[Replica], timeout: float = 120) -> float:
+def settle(reps: list[Replica], timeout: float = 30) -> float:
     """Wait until no server's resident memory moved by 64 MiB in a second: a RAM tier pins the
     rest of its pool while its server is idle (``RamTier.grow_behind``), which would share the
     host with a measured request of another process. Returns the seconds waited."""
@@ -437,8 +444,7 @@ def main() -> None:
                 rows.append(row)
                 print(_line(row), flush=True)
         finally:
-            for rep in reps:
-                rep.stop()
+            stop_all(reps)
     results = {
         "model": args.model,
         "device": args.device,
