@@ -28,7 +28,6 @@ def tier(root: Path) -> DiskTier:
 
 
 def test_durable_after_the_writes_and_restore_time_matches_the_reader(tmp_path):
-    assert bench.BLOCK_TOKENS == B
     writer, reader = tier(tmp_path), tier(tmp_path)
     tokens = prompt(3 * B + 10)
     before = writer.health()
