@@ -467,7 +467,16 @@ static inline void emit4(int R, int T, int64_t t, const float *acc, float *out, 
 #define TILES8 TKV_TILES8
 #endif
 #define RUN_ROWS_(NAME, BLOCK, EMIT, ...) RUN_ROWS(NAME, BLOCK, EMIT, __VA_ARGS__)
+#if TKV_AVX2 /* GCC's pre-allocation scheduling for the 4-bit rows: on the Zen 1 AVX2 CPU one row in cache
+                85-87 cycles a row, tile and group against 100-103 without, 8 rows 66 against 68
+                (docs/BENCHMARKS.md, 'turnkv on a real AVX2-only CPU'); it only orders instructions */
+#pragma GCC push_options
+#pragma GCC optimize("schedule-insns", "sched-pressure")
+#endif
 RUN_ROWS_(run_rows4, block, emit4, TILES4)
+#if TKV_AVX2
+#pragma GCC pop_options
+#endif
 RUN_ROWS_(run_rows8, block8, emit, TILES8)
 
 /* A matrix's constants, set once per packed matrix (cpu_int4.Matrix), so a call passes one
