@@ -449,10 +449,11 @@ static inline void emit4(int R, int T, int64_t t, const float *acc, float *out, 
 #if TKV_VNNI
 #define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
 #define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
-#elif TKV_AVX2 /* 16 registers; 5-10 rows at 4 tiles a block, re-timed on the Zen 1 AVX2 CPU (8 rows,
-                 weights in cache: 67 cycles a row, tile and group; 3 tiles 70, 2 tiles 85, 4-row
-                 blocks 81; docs/BENCHMARKS.md, 'turnkv on a real AVX2-only CPU') */
-#define TILES4 4, 2, 2, 1, 4, 4, 4, 4, 4, 4
+#elif TKV_AVX2 /* 16 registers; re-timed on the Zen 1 AVX2 CPU, weights in cache, cycles a row, tile and
+                 group: 1 row 79 at 3 tiles (84 at 4), 2 rows 80 at 2 (92 at 4), 3-4 rows 73 at 4
+                 (80-90 at 1-2), 8 rows 64 at 4 (78-80 at 2-3; docs/BENCHMARKS.md, 'turnkv on a
+                 real AVX2-only CPU') */
+#define TILES4 3, 2, 4, 4, 4, 4, 4, 4, 4, 4
 #define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
 #else /* plain C */
 #define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
