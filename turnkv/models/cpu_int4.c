@@ -59,13 +59,15 @@
 #endif
 #define BIG_BLOCK 4
 
-/* Ask for the next block's bytes of this group (the T tiles after these): a block reads T streams
- * 5760+ bytes apart, which the hardware prefetcher follows too late from memory (a decode step's
- * weights never stay in cache); prefetches do not fault, so past the matrix's end is harmless.
- * Measured: docs/BENCHMARKS.md, 'AVX2 kernels on their own ISA'. */
+/* Ask for the next block's bytes of this group (the T tiles after these, of which `ahead` exist): a
+ * block reads T streams 5760+ bytes apart, which the hardware prefetcher follows too late from
+ * memory (a decode step's weights never stay in cache). Only tiles of the matrix: a prefetch past
+ * its end does not fault, but on a Zen 1 VM each one into an unmapped page cost ~150 cycles (a
+ * failed page walk), ~20 us a call. Measured: docs/BENCHMARKS.md, 'AVX2 kernels on their own ISA'
+ * and 'turnkv on a real AVX2-only CPU'. */
 static inline __attribute__((always_inline)) void prefetch_next(const int T, const uint8_t *w, int64_t tile_bytes,
-                                                                int64_t off, int bytes) {
-    for (int t = 0; t < T; t++)
+                                                                int64_t off, int bytes, int64_t ahead) {
+    for (int t = 0; t < T && t < ahead; t++)
         for (int l = 0; l < bytes; l += 64) __builtin_prefetch(w + (T + t) * tile_bytes + off + l, 0, 3);
 }
 
@@ -160,16 +162,49 @@ static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_str
         }
 }
 
+#if TKV_AVX2
+/* Quads i0 .. i0 + 3 of a group (16 inputs) for rows 0..R and tiles 0..T, into h[r * T + t]: in
+ * 16-bit lane c, column c's sum (exact: |sum| <= 16 * 15 * 127). The sums live in registers of
+ * this function's own (an array reached through a pointer chosen at run time stays in memory:
+ * a load and a store per add); R * T + 2 T + 3 <= 16 of them fit the 16 ymm registers. */
+static inline __attribute__((always_inline)) void half_sums(const int R, const int T, const int i0, const uint8_t *v,
+                                                            int64_t tile_bytes, const int8_t *qg, int64_t K,
+                                                            __m256i *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i h[MAX_ROWS * 4];
+#pragma GCC unroll 4
+    for (int i = i0; i < i0 + 4; i++) {
+        __m256i lo[4], hi[4];
+        for (int t = 0; t < T; t++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(v + t * tile_bytes + i * 32));
+            lo[t] = _mm256_and_si256(b, m4);
+            hi[t] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            int16_t p02, p13; /* the quad as q0 q2 q1 q3 (quantize_rows' swap) */
+            memcpy(&p02, qg + r * K + 4 * i, 2);
+            memcpy(&p13, qg + r * K + 4 * i + 2, 2);
+            const __m256i x02 = _mm256_set1_epi16(p02), x13 = _mm256_set1_epi16(p13);
+            for (int t = 0; t < T; t++) {
+                const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], x02), _mm256_maddubs_epi16(hi[t], x13));
+                h[r * T + t] = i == i0 ? p : _mm256_add_epi16(h[r * T + t], p);
+            }
+        }
+    }
+    for (int j = 0; j < R * T; j++) out[j] = h[j];
+}
+#endif
+
 /* One block: rows 0..R of the quantized activations, tiles 0..T from w, every group and plane.
  * R and T are constants where it is inlined, so the running sums stay in registers. */
 static inline __attribute__((always_inline)) void block(const int R, const int T, int64_t G, int64_t P,
                                                         const int8_t *q, int64_t K, const float *d,
                                                         const float *dq, const uint8_t *w, int64_t tile_bytes,
-                                                        float *acc /* [R][T*16] */) {
+                                                        int64_t ahead, float *acc /* [R][T*16] */) {
     for (int64_t g = 0; g < G; g++) {
         for (int64_t p = 0; p < P; p++) {
             const int64_t off = (g * P + p) * PLANE_BYTES;
-            prefetch_next(T, w, tile_bytes, off, PLANE_BYTES);
+            prefetch_next(T, w, tile_bytes, off, PLANE_BYTES, ahead);
 #if TKV_VNNI
             __m512i sum[MAX_ROWS * 8];
             for (int i = 0; i < R * T; i++) sum[i] = _mm512_setzero_si512();
@@ -208,39 +243,22 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
                broadcasts with the pairs blended per column were slower on Zen 4: two more
                instructions a quad and tile.) */
             __m256i h0[MAX_ROWS * 4], h1[MAX_ROWS * 4];
-            const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-            for (int hf = 0; hf < 2; hf++) {
-                __m256i *h = hf ? h1 : h0;
-                for (int j = 0; j < R * T; j++) h[j] = _mm256_setzero_si256();
-                for (int i = 4 * hf; i < 4 * hf + 4; i++) {
-                    __m256i lo[4], hi[4];
-                    for (int t = 0; t < T; t++) {
-                        const __m256i b = _mm256_loadu_si256((const __m256i *)(w + t * tile_bytes + off + 64 + i * 32));
-                        lo[t] = _mm256_and_si256(b, m4);
-                        hi[t] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-                    }
-                    for (int r = 0; r < R; r++) {
-                        int16_t p02, p13; /* the quad as q0 q2 q1 q3 (quantize_rows' swap) */
-                        memcpy(&p02, q + r * K + g * GROUP + 4 * i, 2);
-                        memcpy(&p13, q + r * K + g * GROUP + 4 * i + 2, 2);
-                        const __m256i x02 = _mm256_set1_epi16(p02), x13 = _mm256_set1_epi16(p13);
-                        for (int t = 0; t < T; t++)
-                            h[r * T + t] = _mm256_add_epi16(h[r * T + t], _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], x02), _mm256_maddubs_epi16(hi[t], x13)));
-                    }
-                }
-            }
+            const __m256i ones = _mm256_set1_epi16(1);
+            half_sums(R, T, 0, w + off + 64, tile_bytes, q + g * GROUP, K, h0);
+            half_sums(R, T, 4, w + off + 64, tile_bytes, q + g * GROUP, K, h1);
+            /* The group's int32 sums come out of unpack + vpmaddwd in the column order 0-3 8-11 |
+               4-7 12-15 (128-bit lanes); the scales and zeros are put in that order instead of the
+               sums back in theirs (a vperm2i128 took 3.2 cycles on Zen 1), and emit4() restores the order
+               once a call: each column's arithmetic is unchanged, only its lane. */
             for (int t = 0; t < T; t++) {
                 const uint8_t *sz = w + t * tile_bytes + off;
-                const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sz));
-                const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 16)));
-                const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 32)));
-                const __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sz + 48)));
+                const __m128i sl = _mm_loadu_si128((const __m128i *)sz), sh = _mm_loadu_si128((const __m128i *)(sz + 16));
+                const __m128i zl = _mm_loadu_si128((const __m128i *)(sz + 32)), zh = _mm_loadu_si128((const __m128i *)(sz + 48));
+                const __m256 s0 = _mm256_cvtph_ps(_mm_unpacklo_epi64(sl, sh)), s1 = _mm256_cvtph_ps(_mm_unpackhi_epi64(sl, sh));
+                const __m256 z0 = _mm256_cvtph_ps(_mm_unpacklo_epi64(zl, zh)), z1 = _mm256_cvtph_ps(_mm_unpackhi_epi64(zl, zh));
                 for (int r = 0; r < R; r++) {
-                    /* columns 0-3 | 8-11 and 4-7 | 12-15, then back in order */
-                    const __m256i a = _mm256_madd_epi16(_mm256_unpacklo_epi16(h0[r * T + t], h1[r * T + t]), ones);
-                    const __m256i c = _mm256_madd_epi16(_mm256_unpackhi_epi16(h0[r * T + t], h1[r * T + t]), ones);
-                    const __m256 t0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, c, 0x20));
-                    const __m256 t1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, c, 0x31));
+                    const __m256 t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(h0[r * T + t], h1[r * T + t]), ones));
+                    const __m256 t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(h0[r * T + t], h1[r * T + t]), ones));
                     const __m256 dr = _mm256_set1_ps(d[r * G + g]), dqr = _mm256_set1_ps(dq[r * G + g]);
                     float *acc0 = acc + r * T * TILE + t * TILE;
                     __m256 v0 = _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, dr), _mm256_loadu_ps(acc0));
@@ -282,12 +300,12 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
 static inline __attribute__((always_inline)) void block8(const int R, const int T, int64_t G, int64_t P,
                                                          const int8_t *q, int64_t K, const float *d,
                                                          const float *dq, const uint8_t *w, int64_t tile_bytes,
-                                                         float *acc) {
+                                                         int64_t ahead, float *acc) {
     (void)P;
     (void)dq;
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = g * Q8_BYTES;
-        prefetch_next(T, w, tile_bytes, off, Q8_BYTES);
+        prefetch_next(T, w, tile_bytes, off, Q8_BYTES, ahead);
 #if TKV_VNNI
         __m512i sum[MAX_ROWS * 8];
         for (int i = 0; i < R * T; i++) sum[i] = _mm512_setzero_si512();
@@ -360,17 +378,17 @@ static inline __attribute__((always_inline)) void block8(const int R, const int 
 }
 
 /* Rows r0..r0+R (R <= MAX_ROWS), tiles t0..t1 of the output: blocks of T tiles, then single tiles. */
-#define BLOCK_CASE(BLOCK, RR, TT)                                                               \
+#define BLOCK_CASE(BLOCK, EMIT, RR, TT)                                                         \
     case RR:                                                                                    \
         for (; t + TT <= t1; t += TT) {                                                         \
             memset(acc, 0, sizeof(float) * RR * TT * TILE);                                     \
-            BLOCK(RR, TT, G, P, q, K, d, dq, w + t * tile_bytes, tile_bytes, acc);              \
-            emit(RR, TT, t, acc, out + r0 * out_stride, out_stride, n_out);                     \
+            BLOCK(RR, TT, G, P, q, K, d, dq, w + t * tile_bytes, tile_bytes, tiles - t - TT, acc); \
+            EMIT(RR, TT, t, acc, out + r0 * out_stride, out_stride, n_out);                     \
         }                                                                                       \
         for (; t < t1; t++) {                                                                   \
             memset(acc, 0, sizeof(float) * RR * TILE);                                          \
-            BLOCK(RR, 1, G, P, q, K, d, dq, w + t * tile_bytes, tile_bytes, acc);               \
-            emit(RR, 1, t, acc, out + r0 * out_stride, out_stride, n_out);                      \
+            BLOCK(RR, 1, G, P, q, K, d, dq, w + t * tile_bytes, tile_bytes, tiles - t - 1, acc);   \
+            EMIT(RR, 1, t, acc, out + r0 * out_stride, out_stride, n_out);                      \
         }                                                                                       \
         break;
 
@@ -381,37 +399,61 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
     for (int r = 0; r < R; r++) memcpy(out + r * out_stride + n0, acc + r * T * TILE, sizeof(float) * n);
 }
 
+/* The 4-bit kernel's block: emit(), its columns back in order where the AVX2 sums left each
+ * tile's as 0-3 8-11 4-7 12-15 (block()). */
+static inline void emit4(int R, int T, int64_t t, const float *acc, float *out, int64_t out_stride,
+                         int64_t n_out) {
+#if TKV_AVX2
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < T; j++) {
+            const int64_t n0 = (t + j) * TILE, n = n0 + TILE > n_out ? n_out - n0 : TILE;
+            if (n <= 0) break;
+            const float *a = acc + (r * T + j) * TILE;
+            float tile[TILE];
+            memcpy(tile, a, 4 * sizeof(float));
+            memcpy(tile + 4, a + 8, 4 * sizeof(float));
+            memcpy(tile + 8, a + 4, 4 * sizeof(float));
+            memcpy(tile + 12, a + 12, 4 * sizeof(float));
+            memcpy(out + r * out_stride + n0, tile, sizeof(float) * n);
+        }
+#else
+    emit(R, T, t, acc, out, out_stride, n_out);
+#endif
+}
+
 /* Tiles per block for 1..10 rows, per kernel: the fastest of 1-8 on the 2-core Zen 4 VM, one
  * thread (the default model's 1536 x 576 and 6144-column head slices). More tiles share each
  * activation broadcast, but past ~16 running sums the compiler spills them (docs/BENCHMARKS.md,
  * 'CPU matmuls with int8 activations'). */
-#define RUN_ROWS(NAME, BLOCK, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10)                          \
+#define RUN_ROWS(NAME, BLOCK, EMIT, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10)                          \
     static __attribute__((noinline)) void NAME(int64_t R, int64_t t0, int64_t t1, int64_t G, int64_t P, \
                                                const int8_t *q, int64_t K, const float *d,          \
                                                const float *dq, const uint8_t *w, int64_t tile_bytes, \
                                                float *out, int64_t out_stride, int64_t n_out, int64_t r0) { \
         float acc[MAX_ROWS * 8 * TILE];                                                         \
+        const int64_t tiles = (n_out + TILE - 1) / TILE; /* the matrix's, for the prefetch */   \
         int64_t t = t0;                                                                         \
         switch (R) {                                                                            \
-            BLOCK_CASE(BLOCK, 1, T1)                                                            \
-            BLOCK_CASE(BLOCK, 2, T2)                                                            \
-            BLOCK_CASE(BLOCK, 3, T3)                                                            \
-            BLOCK_CASE(BLOCK, 4, T4)                                                            \
-            BLOCK_CASE(BLOCK, 5, T5)                                                            \
-            BLOCK_CASE(BLOCK, 6, T6)                                                            \
-            BLOCK_CASE(BLOCK, 7, T7)                                                            \
-            BLOCK_CASE(BLOCK, 8, T8)                                                            \
-            BLOCK_CASE(BLOCK, 9, T9)                                                            \
-            BLOCK_CASE(BLOCK, 10, T10)                                                          \
+            BLOCK_CASE(BLOCK, EMIT, 1, T1)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 2, T2)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 3, T3)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 4, T4)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 5, T5)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 6, T6)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 7, T7)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 8, T8)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 9, T9)                                                            \
+            BLOCK_CASE(BLOCK, EMIT, 10, T10)                                                          \
         }                                                                                       \
     }
 #if TKV_VNNI
 #define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
 #define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
-#elif TKV_AVX2 /* 16 registers, measured the same way with -mno-avx512f; 5-10 rows: 4 tiles, re-timed
-                 with the prefetch and the weights streaming from memory (8 rows 1.14x, 10 rows
-                 1.23x over 1 tile; docs/BENCHMARKS.md, 'AVX2 kernels on their own ISA') */
-#define TILES4 4, 2, 2, 1, 4, 4, 4, 4, 4, 4
+#elif TKV_AVX2 /* 16 registers; re-timed on the Zen 1 AVX2 CPU, weights in cache, cycles a row, tile and
+                 group: 1 row 79 at 3 tiles (84 at 4), 2 rows 80 at 2 (92 at 4), 3-4 rows 73 at 4
+                 (80-90 at 1-2), 8 rows 64 at 4 (78-80 at 2-3; docs/BENCHMARKS.md, 'turnkv on a
+                 real AVX2-only CPU') */
+#define TILES4 3, 2, 4, 4, 4, 4, 4, 4, 4, 4
 #define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
 #else /* plain C */
 #define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
@@ -425,9 +467,18 @@ static inline void emit(int R, int T, int64_t t, const float *acc, float *out, i
 #undef TILES8
 #define TILES8 TKV_TILES8
 #endif
-#define RUN_ROWS_(NAME, BLOCK, ...) RUN_ROWS(NAME, BLOCK, __VA_ARGS__)
-RUN_ROWS_(run_rows4, block, TILES4)
-RUN_ROWS_(run_rows8, block8, TILES8)
+#define RUN_ROWS_(NAME, BLOCK, EMIT, ...) RUN_ROWS(NAME, BLOCK, EMIT, __VA_ARGS__)
+#if TKV_AVX2 /* GCC's pre-allocation scheduling for the 4-bit rows: on the Zen 1 AVX2 CPU one row in cache
+                85-87 cycles a row, tile and group against 100-103 without, 8 rows 66 against 68
+                (docs/BENCHMARKS.md, 'turnkv on a real AVX2-only CPU'); it only orders instructions */
+#pragma GCC push_options
+#pragma GCC optimize("schedule-insns", "sched-pressure")
+#endif
+RUN_ROWS_(run_rows4, block, emit4, TILES4)
+#if TKV_AVX2
+#pragma GCC pop_options
+#endif
+RUN_ROWS_(run_rows8, block8, emit, TILES8)
 
 /* A matrix's constants, set once per packed matrix (cpu_int4.Matrix), so a call passes one
  * pointer for them: ctypes converts every argument of every call (~0.1 us each). */
