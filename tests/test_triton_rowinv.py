@@ -104,23 +104,3 @@ def test_a_deterministic_plan_routes_every_row_count_to_it():
         assert torch.equal(
             matmul.residual_linear(res[:m], x[:m], w, None, plan), rowinv_linear(x[:m], w, residual=res[:m])
         )
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    st.integers(1, 64),
-    st.integers(1, 4),
-    st.integers(1, 40000),
-    st.integers(1, 512),
-    st.sampled_from([64, 128]),
-)
-def test_deterministic_attention_launches_do_not_depend_on_the_step(batch, groups, keys, rows, d):
-    """``--deterministic on``'s attention: one tile and one split whatever the batch, the groups,
-    the key bucket and the widest window (so each row's key tiles start at its own groups' starts)."""
-    from turnkv.attention import triton_segments as ts
-    from turnkv.attention.segment_table import TableMeta
-
-    meta = TableMeta(batch, groups, keys, rows, 2, d, torch.bfloat16)
-    got = ts.pick_config(meta, 4, DEVICE, conversations=batch, fixed=True)
-    assert got == ts.fixed_config(d) and got.splits == 1 and got.block_m == 16
-    assert ts.decode_splits(batch, keys, 2, 4, d, DEVICE, groups, fixed=True) == 1
