@@ -149,9 +149,13 @@ def test_a_replica_killed_mid_stream(endpoint):
     threads[0].start()
     while len(doomed.get("events", ())) < 3:  # it streams on the doomed replica
         time.sleep(0.05)
-    side = [{"role": "user", "content": "Count to a hundred."}]
-    bystander = next(f"by-{i}" for i in range(8) if chat(endpoint, side, session=f"by-{i}")[0] != rid)
-    threads.append(threading.Thread(target=stream, args=(endpoint, side, bystander, 48, other)))
+
+    def side(i: int) -> list[dict]:  # each try a conversation of its own: an equal one would follow
+        return [{"role": "user", "content": f"Count to a hundred, bystander {i}."}]  # the first's replica
+
+    i = next(i for i in range(8) if chat(endpoint, side(i), session=f"by-{i}")[0] != rid)
+    bystander = f"by-{i}"
+    threads.append(threading.Thread(target=stream, args=(endpoint, side(i), bystander, 48, other)))
     threads[1].start()  # on the other replica, where its session is
     while len(other.get("events", ())) < 3:
         time.sleep(0.05)
