@@ -216,7 +216,9 @@ def _row(opts, rss, answer, short, long, long_len, weights) -> dict:
 def _spawn(python: str, opts: dict, neighbour: bool) -> dict:
     hog = None
     if neighbour:  # keeps one core busy for the whole child
-        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        # it spins until its parent is gone: a killed bench leaves no busy core behind
+        spin = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
+        hog = subprocess.Popen([sys.executable, "-c", spin])
         time.sleep(0.5)
     try:
         env = dict(
