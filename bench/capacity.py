@@ -35,7 +35,6 @@ import queue
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from pathlib import Path
 
 from disk_write import dd_rate
 from report import OUT, save
+from serve_procs import free_port
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
 from turnkv.bank.ram_budget import max_ram_bytes
@@ -55,12 +55,6 @@ TIER_ROWS = re.compile(
     r"\b(ram|disk) (\d+)"
 )  # usage.cache_break.detail: "... lower tier: ram 11776, disk 256"
 WORDS = "alpha beta gamma delta river stone cloud paper engine window garden silver orbit lamp".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_health(base: str) -> dict:

@@ -201,12 +201,11 @@ def test_close_stops_the_grower_at_its_next_chunk(monkeypatch):
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", B * SHAPE.bytes_per_row)  # one slot a chunk
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     ram = RamTier("fp", SHAPE, 50)
-    gate, grown = threading.Event(), []
+    gate = threading.Event()
     real = ram_module.host_empty
 
     def slow(*a, **kw):  # each chunk waits for the test
         gate.wait(5)
-        grown.append(1)
         return real(*a, **kw)
 
     monkeypatch.setattr(ram_module, "host_empty", slow)

@@ -7,11 +7,10 @@ waits for ``grow_behind``'s thread), or, when no warm-up runs, once the server s
 stops the growth, with the reason on ``/health.ram``. On CUDA a chunk's pages are faulted first
 and then registered (``host_memory.host_empty``): the driver's lock is held for the registration
 only, where ``cudaHostAlloc`` held it for the faulting too. Pinning beside a loaded server still
-stalled its steps, so a served pool is whole before ready and no step ever pins.
-Pinned on CUDA (copies at the
-bus's speed, no per-turn ``pin_memory``), plain CPU
-tensors on a CPU device (where the bank already is in RAM: the tier is off there unless
-asked for, and CI tests its logic with it). Blocks are keyed by the disk tier's chained keys
+stalled its steps, so a served pool is whole before ready and no step ever pins. Pinned on
+CUDA (copies at the bus's speed, no per-turn ``pin_memory``), plain CPU tensors on a CPU device
+(where the bank already is in RAM: the tier is off there unless asked for, and CI tests its
+logic with it). Blocks are keyed by the disk tier's chained keys
 (``disk_blocks.block_keys``), so a block is stored once whatever number of conversations of a
 namespace share it, and a key names the whole token prefix up to the block's end.
 
@@ -52,7 +51,7 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 28  # the pool is registered by this much at a time (the longest lock hold)
-START_CHUNKS = 4  # pinned at start; the rest once the server serves (``grow_behind``)
+START_CHUNKS = 4  # pinned at start; the rest before the warm-up (``Runtime.pin_ram``)
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
