@@ -264,7 +264,9 @@ def main() -> None:
     ap.add_argument("--bank-bytes", help="the GPU bank's budget (default: from --ratio)")
     ap.add_argument("--ram-bytes", help="the RAM tier's budget (default: room for every conversation)")
     ap.add_argument("--disk-dir", help="where the disk tier goes (default: a temp folder in bench/out)")
-    ap.add_argument("--disk-bytes", default="64G", help="the disk tier's budget (mind the disk's free space)")
+    ap.add_argument(
+        "--disk-bytes", help="the disk tier's budget (default: 80 %% of what the disk tier's folder has free)"
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument(
         "--deadline-s", type=float, help="start no turn this many seconds after the bench started"
@@ -288,6 +290,8 @@ def main() -> None:
     ram = args.ram_bytes or str(min(int(1.5 * args.convs * conv_rows * args.bytes_per_row), most))
     OUT.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="capacity-", dir=args.disk_dir or OUT))
+    # a budget past the free space filled a 64 GiB disk and lost the run's results
+    disk = args.disk_bytes or str(int(0.8 * shutil.disk_usage(root).free))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
@@ -308,7 +312,7 @@ def main() -> None:
         "--disk-dir",
         str(root / "kv"),
         "--disk-bytes",
-        args.disk_bytes,
+        disk,
         *args.serve_arg,
     ]
     print("# " + " ".join(cmd))
