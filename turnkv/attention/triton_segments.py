@@ -92,6 +92,14 @@ def _tiles(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _splits(hdr, room):
+    """A sequence's split count: header word 6 (written by the plan), capped at the grid's
+    ``room``; 0 (a table packed without one) means all of it."""
+    n = tl.load(hdr + 6)
+    return tl.where(n > 0, tl.minimum(n, room), room)
+
+
 # counts that vary per step are not specialized (== 1, % 16): each value class was a variant of
 # its own, and a loaded server met combinations the warm-up had not compiled
 @triton.jit(do_not_specialize=["LAYER", "NSPLIT", "NGROUPS", "NPART"])
@@ -106,7 +114,7 @@ def _segment_attn_kernel(
     # row blocks vary fastest, so the blocks that share a key range run side by side and all but
     # the first find its K/V tiles in L2
     pid_m = tl.program_id(0)  # row block of the GQA * M rows of this kv head
-    pid_p = tl.program_id(1)  # group * NSPLIT + split
+    pid_p = tl.program_id(1)  # group * NSPLIT + split (NSPLIT: the grid's room for splits)
     pid_bh = tl.program_id(2)  # b * HKV + kv head
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -120,8 +128,12 @@ def _segment_attn_kernel(
     ws = tl.load(hdr + 3)
     q_len = tl.load(hdr + 4)
     q_start = tl.load(hdr + 5)
+    # the split count this step uses (the table's, at most the grid's room; 0: all of it), so a
+    # CUDA graph's grid serves every split count up to its room: the extra programs read nothing
+    nsplit = _splits(hdr, NSPLIT)
+    q_live = tl.where(split < nsplit, q_len, 0)  # a split past the count: rows as padding's
     # this program's key range (global positions), whole tiles except at the group's end
-    chunk = tl.cdiv(tl.cdiv(g_len, NSPLIT), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(g_len, nsplit), BLOCK_N) * BLOCK_N
     lo = g_start + split * chunk
     hi = tl.minimum(lo + chunk, g_start + g_len)
 
@@ -132,13 +144,14 @@ def _segment_attn_kernel(
     rows = r0 + tl.arange(0, BLOCK_M)
     g = rows // qd
     row_i = rows % qd
-    row_ok = rows < GQA * q_len  # false for every row of a padding sequence (q_len 0)
+    row_ok = rows < GQA * q_live  # false for every row of a padding sequence (q_len 0)
     r1 = tl.minimum(r0 + BLOCK_M, GQA * qd) - 1
     one_head = (r0 // qd) == (r1 // qd)
     i_min = tl.where(one_head, r0 % qd, 0)
     i_max = tl.where(one_head, r1 % qd, qd - 1)
     see_hi = tl.minimum(hi, ws + i_max + 1)  # no row of the block sees a key at or past this
-    see_hi = tl.where(r0 < GQA * q_len, see_hi, lo)  # a block past this window's rows reads nothing
+    # a block past this window's rows, or a split past the step's count, reads nothing
+    see_hi = tl.where(r0 < GQA * q_live, see_hi, lo)
     full_hi = tl.minimum(see_hi, ws + i_min + 1)  # every row of the block sees keys before this
 
     offs_d = tl.arange(0, HEAD_DIM)
@@ -205,12 +218,13 @@ def _segment_attn_kernel(
         tl.store(PartO + (prow + pid_p)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["NPART", "NGROUPS"])
+@triton.jit(do_not_specialize=["NSPLIT", "NPART", "NGROUPS"])
 def _combine_kernel(
-    PartO, PartL, Out, Table, HQ, M, NPART, NGROUPS, som, soh,
+    PartO, PartL, Out, Table, HQ, M, NSPLIT, NPART, NGROUPS, som, soh,
     HEAD_DIM: tl.constexpr, NP2: tl.constexpr, MAX_SEG: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """One output row: the exact log-sum-exp merge of its partials, rounded once."""
+    """One output row: the exact log-sum-exp merge of its partials, rounded once. Partial
+    ``grp * NSPLIT + split`` exists for the splits below the sequence's count (``_splits``)."""
     row = tl.program_id(0)  # (b * HQ + h) * M + i
     b = row // (HQ * M)
     h = (row // M) % HQ
@@ -218,9 +232,10 @@ def _combine_kernel(
     hdr = Table + (b * NGROUPS * (MAX_SEG + 1)).to(tl.int64) * 8
     q_len = tl.load(hdr + 4)
     q_start = tl.load(hdr + 5)
+    nsplit = _splits(hdr, NSPLIT)
     offs_p = tl.arange(0, NP2)
     offs_d = tl.arange(0, HEAD_DIM)
-    pm = offs_p < NPART
+    pm = (offs_p < NPART) & (offs_p % NSPLIT < nsplit)
     base = row.to(tl.int64) * NPART
     lse = tl.load(PartL + base + offs_p, mask=pm, other=float("-inf"))  # [NP2]
     mx = tl.max(lse, 0)
@@ -390,7 +405,7 @@ def segment_attention(
     )  # fmt: skip
     if not direct:
         _combine_kernel[(meta.batch * hq * m,)](
-            part_o, part_l, out, packed, hq, m, npart, meta.groups, out.stride(0), out.stride(1),
+            part_o, part_l, out, packed, hq, m, config.splits, npart, meta.groups, out.stride(0), out.stride(1),
             HEAD_DIM=d, NP2=max(2, triton.next_power_of_2(npart)), MAX_SEG=MAX_SEGMENTS,
             INTERP=INTERPRET, num_warps=4 if d <= 128 else 8,
         )  # fmt: skip
