@@ -112,7 +112,7 @@ class FusedBackend:
         deterministic: bool = False,
     ) -> None:
         self.verdict = verdict
-        self.fixed = deterministic  # one tile and split count for every launch (pick_config)
+        self.fixed = deterministic  # fixed tiles and key pieces (triton_segments.fixed_config)
         self.gqa = num_heads // num_kv_heads
         self.kv_heads = num_kv_heads
         self.head_dim = head_dim
