@@ -131,3 +131,23 @@ def test_a_steps_logits_are_its_own_after_later_replays_of_its_graph():
     assert engine.graphs.replays >= 8
     assert all(torch.equal(a, b) for a, b in zip(kept, copies, strict=True))
     assert not torch.equal(kept[0], kept[2])  # different prompts: different logits
+
+
+def test_a_step_past_the_rope_tables_drops_the_graphs_that_read_them():
+    """The engine sizes the rope tables to its context limit (4096 here); a direct engine caller
+    may go past it, which grows the tables and frees the old ones that every graph captured so far
+    reads (a gather bounded by their old length: a device assert). Those graphs are dropped and
+    captured again, so each step past 4096 equals it run eagerly."""
+    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", speculate="off")
+    on = load_engine(cfg)
+    off = Engine(on.loaded, replace(cfg, cuda_graphs="off"))
+    got = {}
+    for name, engine in (("on", on), ("off", off)):
+        cache = engine.new_cache()
+        engine.prefill(cache, [t % 250 for t in range(4000)])
+        rows = got[name] = []
+        for i in range(140):  # decode from position 4000 across 4096
+            rows.append(engine.run_step([Window(cache, [1 + i % 250])]).logits)
+            cache.commit([1 + i % 250])
+    assert on.graphs.replays >= 140 and off.graphs.replays == 0
+    assert all(torch.equal(a, b) for a, b in zip(got["on"], got["off"], strict=True))

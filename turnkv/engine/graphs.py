@@ -200,6 +200,12 @@ class StepGraphs:
 
     def _write(self, windows, kv, key, launch, inputs, n, r, offsets) -> GraphStep:
         """Write ``inputs`` and the segment table into the buffers of the graph ``key``."""
+        # positions past the rope tables grow them (past the engine's context limit: a direct
+        # engine caller), which frees the tables every graph so far reads: those graphs go
+        top = max(k.start + k.rows for k in kv)
+        if self.model.rope.ensure(top) and self.graphs:
+            log.warning("the rope tables grew to position %d: dropping %d step graphs", top, len(self.graphs))
+            self.graphs.clear()
         captured = self.graphs.get(key) or self._new_buffers(key[0], key[1], launch.batch)
         host = torch.tensor(inputs, dtype=torch.int64, pin_memory=True)
         captured.inputs[: len(inputs)].copy_(host, non_blocking=True)
@@ -279,6 +285,7 @@ class StepGraphs:
         # captures are lazy, so they happen under load while other threads (the RAM tier's
         # copies, the disk writer's event syncs, NCCL's watchdog: pytorch/pytorch#104487) make CUDA calls on their own streams; a
         # global-mode capture forbids those in every thread and fails, so forbid only this one's
+        captured.graph = torch.cuda.CUDAGraph()  # (a step staged before its graph was dropped)
         with torch.cuda.graph(captured.graph, pool=self.pool, capture_error_mode="thread_local"):
             captured.logits = model(ids, pos, rows, step, matmul, upcast=False)  # [R, V], compute dtype
         self.captures += 1

@@ -77,17 +77,20 @@ class Rope(nn.Module):
         self._cos = self._cos[:0]
         self._sin = self._sin[:0]
 
-    def ensure(self, positions: int) -> None:
+    def ensure(self, positions: int) -> bool:
         """Grow the tables to cover positions ``[0, positions)`` (host work; before a step, never
-        inside a CUDA graph capture, which would bake in the old tables)."""
-        if positions > self._cos.shape[0]:
-            size = max(positions, 2 * self._cos.shape[0], 256)
-            pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.int64).float()
-            freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
-            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-            self._cos = emb.cos().to(self.dtype)
-            # the sin table's first half is negated so apply_rope needs a roll, not a cat and a neg
-            self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
+        inside a CUDA graph capture). True when they were reallocated: a graph captured before
+        reads the old tables, so its owner must drop it (``StepGraphs._write``)."""
+        if positions <= self._cos.shape[0]:
+            return False
+        size = max(positions, 2 * self._cos.shape[0], 256)
+        pos = torch.arange(size, device=self.inv_freq.device, dtype=torch.int64).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self._cos = emb.cos().to(self.dtype)
+        # the sin table's first half is negated so apply_rope needs a roll, not a cat and a neg
+        self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
+        return True
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin ``[N, D]`` for device ``positions`` ``[N]`` (covered by ``ensure``)."""
