@@ -24,7 +24,14 @@ from turnkv.models.triton_rowinv import Cfg, rowinv_linear, tiles_m  # noqa: E40
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 N, K = 40, 100  # ragged against every tile below
-CFGS = [None, Cfg(16, 32, 1), Cfg(16, 32, 3), Cfg(16, 32, 3, swap=True, fused=True)]
+# swap at 32 columns: its accumulator [BN, BM] is not square (at 16 a wrong branch still fits)
+CFGS = [
+    None,
+    Cfg(16, 32, 1),
+    Cfg(16, 32, 3),
+    Cfg(16, 32, 3, swap=True, fused=True),
+    Cfg(32, 32, 1, swap=True),
+]
 
 
 def rounded_once(x, w, bias=None, residual=None) -> torch.Tensor:

@@ -75,9 +75,12 @@ def _tile_dot(
         x = tl.load(xp, mask=rmask[:, None] & kmask[None, :], other=0.0)
     if INTERP:  # the CPU interpreter multiplies bf16 bit patterns as integers; upcast there
         x = x.to(tl.float32)
+    # one return: Triton's code generator also visits a statement after a constexpr-if's return
     if SWAP:
-        return tl.dot(w, tl.trans(x), acc)  # [BN, BM]
-    return tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+        acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+    return acc
 
 
 @triton.jit
