@@ -101,3 +101,36 @@ def test_mixed_steps_replay_bit_for_bit_as_eager_with_drafts_and_a_grammar_besid
         text = engine.tokenizer.decode([t for t in answers["g"] if t is not None])
         assert json.loads(text)["b"] in ("x", "yz")
     assert all(len(answers[f"p{i}"]) >= 24 for i in range(3))
+
+
+def test_one_mixed_graph_serves_every_context_its_split_count_read_from_the_table():
+    """The same step shape over a short and a long history (past the first key bucket: a decode
+    row's split count doubles there) stages one graph key and one capture; each step's split
+    count is its own, in the segment table, and each replay equals its step run eagerly."""
+    from turnkv.engine.step import Window
+
+    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", speculate="off")
+    engine = load_engine(cfg)
+    graphs = engine.graphs
+    seen = []
+    replay = graphs.replay
+
+    def checked(staged, prev=None):
+        eager = graphs.eager(staged, prev).logits.clone()
+        got = replay(staged, prev)
+        counts = [int(staged.step.packed[lc.offset + 6]) for lc in staged.step.launches]
+        seen.append((staged.key, counts, torch.equal(eager, got.logits)))
+        return got
+
+    histories = []
+    for context in (100, 5000):
+        histories.append(engine.new_cache())
+        engine.prefill(histories[-1], loop(context, 1))
+    before = graphs.captures
+    graphs.replay = checked
+    for history in histories:
+        engine.run_step([Window(history, [7]), Window(engine.new_cache(), loop(45, 2)[:40], logits=1)])
+    (key_a, counts_a, same_a), (key_b, counts_b, same_b) = seen
+    assert key_a == key_b and same_a and same_b
+    assert counts_a[0] < counts_b[0]  # the decode row's table: more splits past 4096 keys
+    assert graphs.captures == before + 1

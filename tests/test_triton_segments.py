@@ -183,17 +183,18 @@ def test_padding_sequences_are_neither_read_nor_written():
 
 def test_a_mixed_launch_pads_rows_and_sequences_and_attends_the_real_rows_alike():
     # a step with prompt rows captured whole (engine.graphs): each table padded to its batch, its
-    # grid sized for a bucket of its widest window, the step's rows padded to their bucket; the
-    # real rows store and attend as the oracle says, and no padding row is written
+    # grid sized for 32 rows (narrow) or the step's row bucket (wide), the step's rows padded to
+    # that bucket; the real rows store and attend as the oracle says, and no padding row is written
     hkv, gqa, d, layer = HEADS, 4, 64, 1
     shapes = [([_len(7), 0], 1), ([_len(3)], 1), ([_len(20)], 40), ([_len(2)], 3), ([_len(5)], 33)]
     windows = [window4(hkv, lengths, m, d, seed=20 + i) for i, (lengths, m) in enumerate(shapes)]
     backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
     launch = backend.mixed_launch(windows)
     assert (launch.narrow.batch, launch.narrow.rows) == (padded_batch(3), 32)
-    assert (launch.wide.batch, launch.wide.rows) == (2, row_bucket(40))
     n = sum(w.rows for w in windows)
     np_ = row_bucket(n)
+    assert (launch.wide.batch, launch.wide.rows) == (2, np_)  # the step's rows, not its widest chunk's
+    assert np_ > row_bucket(40)
     step = backend.plan(windows, launch, out=backend.graph_table(launch.batch))
     assert [lc.meta.batch for lc in step.launches] == [launch.narrow.batch, launch.wide.batch]
     g = torch.Generator().manual_seed(5)
@@ -215,7 +216,61 @@ def test_a_mixed_launch_pads_rows_and_sequences_and_attends_the_real_rows_alike(
     assert backend.mixed_launch([*windows, many]) is None
 
 
-@pytest.mark.parametrize("splits", [None, 4])
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_a_tables_split_count_below_its_grids_room_attends_as_a_launch_sized_for_it(count):
+    # a CUDA graph's grid has room for the most splits any context could ask (``table_launch``);
+    # the step's own count rides in the table (header word 6) and the programs past it read and
+    # write nothing: the rows come out as the oracle says, and (the interpreter sums partials in
+    # order, so the unused ones add exact zeros) as a launch sized for that count, bit for bit
+    hkv, gqa, d, m = HEADS, 2, 64, 5
+    views = make_views(hkv, [_len(40), _len(9), 1], d, seed=count)
+    q = make_q(gqa * hkv, m, d, seed=count)
+    views4 = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in views]
+    flat = q.transpose(0, 1)
+    outs = {}
+    for room, written in ((8, count), (count, 0)):
+        words, meta = pack([views4], [m], splits=written)
+        cfg = ts.pick_config(meta, gqa, q.device)._replace(splits=room)
+        outs[room] = ts.segment_attention(flat, upload(words, q.device), meta, 0, d**-0.5, cfg)
+        assert_within(outs[room].transpose(0, 1), q, views, d**-0.5)
+    if not CUDA:
+        assert torch.equal(outs[8], outs[count])
+
+
+def test_a_mixed_launch_is_one_at_every_context_and_its_table_carries_the_split_count():
+    # the graph key of a mixed step (``MixedLaunch``) holds no context: a short and a long
+    # history give the same launch, and each plan writes its own split count into the table
+    hkv, gqa, d, layer = HEADS, 4, 64, 1
+    backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
+    steps = {}
+    for history in (_len(30), 9000):
+        windows = [window4(hkv, [history], 1, d, seed=1), window4(hkv, [_len(3)], 40, d, seed=2)]
+        launch = backend.mixed_launch(windows)
+        step = backend.plan(windows, launch, out=backend.graph_table(launch.batch))
+        steps[history] = (windows, launch, step)
+    (short, a, sa), (long, b, sb) = steps.values()
+    assert a == b
+    rooms = [t.config.splits for t in a]
+    counts = [[backend.table_splits([w], t)] for w, t in zip((short[0], short[1]), a, strict=True)]
+    counts_long = [[backend.table_splits([w], t)] for w, t in zip((long[0], long[1]), a, strict=True)]
+    assert all(c[0] <= r for c, r in zip(counts + counts_long, rooms * 2, strict=True))
+    assert counts[0] != counts_long[0]  # the decode row's count follows its key bucket
+    for windows, step, want in ((short, sa, counts), (long, sb, counts_long)):
+        headers = [int(step.packed[lc.offset + 6]) for lc in step.launches]
+        assert headers == [c[0] for c in want]
+        n = sum(w.rows for w in windows)
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(row_bucket(n), hkv * gqa, d, generator=g).to(DEVICE, torch.bfloat16)
+        k, v = torch.randn(2, row_bucket(n), hkv, d, generator=g).to(DEVICE, torch.bfloat16)
+        step.store(layer, k, v)
+        out = step.attend(layer, q, d**-0.5)
+        start = 0
+        for w in windows:
+            rows = slice(start, start + w.rows)
+            assert_within(out[rows].transpose(0, 1), q[rows].transpose(0, 1), w.layer_views(layer), d**-0.5)
+            start += w.rows
+
+
 def _rows_of(hkv: int, d: int, history: int, rows: int, seed: int) -> list[KVWindow]:
     """``rows`` one-row windows of one conversation after ``history`` rows: a verify window as
     ``step.one_row_windows`` cuts it (every row over the same tail buffer)."""

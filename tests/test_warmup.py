@@ -222,6 +222,6 @@ def test_graph_keys_in_words():
     cfg = SimpleNamespace(block_m=128, block_n=128, splits=3)
     key = (512, 5, MixedLaunch(TableLaunch(4, 1, cfg), TableLaunch(1, 512, cfg)), False)
     assert describe(key) == (
-        "mixed 512 rows, 5 logit rows: narrow batch 4 x 1 rows, tiles 128x128, splits 3; "
-        "wide batch 1 x 512 rows, tiles 128x128, splits 3"
+        "mixed 512 rows, 5 logit rows: narrow batch 4 x 1 rows, tiles 128x128, room for 3 splits; "
+        "wide batch 1 x 512 rows, tiles 128x128, room for 3 splits"
     )

@@ -69,7 +69,7 @@ class TableLaunch(NamedTuple):
     """One table of a step captured with prompt rows (``MixedLaunch``): what its launches bake in."""
 
     batch: int  # sequences the table is padded to (segment_table.padded_batch)
-    rows: int  # the launch's widest window: 1, MAX_WINDOW_ROWS, or a row bucket (the grid's M)
+    rows: int  # the grid's M: 1 or MAX_WINDOW_ROWS (narrow), the step's row bucket (wide)
     config: object  # triton_segments.LaunchConfig: tiles and splits (by the key bucket)
 
 

@@ -10,9 +10,12 @@ For a CUDA graph the plan is built into a static buffer (``out``, ``graph_table`
 ``DecodeLaunch`` (``decode_launch``: padding sequences up to the captured batch, the split count
 of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.graphs``. A step
 with prompt rows is captured whole the same way by its ``MixedLaunch`` (``mixed_launch``): per
-table, padded batch, widest window (a row bucket) and the tiles and splits of its key bucket. The same
-key bucket bounds a verify window (``verify_rows``), whose rows must split as they would decoded
-alone: the split-count invariant lives here and in ``triton_segments.decode_splits``.
+table, padded batch, grid rows (1 or 32 narrow, the step's row bucket wide), the tiles those give
+and a grid with room for the most splits any context could ask at that batch; the step's own
+split count (by the key bucket of its longest context and its conversations) is written into
+the table, where the kernels read it, so one graph serves every context. The same key bucket
+bounds a verify window (``verify_rows``), whose rows must split as they would decoded alone: the
+split-count invariant lives here and in ``triton_segments.decode_splits``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from turnkv.attention.segment_table import (
 from turnkv.attention.verdict import Verdict
 from turnkv.kv.cache import KVWindow
 from turnkv.limits import MAX_SEGMENTS, MAX_WINDOW_ROWS
+
+# the context a mixed table's room for splits is sized at: past every key bucket, so no bucket's
+# split count (``pick_config``: at most 4 key tiles a split) is capped by it
+SPLIT_ROOM_KEYS = 1 << 40
 
 
 @dataclass
@@ -105,7 +112,7 @@ class FusedBackend:
         deterministic: bool = False,
     ) -> None:
         self.verdict = verdict
-        self.fixed = deterministic  # one tile and split count for every launch (pick_config)
+        self.fixed = deterministic  # fixed tiles and key pieces (triton_segments.fixed_config)
         self.gqa = num_heads // num_kv_heads
         self.kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -133,13 +140,15 @@ class FusedBackend:
             group = [i for i, r in enumerate(routes) if r.path is path]
             if not group:
                 continue
-            if mixed is not None:  # what the graph bakes in: its batch, rows, tiles and splits
-                table = mixed[t]
+            if mixed is not None:  # what the graph bakes in: its batch, rows and tiles; the
+                table = mixed[t]  # split count of this step's keys rides in the table
+                kvs = [windows[i] for i in group]
                 part, meta = pack(
-                    [windows[i].views for i in group],
-                    [windows[i].rows for i in group],
+                    [w.views for w in kvs],
+                    [w.rows for w in kvs],
                     q_starts=[starts[i] for i in group],
                     pad_to=table.batch,
+                    splits=self.table_splits(kvs, table),
                 )
                 launches.append(Launch(len(words), replace(meta, max_q=table.rows), table.config))
                 words += part
@@ -189,12 +198,16 @@ class FusedBackend:
         """``MixedLaunch`` of a step with prompt rows (None past ``MAX_SEGMENTS`` views or
         ``GRAPH_BATCHES[-1]`` windows of one kind). A table's grid is sized for its padded batch
         and a bucket of its widest window: one-row windows 1, other narrow ones
-        ``MAX_WINDOW_ROWS``, prefill chunks their row bucket; its tiles and splits for the key
-        bucket of its longest context (decode rows split as in a decode step: ``decode_splits``)."""
-        from turnkv.attention import triton_segments as ts
-
+        ``MAX_WINDOW_ROWS``, prefill chunks the step's row bucket (the graph's rows: so a chunk's
+        size within the step is no part of the key either; the rows past a chunk's are programs
+        that read nothing, and its splits are those of a chunk as wide as the step, at most 1.5x
+        fewer where the chunk's own bucket is one below: 9 -> 6 at 64 -> 96 rows, 8B shapes). Its
+        tiles follow from those, and its room for splits is the most any context could ask at
+        that batch (``table_launch``): the step's own split count is written into the table
+        (``table_splits``), so neither the context nor the conversation count enters the key."""
         if any(len(w.views) > MAX_SEGMENTS for w in windows):
             return None
+        step_rows = row_bucket(sum(w.rows for w in windows))
         tables: list[TableLaunch | None] = []
         for wide in (False, True):
             group = [w for w in windows if narrow(w.rows) != wide]
@@ -203,17 +216,38 @@ class FusedBackend:
                 continue
             batch = padded_batch(len(group))
             widest = max(w.rows for w in group)
-            rows = row_bucket(widest) if wide else (1 if widest == 1 else MAX_WINDOW_ROWS)
+            rows = step_rows if wide else (1 if widest == 1 else MAX_WINDOW_ROWS)
             if batch > GRAPH_BATCHES[-1] or rows is None:
                 return None
-            keys = key_bucket(max(w.start + w.rows for w in group))
-            dtype = group[0].views[0][0].dtype
-            meta = TableMeta(batch, 1, keys, rows, self.kv_heads, self.head_dim, dtype)
-            config = ts.pick_config(
-                meta, self.gqa, self.device, conversations=conversations(group), fixed=self.fixed
-            )
-            tables.append(TableLaunch(batch, rows, config))
+            tables.append(self.table_launch(batch, rows, group[0].views[0][0].dtype))
         return MixedLaunch(*tables)
+
+    def table_launch(self, batch: int, rows: int, dtype: torch.dtype) -> TableLaunch:
+        """The launch of a mixed step's table of ``batch`` sequences and a ``rows``-row grid: the
+        tiles of ``pick_config`` and, as its room for splits, its split count at an unbounded
+        context."""
+        from turnkv.attention import triton_segments as ts
+
+        meta = TableMeta(batch, 1, SPLIT_ROOM_KEYS, rows, self.kv_heads, self.head_dim, dtype)
+        config = ts.pick_config(meta, self.gqa, self.device, conversations=batch, fixed=self.fixed)
+        return TableLaunch(batch, rows, config)
+
+    def table_splits(self, group: Sequence[KVWindow], table: TableLaunch) -> int:
+        """The split count of a mixed step's table over ``group`` (at most ``table``'s room): the
+        one ``pick_config`` gives at the key bucket of its longest context, decode rows sized by
+        their conversations (``decode_splits``) as in a decode step. A verify window's one-row
+        windows beside few conversations may ask more than the room (sized for as many
+        conversations as the batch); they get the room, which still fills the device: their
+        rows are programs of their own."""
+        from turnkv.attention import triton_segments as ts
+
+        keys = key_bucket(max(w.start + w.rows for w in group))
+        dtype = group[0].views[0][0].dtype
+        meta = TableMeta(table.batch, 1, keys, table.rows, self.kv_heads, self.head_dim, dtype)
+        config = ts.pick_config(
+            meta, self.gqa, self.device, conversations=conversations(group), fixed=self.fixed
+        )
+        return min(config.splits, table.config.splits)
 
     def graph_table(self, batch: int) -> torch.Tensor:
         # the tables of ``batch`` sequences of one group (a decode step's one narrow launch, or a

@@ -7,7 +7,9 @@ view starts at ``ptr + l * layer_stride`` and one table serves all layers.
 Layout of ``words`` (int64), in this order:
 
 - ``table [B, G, 1 + MAX_SEGMENTS, FIELDS]``: per sequence and group of up to ``MAX_SEGMENTS``
-  views, a header row ``(n_views, group_start, group_len, window_start, q_len, q_start, 0, 0)`` and
+  views, a header row ``(n_views, group_start, group_len, window_start, q_len, q_start, splits, 0)``
+  (``splits``: the split count of the sequence's keys, at most its launch's grid has room for; 0:
+  as many as that room) and
   one row per view ``(k_ptr, v_ptr, layer_stride, head_stride, row_stride, length, start, 0)``
   (strides in elements; K and V of a view share their strides);
 - ``dest [B, FIELDS]``: where the step's new K/V rows of each sequence go, the window rows of its
@@ -91,12 +93,14 @@ def pack(
     q_starts: Sequence[int] | None = None,
     min_groups: int = 1,
     pad_to: int | None = None,
+    splits: int = 0,
 ) -> tuple[list[int], TableMeta]:
     """The words of a table for ``seqs`` (each a list of ``[L, Hkv, T_i, D]`` views in row order) and
     its facts. ``q_starts`` are the windows' first flat rows (default: back to back from 0).
 
     ``pad_to`` appends padding sequences (``q_len`` 0) up to that batch size (CUDA-graph batches of
-    a fixed shape; nothing is read or written for them). Checks each view in
+    a fixed shape; nothing is read or written for them). ``splits``: every sequence's split count
+    (header word 6; 0: the launch's room, ``LaunchConfig.splits``). Checks each view in
     the same pass; raises ``UnsupportedViews`` for a view the kernel cannot read in place.
     """
     b = len(seqs)
@@ -140,7 +144,7 @@ def pack(
         for g in range(groups):
             chunk = rows[g * MAX_SEGMENTS : (g + 1) * MAX_SEGMENTS]
             g_start = chunk[0][6] if chunk else start
-            words += (len(chunk), g_start, sum(r[5] for r in chunk), ws, m, q_start, 0, 0)
+            words += (len(chunk), g_start, sum(r[5] for r in chunk), ws, m, q_start, splits, 0)
             for r in chunk:
                 words += r
             words += empty_group[: FIELDS * (MAX_SEGMENTS - len(chunk))]

@@ -307,8 +307,8 @@ def make_backend(
     deterministic: bool = False,
 ) -> AttentionBackend:
     """The engine's attention backend: the verdict is decided once; ``fused`` only when it is ``ok``.
-    ``deterministic`` (``--deterministic on``): the fused launches take one fixed tile and split
-    count (``triton_segments.pick_config``), so a row's bits depend on its own keys only."""
+    ``deterministic`` (``--deterministic on``): the fused launches take fixed tiles and fixed key
+    pieces (``triton_segments.fixed_config``), so a row's bits depend on its own keys only."""
     verdict, fused = decide(mode, device, head_dim, num_heads, num_kv_heads, dtype)
     if fused is None:
         if device.type == "cpu":

@@ -113,7 +113,9 @@ class Engine:
         if fused is None:
             attention = f"{self.backend.verdict.verdict}: not the fused route"
         else:
-            attention = "fused, fixed tiles and one split" if fused else "fused, splits by batch and keys"
+            attention = (
+                "fused, fixed tiles and 256-key pieces" if fused else "fused, splits by batch and keys"
+            )
         matmul = (
             "triton_rowinv" if self.rowinv else ("cpu" if self.model.device.type == "cpu" else "cublas+gemv")
         )

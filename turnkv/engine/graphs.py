@@ -14,10 +14,15 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
   same batch bit for bit.
 - **Steps with prompt rows** (prefill chunks, alone or beside decode and verify rows): keyed by
   the row bucket of their rows (``segment_table.row_bucket``, up to 8192), their padded logit
-  rows and the attention's ``MixedLaunch`` (per table: padded batch, widest-window bucket, tiles
-  and splits of the key bucket). Padding rows read token 0 at position 0 and belong to no
-  window; a replay equals the same staged step run eagerly (``StepGraphs.eager``, what the
-  capture's warm-up runs) bit for bit.
+  rows and the attention's ``MixedLaunch`` (per table: padded batch, the grid's rows: 1 or 32
+  for the narrow table, the step's row bucket for the wide one, and the tiles and room for
+  splits those give). Neither a chunk's size nor any context enters the key: each table's grid has
+  room for the most splits any context could ask at its batch, and the step's own split count
+  (by the key bucket of its longest context and its conversations) is written into the segment
+  table, where the kernels read it; the programs past it read and write nothing
+  (``FusedBackend.table_launch``/``table_splits``). Padding rows read token 0 at position 0 and
+  belong to no window; a replay equals the same staged step run eagerly (``StepGraphs.eager``,
+  what the capture's warm-up runs) bit for bit.
 
 A graph's output buffer is rewritten by its next replay, so a step's fp32 logits are upcast from it
 after the replay into a tensor of the caller's (``_result``): a kept row stays what its step gave.
@@ -28,8 +33,9 @@ shapes, then the capture), so no JIT runs inside a capture. Once the server's wa
 eagerly on its staged buffers (``eager``: the same bits a replay would give) and is counted in
 ``misses`` instead of capturing while serving (a capture stalls every running turn for a forward
 and more, and captured under load it shares the device with the tiers' copy threads). The
-mixed keys multiply (row bucket x each table's batch, rows and splits), so the warm-up captures
-the common ones and the rest stay eager.
+mixed keys still multiply (row bucket x the narrow table's batch and grid rows x the wide
+table's batch: 786 for a 2048-row budget and 64 running, ``engine.mixed_keys``), so the warm-up
+captures the common ones and the rest stay eager (``/health.scheduler.warmup.mixed_keys``).
 
 ``--cuda-graphs off`` stages every step the same way and runs it eagerly on those buffers (so
 graphs on or off change no bit). ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``
@@ -292,7 +298,7 @@ def describe(key: tuple) -> str:
     if isinstance(launch, MixedLaunch):
         tables = [
             f"{name} batch {t.batch} x {t.rows} rows, tiles {t.config.block_m}x{t.config.block_n}, "
-            f"splits {t.config.splits}"
+            f"room for {t.config.splits} splits"
             for name, t in zip(("narrow", "wide"), launch, strict=True)
             if t is not None
         ]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from turnkv.attention.segment_table import GRAPH_BATCHES, ROW_BUCKETS, row_bucket
 from turnkv.engine.events import Banked, Failed, TurnRequest
+from turnkv.engine.mixed_keys import key, shapes
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.limits import MAX_WINDOW_ROWS
@@ -74,6 +75,8 @@ class WarmReport:
     steps: int = 0
     failed: int = 0  # turns that ended in a Failed (logged; the server still starts)
     captures: int = 0  # step graphs captured by the end of it (``graphs.StepGraphs``)
+    # mixed graph keys the limits allow (``mixed_keys.shapes``) and how many of them it captured
+    mixed_keys: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     note: str = ""
     ram_s: float | None = None  # the RAM tier's pool pinned before it (``Runtime.pin_ram``)
@@ -85,6 +88,7 @@ class WarmReport:
             "steps": self.steps,
             "failed": self.failed,
             "captures": self.captures,
+            "mixed_keys": self.mixed_keys,
             "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "note": self.note,
             "ram_s": None if self.ram_s is None else round(self.ram_s, 2),
@@ -145,8 +149,9 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
             if long:  # the same long prompt every time: the bank restores it after the first
                 group.append(_turn(long, 0, vocab, 4))
             decode.append([Arrival(0, r) for r in group])
-    # prompt chunks over a history (follow-ups, restored from the bank): the split count of a
-    # chunk's attention, and so its combine kernel's variant, follows the keys it reads
+    # prompt chunks over a history (follow-ups, restored from the bank): a graphed chunk's split
+    # count rides in its table, but an eager one's (past a graph's limits) follows the keys it
+    # reads, and with it its combine kernel's variant
     history: list[Group] = []
     for h in [h for h in _keys(max(longs, default=0)) if h + budget < room]:
         for r in [2, 8, 16, 40, 200, budget]:
@@ -163,14 +168,15 @@ def plan(sched: Scheduler, grammar=None) -> list[tuple[str, list[Group]]]:
 def mixed_groups(sched: Scheduler, grammar, seed) -> list[Group]:
     """Decode rows beside prompt chunks, for each captured batch of decode rows: ``b`` turns
     decoding (greedy, sampled, logprobs and grammar-masked among them) while prompts arrive one
-    every other step, each filling the step to a row bucket (the graph's rows and its wide table's
-    widest window), a short one (the narrow table's 32-row grid beside the decode rows) and two
+    every other step, each filling the step to a row bucket (the graph's rows, which its wide
+    table's grid is sized for whatever its chunks' sizes), a short one (the narrow table's 32-row grid beside the decode rows) and two
     together (a wide table of two chunks: a head beside another prompt's tail under load).
 
-    A mixed graph is keyed by the row bucket and each table's batch, rows and splits: too many
-    keys to capture all; these are the ones a loaded server meets most (``graphs.StepGraphs.seal``
-    runs the rest eagerly), and between them they compile every Triton variant a mixed step
-    takes (row-count classes, split counts, direct and split launches, one and two masked rows)."""
+    A mixed graph is keyed by the row bucket and each table's batch and rows (its split count
+    rides in the table, so the context is no part of it): still too many keys to capture all;
+    these are the ones a loaded server meets most (``graphs.StepGraphs.seal`` runs the rest
+    eagerly), and between them they compile every Triton variant a mixed step takes (row-count
+    classes, direct and split launches, one and two masked rows)."""
     engine = sched.engine
     vocab = engine.loaded.config.vocab_size
     budget, running = sched.max_batch_tokens, sched.max_running
@@ -264,12 +270,30 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     graphs = getattr(sched.engine, "graphs", None)
     if graphs is not None:
         report.captures = int(getattr(graphs, "captures", 0))
+        report.mixed_keys = mixed_coverage(sched, graphs)
         graphs.seal()  # from here a key not captured runs eagerly: nothing captures while serving
     report.seconds = time.perf_counter() - t0
     report.turns = progress.total
     if report.failed:
         log.warning("warm-up: %d of %d turns failed (see above); serving anyway", report.failed, report.turns)
     return report
+
+
+def mixed_coverage(sched: Scheduler, graphs) -> dict[str, int]:
+    """``{"possible": keys, "captured": of them}``: the mixed graph keys ``sched``'s limits allow
+    (``mixed_keys.shapes``) and how many the warm-up captured; the rest run eagerly when met
+    (``/health.scheduler.graph_misses``). Empty where steps are not captured."""
+    from turnkv.attention.backend import MixedLaunch
+
+    if not getattr(graphs, "capture", False):
+        return {}
+    possible = shapes(sched.max_batch_tokens, sched.max_running)
+    captured = {k for k in graphs.graphs if isinstance(k[2], MixedLaunch)}
+    dtype = sched.engine.shape.dtype
+    return {
+        "possible": len(possible),
+        "captured": len(captured & {key(graphs.backend, s, dtype) for s in possible}),
+    }
 
 
 def _drive(sched: Scheduler, arrivals: list[Arrival], progress: WarmProgress, report: WarmReport) -> int:
