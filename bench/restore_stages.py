@@ -29,6 +29,7 @@ import hashlib
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -93,11 +94,20 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
 
 
 def per_block(threads: int, n: int, work: Callable[[int, int], None]) -> Callable[[], None]:
-    """A run of ``work(block, thread slot)`` over every block on ``threads`` threads."""
+    """A run of ``work(block, slot)`` over every block on ``threads`` threads; ``slot`` is the
+    running thread's own (0 .. threads - 1), so that no two calls at once share a buffer."""
 
     def run() -> None:
+        local, mu, ids = threading.local(), threading.Lock(), iter(range(threads))
+
+        def one(i: int) -> None:
+            if not hasattr(local, "slot"):
+                with mu:
+                    local.slot = next(ids)
+            work(i, local.slot)
+
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda i: work(i, i % threads), range(n)))
+            list(pool.map(one, range(n)))
 
     return run
 

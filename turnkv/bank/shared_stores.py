@@ -291,7 +291,11 @@ class RedisStore:
         import redis
 
         self.target, self.prefix = url, prefix
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # reads of 1 MiB, not redis-py's 64 KiB: a block is tens of MiB, and the parser's Python loop
+        # per read costs CPU (a get: 3.1 -> 2.6 CPU s/GB; docs/BENCHMARKS.md, "Restore stages")
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, socket_read_size=1 << 20
+        )
         p = prefix
         self._lru, self._size, self._depth, self._bytes = p + "lru", p + "size", p + "depth", p + "bytes"
         self._block = p + "b:"
