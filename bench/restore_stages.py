@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from report import cpu_name, save
 
+from turnkv.bank import disk_blocks
 from turnkv.bank.disk import DiskTier
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, Block, block_context, block_keys
 from turnkv.kv.cache import KVShape
@@ -122,8 +123,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="the store's directory (default: a fresh temporary one)")
+    ap.add_argument("--chunk", type=int, default=0, help="disk_blocks.CHUNK in KiB (default: as it is)")
     ap.add_argument("--tag", default="restore_stages_cpu")
     args = ap.parse_args()
+    if args.chunk:
+        disk_blocks.CHUNK = args.chunk << 10
     layers, heads, dim = SHAPES[args.shape]
     shape = KVShape(layers, heads, dim, torch.bfloat16, torch.device(args.device))
     host = KVShape(layers, heads, dim, torch.bfloat16, torch.device("cpu"))
@@ -216,6 +220,7 @@ def main() -> None:
         "blocks": len(blocks),
         "bytes": total,
         "threads": t,
+        "chunk_bytes": getattr(disk_blocks, "CHUNK", None),
         "store": args.store,
         "device": args.device,
         "cpu": cpu_name(),
