@@ -18,6 +18,10 @@ seconds per GB (``time.process_time``: less disturbed by other jobs on a shared 
   copies, synchronized), on a tier opened for each run: ``restore_first`` is a fresh tier's first
   restore (what a replica that never saw the conversation pays), ``restore`` the next one.
 
+With ``--cold`` the block files are dropped from the page cache (``POSIX_FADV_DONTNEED``) before
+each run of ``read``, ``get`` and each restore: the disk's own rate, as a replica on another host
+would read the store.
+
     python bench/restore_stages.py --blocks 32 --threads 2                    # CPU, 1 GiB
     python bench/restore_stages.py --blocks 128 --device cuda --tag restore_stages_h200   # H200
 """
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import torch
 from report import cpu_name, save
+from serve_procs import drop_page_cache
 
 from turnkv.bank import disk_blocks
 from turnkv.bank.disk import DiskTier
@@ -83,10 +88,13 @@ def open_store(kind: str, root: Path, redis_url: str):
     return store
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """(median wall s, median CPU s) of ``repeat`` calls of ``fn``."""
+def timed(
+    fn: Callable[[], object], repeat: int, before: Callable[[], object] = lambda: None
+) -> tuple[float, float]:
+    """(median wall s, median CPU s) of ``repeat`` calls of ``fn``, each after ``before()``."""
     walls, cpus = [], []
     for _ in range(repeat):
+        before()
         c0, t0 = time.process_time(), time.perf_counter()
         fn()
         walls.append(time.perf_counter() - t0)
@@ -123,6 +131,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="the store's directory (default: a fresh temporary one)")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="dir/local: drop the block files from the page cache before each read, get and restore",
+    )
     ap.add_argument("--chunk", type=int, default=0, help="disk_blocks.CHUNK in KiB (default: as it is)")
     ap.add_argument("--tag", default="restore_stages_cpu")
     args = ap.parse_args()
@@ -144,6 +157,7 @@ def main() -> None:
     store.close()
     keys = [b.key for b in blocks]
     t = args.threads
+    cold = (lambda: drop_page_cache(root)) if args.cold and args.store != "redis" else (lambda: None)
     bufs = [bytearray(block_bytes + (1 << 20)) for _ in range(t)]
     dims = (layers, heads, BLOCK_TOKENS, dim)
     dsts = [
@@ -170,7 +184,7 @@ def main() -> None:
             finally:
                 os.close(fd)
 
-        record("read", *timed(per_block(t, len(keys), read), args.repeat))
+        record("read", *timed(per_block(t, len(keys), read), args.repeat, cold))
     raw = [[x.reshape(-1).view(torch.uint8).numpy() for x in (b.k, b.v)] for b in blocks[:t]]
 
     def sha(i: int, slot: int) -> None:
@@ -179,9 +193,8 @@ def main() -> None:
 
     record("sha256", *timed(per_block(t, len(keys), sha), args.repeat))
     reader = open_store(args.store, root, args.redis) if args.store != "redis" else _reopen(args.redis)
-    record(
-        "get", *timed(per_block(t, len(keys), lambda i, s: reader.get(keys[i], into=dsts[s])), args.repeat)
-    )
+    get = per_block(t, len(keys), lambda i, s: reader.get(keys[i], into=dsts[s]))
+    record("get", *timed(get, args.repeat, cold))
     reader.close()
 
     if shape.device.type == "cuda":  # what the reader paid per block before its pinned ring
@@ -204,6 +217,7 @@ def main() -> None:
     for _ in range(args.repeat):  # a fresh tier each run: its first restore, then a second one
         tier = DiskTier.open(_store_for(args, root), "bench", shape, 1 << 50, load_threads=t)
         for out in (firsts, thens):
+            cold()
             c0, t0 = time.process_time(), time.perf_counter()
             snap = tier.extend(NS, tokens, None)
             sync()
@@ -222,6 +236,7 @@ def main() -> None:
         "threads": t,
         "chunk_bytes": getattr(disk_blocks, "CHUNK", None),
         "store": args.store,
+        "page_cache": "dropped before each run (posix_fadvise)" if args.cold else "warm",
         "device": args.device,
         "cpu": cpu_name(),
         "load_average": os.getloadavg(),

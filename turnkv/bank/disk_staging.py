@@ -2,9 +2,11 @@
 
 A restore on CUDA reads each block (``disk_blocks.decode_block``) into a slot of this ring,
 verifies it there and copies it to the device segment from there (pinned: an asynchronous DMA at
-~50 GB/s on the H200). The ring is allocated once, when the tier opens: a page-locked allocation
-costs ~0.1-0.2 s a GiB, and allocating per block (what the reader did before) made every
-replica's first restore pay for ~1 GiB of it (docs/BENCHMARKS.md, "Restore stages"). Block ``i``
+~50 GB/s on the H200). The ring is allocated once, when the tier opens: page-locking is slow (the
+RAM tier's pool pinned at 5.6 GB/s on the H200, far slower beside a busy engine), and the reader
+before allocated two pinned tensors per block, which a process's first restores paid in full
+(most likely the 0.35 s that an 8K restore lost on the H200: docs/BENCHMARKS.md, "Restore
+stages"). Block ``i``
 of a restore uses slot ``i % slots``; its reader waits for the copy out of that slot of block
 ``i - slots`` (a CUDA event) before it reads, so the reads run ahead of the copies by up to
 ``slots`` blocks and the copies overlap them. One restore holds the ring at a time (``lock``).
@@ -19,7 +21,10 @@ import torch
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
 from turnkv.kv.cache import KVShape
 
-STAGING_BYTES = 512 << 20  # pinned bytes of the ring at most (16 slots of an 8B model's block)
+# pinned bytes of the ring at most: 2 slots a reader (32 of an 8B model's 32 MiB blocks), so that
+# readers that finish before the block being checked read on; what the old reader's read-ahead
+# window of 2 blocks a reader held pinned too (and torch's host allocator kept)
+STAGING_BYTES = 1 << 30
 
 
 class Staging:
