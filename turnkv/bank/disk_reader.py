@@ -137,7 +137,9 @@ class DiskReader:
                         self._fault("a block read", exc)
                         break
                     if staging is not None:
-                        staging.copy_out(i, *rows_of(i))  # pinned host -> device, asynchronous
+                        staging.copy_out(
+                            i, (block.k, block.v), rows_of(i)
+                        )  # pinned host -> device, asynchronous
                     good += 1
             finally:
                 for fut in futures.values():  # reads still running write past the good rows: let them end

@@ -50,11 +50,13 @@ class Staging:
             done.synchronize()  # releases the GIL while it waits
         return self.k[i % self.slots], self.v[i % self.slots]
 
-    def copy_out(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy block ``i``'s slot into ``k``, ``v`` (device rows) on the current stream."""
-        hk, hv = self.k[i % self.slots], self.v[i % self.slots]
-        k.copy_(hk, non_blocking=True)
-        v.copy_(hv, non_blocking=True)
+    def copy_out(
+        self, i: int, block: tuple[torch.Tensor, torch.Tensor], rows: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Copy block ``i``'s ``(k, v)`` (read into its slot) into ``rows`` (device views) on the
+        current stream; the slot is read into again once these copies have ended."""
+        for src, dst in zip(block, rows, strict=True):
+            dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self._copied[i % self.slots] = done
