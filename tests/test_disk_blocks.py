@@ -267,3 +267,52 @@ def test_chunked_reads_into_segment_rows_are_exact_or_refused(
     rest = torch.ones(3 * BLOCK_TOKENS, dtype=torch.bool)
     rest[rows] = False
     assert (seg_k[:, :, rest] == 7).all() and (seg_v[:, :, rest] == 7).all()
+
+
+def _reheader(data: bytes, change) -> bytes:
+    """``data`` (a block file) with its JSON header replaced by ``change(header)``'s."""
+    import json
+
+    n = int.from_bytes(data[:8], "little")
+    header = change(json.loads(data[8 : 8 + n]))
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda h: h | {"__metadata__": h["__metadata__"] | {"depth": [0]}},  # not a string
+        lambda h: h | {"__metadata__": [1, 2]},
+        lambda h: h | {"k": h["k"] | {"dtype": ["BF16"]}},
+        lambda h: h | {"k": h["k"] | {"data_offsets": [0, 1.5]}},
+        lambda h: h | {"v": h["v"] | {"data_offsets": h["k"]["data_offsets"]}},  # overlapping tensors
+    ],
+    ids=["metadata-list-value", "metadata-list", "dtype-list", "float-offset", "overlap"],
+)
+def test_headers_that_safetensors_would_not_write_are_refused(tmp_path, change):
+    """The reader parses the header itself: anything but what the library writes is a BlockError."""
+    block = _block()
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(_reheader(encode_block(block), change))
+    with pytest.raises(BlockError):
+        decode_block(str(path), block.key)
+
+
+def test_a_file_of_empty_k_and_v_is_refused(tmp_path):
+    """k and v of shape [0, 2, 256, 8] (no bytes) and the token ids: a header that tiles its data."""
+    import json
+
+    block = _block()
+    data = encode_block(block)
+    n = int.from_bytes(data[:8], "little")
+    h = json.loads(data[8 : 8 + n])
+    lo, hi = h["tokens"]["data_offsets"]
+    ids = data[8 + n + lo : 8 + n + hi]
+    empty = {"dtype": "F32", "shape": [0, 2, BLOCK_TOKENS, 8], "data_offsets": [0, 0]}
+    h |= {"k": empty, "v": empty, "tokens": h["tokens"] | {"data_offsets": [0, len(ids)]}}
+    raw = json.dumps(h).encode()
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + ids)
+    with pytest.raises(BlockError, match="not a block"):
+        decode_block(str(path), block.key)

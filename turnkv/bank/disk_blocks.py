@@ -21,8 +21,8 @@ each chunk hashed while still in the cache. A restore is bound by that read and 
 by copies (docs/BENCHMARKS.md, "Restore stages").
 
 SHA-256 rather than a CRC: a block read back is either the exact bytes written or refused, with no
-practical chance of a collision; with SHA-NI it runs at ~2.4 GB/s a core, and the tier reads
-blocks on several threads.
+practical chance of a collision; with SHA-NI it runs at 1.0-1.4 GB/s a core (a 2-core Xeon VM),
+so the tier reads blocks on several threads.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def _decode(src: _File | _Bytes, key: str, into: tuple[torch.Tensor, torch.Tenso
     md, tensors, base = _header(src)
     _check_format(md, set(tensors))
     (kd, ks, ko), (vd, vs, vo), (td, ts, to) = (tensors[n] for n in NAMES)
-    if len(ks) != 4 or ks != vs or kd != vd or ks[2] != BLOCK_TOKENS:
+    if len(ks) != 4 or ks != vs or kd != vd or ks[2] != BLOCK_TOKENS or min(ks) < 1:
         raise BlockError(f"k/v of {ks}/{vs} is not a block")
     if td != torch.int64 or ts != [BLOCK_TOKENS]:
         raise BlockError(f"token ids of {td} {ts}")
@@ -319,8 +319,8 @@ def _header(src: _File | _Bytes) -> tuple[dict, dict[str, tuple[torch.dtype, lis
     try:
         header = json.loads(raw)
         md = header.pop("__metadata__", None) or {}
-        if not isinstance(md, dict):
-            raise TypeError(f"metadata of {type(md).__name__}")
+        if not isinstance(md, dict) or not all(isinstance(x, str) for kv in md.items() for x in kv):
+            raise TypeError("the metadata is not a map of strings")  # what safetensors writes
         tensors, spans = {}, []
         for name, info in header.items():
             dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
