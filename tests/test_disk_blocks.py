@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
+from turnkv.bank import disk_blocks
 from turnkv.bank.disk_blocks import (
     BLOCK_TOKENS,
     ROOT_KEY,
@@ -225,3 +226,93 @@ def test_decode_into_rows_of_a_longer_segment(tmp_path):
     wrong = torch.zeros(2, 2, BLOCK_TOKENS, 8)  # a float32 segment cannot take bf16 rows
     with pytest.raises(BlockError, match="bfloat16"):
         decode_block(str(path), block.key, into=(wrong, wrong.clone()))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    chunk=st.integers(min_value=1, max_value=40000),  # a plane here is 4 KiB
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    at=st.integers(0, 2),
+    flip=st.one_of(st.none(), st.integers(min_value=0)),
+)
+def test_chunked_reads_into_segment_rows_are_exact_or_refused(
+    tmp_path, monkeypatch, chunk, layers, heads, at, flip
+):
+    """The reader streams ``k``/``v`` in chunks of ``CHUNK`` bytes (one plane or many; a chunk
+    boundary anywhere) into strided rows of a longer segment: the rows read are the block's bits,
+    the rest of the segment is untouched, and a flipped payload byte is always refused."""
+    monkeypatch.setattr(disk_blocks, "CHUNK", chunk)
+    shape = KVShape(layers, heads, 8, torch.bfloat16, CPU)
+    block = _block(shape, seed=chunk)
+    data = bytearray(encode_block(block))
+    header = 8 + int.from_bytes(data[:8], "little")
+    if flip is not None:
+        data[header + flip % (len(data) - header)] ^= 0x10
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(bytes(data))
+    seg_k = torch.full((layers, heads, 3 * BLOCK_TOKENS, 8), 7.0, dtype=torch.bfloat16)
+    seg_v = seg_k.clone()
+    rows = slice(at * BLOCK_TOKENS, (at + 1) * BLOCK_TOKENS)
+    if flip is not None:
+        with pytest.raises(BlockError, match="checksum"):
+            decode_block(str(path), block.key, into=(seg_k[:, :, rows], seg_v[:, :, rows]))
+        return
+    got = decode_block(str(path), block.key, into=(seg_k[:, :, rows], seg_v[:, :, rows]))
+    assert (
+        _same(got, block)
+        and torch.equal(seg_k[:, :, rows], block.k)
+        and torch.equal(seg_v[:, :, rows], block.v)
+    )
+    rest = torch.ones(3 * BLOCK_TOKENS, dtype=torch.bool)
+    rest[rows] = False
+    assert (seg_k[:, :, rest] == 7).all() and (seg_v[:, :, rest] == 7).all()
+
+
+def _reheader(data: bytes, change) -> bytes:
+    """``data`` (a block file) with its JSON header replaced by ``change(header)``'s."""
+    import json
+
+    n = int.from_bytes(data[:8], "little")
+    header = change(json.loads(data[8 : 8 + n]))
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda h: h | {"__metadata__": h["__metadata__"] | {"depth": [0]}},  # not a string
+        lambda h: h | {"__metadata__": [1, 2]},
+        lambda h: h | {"k": h["k"] | {"dtype": ["BF16"]}},
+        lambda h: h | {"k": h["k"] | {"data_offsets": [0, 1.5]}},
+        lambda h: h | {"v": h["v"] | {"data_offsets": h["k"]["data_offsets"]}},  # overlapping tensors
+    ],
+    ids=["metadata-list-value", "metadata-list", "dtype-list", "float-offset", "overlap"],
+)
+def test_headers_that_safetensors_would_not_write_are_refused(tmp_path, change):
+    """The reader parses the header itself: anything but what the library writes is a BlockError."""
+    block = _block()
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(_reheader(encode_block(block), change))
+    with pytest.raises(BlockError):
+        decode_block(str(path), block.key)
+
+
+def test_a_file_of_empty_k_and_v_is_refused(tmp_path):
+    """k and v of shape [0, 2, 256, 8] (no bytes) and the token ids: a header that tiles its data."""
+    import json
+
+    block = _block()
+    data = encode_block(block)
+    n = int.from_bytes(data[:8], "little")
+    h = json.loads(data[8 : 8 + n])
+    lo, hi = h["tokens"]["data_offsets"]
+    ids = data[8 + n + lo : 8 + n + hi]
+    empty = {"dtype": "F32", "shape": [0, 2, BLOCK_TOKENS, 8], "data_offsets": [0, 0]}
+    h |= {"k": empty, "v": empty, "tokens": h["tokens"] | {"data_offsets": [0, len(ids)]}}
+    raw = json.dumps(h).encode()
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + ids)
+    with pytest.raises(BlockError, match="not a block"):
+        decode_block(str(path), block.key)

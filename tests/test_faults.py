@@ -106,7 +106,10 @@ FAULTS = [
     Fault("admission price", lambda s: (admission, "activation_bytes")),
     Fault("new cache", lambda s: (s.engine.layout, "new")),
     Fault(
-        "disk has", lambda s: (s.server.bank.tier.disk.store, "has"), tier=True, error=sqlite3.DatabaseError
+        "disk lookup",
+        lambda s: (s.server.bank.tier.disk.store, "run_length"),
+        tier=True,
+        error=sqlite3.DatabaseError,
     ),
     Fault(
         "disk get",

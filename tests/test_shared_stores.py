@@ -197,3 +197,32 @@ def test_a_batch_of_blocks_is_written_whole_in_one_put_many(spec):
         torch.equal(a, b) for a, b in zip(got.read_rows(0, 5 * B), snap.read_rows(0, 5 * B), strict=True)
     )
     tier.close()
+
+
+@pytest.mark.parametrize("bad", [None, 0, 5, 10])
+def test_parallel_reads_restore_the_written_bits_and_stop_at_a_corrupt_block(spec, bad):
+    """Four readers, a read-ahead window of 8 and 11 blocks: the restore is the written rows bit
+    for bit, or ends exactly before the damaged block (counted, removed) while reads of later
+    blocks are still in flight; it never returns a row of the bad block or after it."""
+    shape = KVShape(3, 2, 16, torch.bfloat16, torch.device("cpu"))
+    ids = prompt(11 * B + 7)
+    snap = synthetic(shape, ids, seed=bad or 0)
+    writer = DiskTier.open(open_store(spec), "fp", shape, GIB)
+    writer.write_behind("ns", snap)
+    assert writer.flush(30)
+    keys = [i.key for i in sorted(writer.store.iterate(), key=lambda i: i.depth)]
+    writer.close()
+    reader = DiskTier.open(open_store(spec), "fp", shape, GIB, load_threads=4)
+    if bad is not None:
+        rewrite(reader.store, keys[bad], _flip)
+    got = reader.extend("ns", ids, None)
+    rows = 11 * B if bad is None else bad * B
+    assert (got.num_tokens if got is not None else 0) == rows
+    if rows:
+        want = snap.refs[0].segment
+        (ref,) = got.refs
+        assert torch.equal(ref.segment.k.view(torch.int16), want.k[:, :, :rows].view(torch.int16))
+        assert torch.equal(ref.segment.v.view(torch.int16), want.v[:, :, :rows].view(torch.int16))
+    assert reader.stats.corrupt == (bad is not None)
+    assert (bad is None) or not reader.store.has(keys[bad])
+    reader.close()

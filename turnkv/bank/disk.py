@@ -35,9 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from turnkv.bank.disk_blocks import block_context
 from turnkv.bank.disk_log import EveryMinute
 from turnkv.bank.disk_reader import LOAD_THREADS, DiskReader
+from turnkv.bank.disk_staging import Staging
 from turnkv.bank.disk_store import BlockStore, LocalDirStore
 from turnkv.bank.disk_writer import QUEUE_BLOCKS, WRITERS, DiskWriter
 from turnkv.kv.cache import KVShape
@@ -121,6 +124,9 @@ class DiskTier(DiskReader, DiskWriter):
         self._every = EveryMinute(log)  # warnings that could repeat per block
         self.degraded: str | None = None  # why the last store call raised (None: the store answers)
         self._pool: ThreadPoolExecutor | None = None  # the readers (``DiskReader._readers``)
+        # a CUDA restore's pinned ring, allocated now: the first restore must not pay for pinning
+        cuda = torch.device(self.shape.device).type == "cuda"
+        self._staging = Staging(self.shape, self.load_threads) if cuda else None
         self._start_writers()
 
     @classmethod

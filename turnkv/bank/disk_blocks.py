@@ -10,18 +10,26 @@ namespace share blocks, and nothing of another model, dtype, geometry or namespa
 A block file is safetensors (no pickle): tensors ``k``, ``v`` ``[L, Hkv, 256, D]`` and ``tokens``
 ``[256]`` int64, and string metadata ``format``, ``version``, ``key``, ``parent``, ``context``,
 ``depth``, ``dtype``, ``shape`` and ``checksum``: ``sha256:`` of the other metadata fields (as
-sorted JSON) and then the bytes of ``k``, ``v`` and ``tokens``, so no field can change unseen. :func:`decode_block` returns a block only when every metadata field is exactly what
-the file's own content implies and the checksum matches; anything else raises :class:`BlockError`.
+sorted JSON) and then the bytes of ``k``, ``v`` and ``tokens``, so no field can change unseen.
+:func:`decode_block` returns a block only when every metadata field is exactly what the file's
+own content implies and the checksum matches; anything else raises :class:`BlockError`.
+
+Files are written by the safetensors library and read here: the header parsed (its tensors must
+tile the data exactly, as the library demands), ``k`` and ``v`` read with ``os.preadv`` straight
+into the memory that will hold them (a segment's rows, a pinned staging slot) a chunk at a time,
+each chunk hashed while still in the cache. A restore is bound by that read and the hash, not
+by copies (docs/BENCHMARKS.md, "Restore stages").
 
 SHA-256 rather than a CRC: a block read back is either the exact bytes written or refused, with no
-practical chance of a collision; hashing bounds a restore (docs/BENCHMARKS.md, 'Disk tier'), so
-the tier hashes blocks on several threads.
+practical chance of a collision; with SHA-NI it runs at 1.0-1.4 GB/s a core (a 2-core Xeon VM),
+so the tier reads blocks on several threads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -172,48 +180,116 @@ def encode_block(block: Block) -> bytes:
     return save(tensors, metadata=md)
 
 
-def decode_block(
-    path: str, key: str, pin: bool = False, into: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> Block:
+def decode_block(path: str, key: str, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> Block:
     """Read and verify the block file ``path`` that should hold ``key``; raise :class:`BlockError`.
 
-    ``k`` and ``v`` are copied out of the file's mapping into ``into`` (CPU views ``[L, Hkv, 256,
-    D]``, e.g. this block's rows of a segment being assembled) or else into private memory (pinned
-    with ``pin``), and the checksum is taken over that copy: the bytes verified are the bytes used.
-    After a ``BlockError`` the contents of ``into`` are undefined.
+    ``k`` and ``v`` are read straight from the file (``os.preadv``, no mapping, no staging copy)
+    into ``into`` (CPU views ``[L, Hkv, 256, D]`` whose ``[256, D]`` planes are contiguous: this
+    block's rows of a segment being assembled, or a pinned staging slot) or else into private
+    memory, a chunk at a time, each chunk hashed while it is still in the cache: the bytes
+    verified are the bytes used. After a ``BlockError`` the contents of ``into`` are undefined.
     """
-    from safetensors import SafetensorError, safe_open
-
     try:
-        with safe_open(path, framework="pt") as f:
-            md = f.metadata() or {}
-            _check_format(md, set(f.keys()))
-            tokens = _private(f.get_tensor("tokens"), False)
-            k, v = _rows(f.get_tensor("k"), f.get_tensor("v"), pin, into)
-    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
         raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
-    return _verified(key, md, tokens, k, v)
+    try:
+        return _decode(_File(fd), key, into)
+    finally:
+        os.close(fd)
 
 
-def decode_bytes(
-    data: bytes, key: str, pin: bool = False, into: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> Block:
+def decode_bytes(data: bytes, key: str, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> Block:
     """:func:`decode_block` of a block's bytes held in memory (a store that is not a file system)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+    return _decode(_Bytes(data), key, into)
 
+
+class _File:
+    """A block file read at offsets (``preadv`` releases the GIL: readers run in parallel)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size = fd, os.fstat(fd).st_size
+
+    def read(self, offset: int, bufs: list[np.ndarray]) -> None:
+        """Fill ``bufs`` (uint8, C-contiguous) with the bytes from ``offset`` on, exactly."""
+        while bufs:
+            try:
+                got = os.preadv(self.fd, bufs, offset)
+            except OSError as exc:
+                raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
+            if got == 0:
+                raise BlockError(f"truncated: {self.size} bytes, the read at {offset} found none")
+            offset += got
+            while bufs and got >= bufs[0].nbytes:  # a short read (rare): go on where it stopped
+                got -= bufs.pop(0).nbytes
+            if bufs and got:
+                bufs[0] = bufs[0][got:]
+
+
+class _Bytes:
+    """A block's bytes in memory, read like a file (``np.copyto`` releases the GIL)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size = memoryview(data).cast("B"), len(data)
+
+    def read(self, offset: int, bufs: list[np.ndarray]) -> None:
+        for buf in bufs:
+            if offset + buf.nbytes > self.size:
+                raise BlockError(f"truncated: {self.size} bytes, {buf.nbytes} wanted at {offset}")
+            np.copyto(buf, np.frombuffer(self.data, np.uint8, buf.nbytes, offset).reshape(buf.shape))
+            offset += buf.nbytes
+
+
+HEADER_MAX = 1 << 20  # a block's safetensors header is ~1 KiB; more is not a block
+# bytes read, then hashed while still in the core's L2 (2 MiB here): a block read and verified in
+# chunks of 256 KiB took 0.78 CPU s/GB, of 1 MiB 0.86, whole 16 MiB tensors 1.09 (one thread;
+# docs/BENCHMARKS.md, "Restore stages"); each chunk is two calls that release and retake the GIL,
+# so not smaller
+CHUNK = 512 << 10
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
+NAMES = ("k", "v", "tokens")
+
+
+def _decode(src: _File | _Bytes, key: str, into: tuple[torch.Tensor, torch.Tensor] | None) -> Block:
+    """The block in ``src`` (safetensors bytes) once its metadata is what its content implies and
+    the checksum over what was read matches; else :class:`BlockError`."""
+    md, tensors, base = _header(src)
+    _check_format(md, set(tensors))
+    (kd, ks, ko), (vd, vs, vo), (td, ts, to) = (tensors[n] for n in NAMES)
+    if len(ks) != 4 or ks != vs or kd != vd or ks[2] != BLOCK_TOKENS or min(ks) < 1:
+        raise BlockError(f"k/v of {ks}/{vs} is not a block")
+    if td != torch.int64 or ts != [BLOCK_TOKENS]:
+        raise BlockError(f"token ids of {td} {ts}")
     try:
-        if len(data) < 8:
-            raise ValueError(f"{len(data)} bytes is no safetensors header")
-        n = int.from_bytes(data[:8], "little")
-        md = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-        tensors = load(data)
-        _check_format(md, set(tensors))
-        k, v = _rows(tensors["k"], tensors["v"], pin, into)
-        tokens = tensors["tokens"]
-    except (SafetensorError, ValueError, RuntimeError, AttributeError) as exc:
-        raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
-    return _verified(key, md, tokens, k, v)
+        depth = int(md.get("depth", ""))
+    except ValueError as exc:
+        raise BlockError(f"depth {md.get('depth')!r} is not a number") from exc
+    facts = {
+        "format": FORMAT,
+        "version": str(FORMAT_VERSION),
+        "key": key,
+        "parent": md.get("parent", ""),
+        "context": md.get("context", ""),
+        "depth": str(depth),
+        "dtype": dtype_name(kd),
+        "shape": ",".join(str(s) for s in ks),
+    }
+    k, v = _destination(ks, kd, into)
+    h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())  # payload_checksum's stream
+    for t, at in ((k, ko), (v, vo)):
+        for bufs in _chunks(t):
+            src.read(base + at, list(bufs))
+            for b in bufs:
+                h.update(b)
+                at += b.nbytes
+    ids = np.empty(BLOCK_TOKENS, "<i8")
+    src.read(base + to, [ids.view(np.uint8)])
+    h.update(ids)
+    want = facts | {"checksum": "sha256:" + h.hexdigest()}
+    if md != want:
+        bad = sorted(n for n in set(md) | set(want) if md.get(n) != want.get(n))
+        raise BlockError(f"metadata does not match the content ({', '.join(bad)})")
+    return Block(key, facts["parent"], facts["context"], depth, tuple(ids.tolist()), k, v)
 
 
 def _check_format(md: dict, names: set[str]) -> None:
@@ -221,40 +297,67 @@ def _check_format(md: dict, names: set[str]) -> None:
         raise BlockError(
             f"not a {FORMAT} v{FORMAT_VERSION} file (format {md.get('format')!r}, version {md.get('version')!r})"
         )
-    if names != {"k", "v", "tokens"}:
+    if names != set(NAMES):
         raise BlockError(f"tensors {sorted(names)}, expected k, v, tokens")
 
 
-def _rows(k: torch.Tensor, v: torch.Tensor, pin: bool, into) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k``, ``v`` copied into ``into`` when it fits, else into private memory (pinned with ``pin``)."""
-    if into is not None and k.shape == into[0].shape and v.shape == into[1].shape:
-        if k.dtype != into[0].dtype or v.dtype != into[1].dtype:
-            raise BlockError(f"block holds {k.dtype}, expected {into[0].dtype}")
-        host_copy(into[0], k)
-        host_copy(into[1], v)
-        return into
-    return _private(k, pin), _private(v, pin)
-
-
-def _verified(key: str, md: dict, tokens: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Block:
-    """The block, once every metadata field is what its content implies and the checksum matches."""
-    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or k.shape[2] != BLOCK_TOKENS:
-        raise BlockError(f"k/v of {list(k.shape)}/{list(v.shape)} is not a block")
-    if tokens.dtype != torch.int64 or tuple(tokens.shape) != (BLOCK_TOKENS,):
-        raise BlockError(f"token ids of {tokens.dtype} {list(tokens.shape)}")
+def _header(src: _File | _Bytes) -> tuple[dict, dict[str, tuple[torch.dtype, list[int], int]], int]:
+    """(metadata, name -> (dtype, shape, data offset), where the data starts) of a safetensors
+    file, whose tensors must tile its data exactly (as the safetensors library demands)."""
+    if src.size < 8:
+        raise BlockError(f"unreadable: {src.size} bytes is no safetensors header")
+    head = np.empty(min(src.size, 4096), np.uint8)
+    src.read(0, [head])
+    n = int.from_bytes(head[:8].tobytes(), "little")
+    if n > HEADER_MAX or 8 + n > src.size:
+        raise BlockError(f"unreadable: a header of {n} bytes in a file of {src.size}")
+    raw = head[8 : 8 + n].tobytes()
+    if len(raw) < n:
+        rest = np.empty(n - len(raw), np.uint8)
+        src.read(8 + len(raw), [rest])
+        raw += rest.tobytes()
     try:
-        depth = int(md.get("depth", ""))
-    except ValueError as exc:
-        raise BlockError(f"depth {md.get('depth')!r} is not a number") from exc
-    block = Block(key, md.get("parent", ""), md.get("context", ""), depth, tuple(tokens.tolist()), k, v)
-    want = metadata(block, tokens)
-    if md != want:
-        bad = sorted(n for n in set(md) | set(want) if md.get(n) != want.get(n))
-        raise BlockError(f"metadata does not match the content ({', '.join(bad)})")
-    return block
+        header = json.loads(raw)
+        md = header.pop("__metadata__", None) or {}
+        if not isinstance(md, dict) or not all(isinstance(x, str) for kv in md.items() for x in kv):
+            raise TypeError("the metadata is not a map of strings")  # what safetensors writes
+        tensors, spans = {}, []
+        for name, info in header.items():
+            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
+            if not all(type(x) is int and x >= 0 for x in (*shape, lo, hi)):
+                raise ValueError(f"tensor {name!r}: shape {shape}, offsets {lo}, {hi}")
+            size = DTYPES[dtype].itemsize if dtype in DTYPES else 0
+            if size == 0 or hi - lo != size * math.prod(shape):
+                raise ValueError(f"tensor {name!r} of {dtype} {shape} spans bytes {lo}..{hi}")
+            tensors[name] = (DTYPES[dtype], shape, lo)
+            spans.append((lo, hi))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise BlockError(f"unreadable: {type(exc).__name__}: {exc}") from exc
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            raise BlockError(f"unreadable: the tensors do not tile the data (a gap or overlap at {lo})")
+        end = hi
+    if 8 + n + end != src.size:
+        raise BlockError(f"unreadable: {src.size} bytes, the header describes {8 + n + end}")
+    return md, tensors, 8 + n
 
 
-def _private(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    host_copy(out, t)
-    return out
+def _destination(shape: list[int], dtype: torch.dtype, into) -> tuple[torch.Tensor, torch.Tensor]:
+    """``into`` when it has the block's shape, else private memory."""
+    if into is not None and list(into[0].shape) == shape and list(into[1].shape) == shape:
+        if into[0].dtype != dtype or into[1].dtype != dtype:
+            raise BlockError(f"block holds {dtype}, expected {into[0].dtype}")
+        return into
+    return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+
+
+def _chunks(t: torch.Tensor):
+    """``t``'s bytes in C order as lists of uint8 arrays of about ``CHUNK`` bytes each. ``t`` is
+    ``[L, Hkv, 256, D]`` with every ``[256, D]`` plane contiguous (maybe a row slice of a longer
+    segment): a list is one contiguous run, or the planes of a strided one."""
+    planes = t.view(t.shape[0] * t.shape[1], -1).view(torch.uint8).numpy()  # [L * Hkv, 256 * D * size]
+    step = max(1, CHUNK // planes.shape[1])
+    for lo in range(0, planes.shape[0], step):
+        part = planes[lo : lo + step]
+        yield [part.reshape(-1)] if part.flags.c_contiguous else list(part)

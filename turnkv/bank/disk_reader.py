@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -72,8 +73,7 @@ class DiskReader:
         """The run of stored blocks ``keys[first:]`` that every rank holds, loaded; None if none."""
         run = 0
         try:
-            while first + run < len(keys) and self.store.has(keys[first + run]):
-                run += 1
+            run = self.store.run_length(keys[first:])
         except Exception as exc:  # a damaged index: a miss (the ranks still agree below)
             self._fault("an index lookup", exc)
             run = 0
@@ -93,7 +93,11 @@ class DiskReader:
     def load(self, keys: Sequence[str], parent: str, tokens: Sequence[int], first: int) -> Segment | None:
         """Blocks ``keys`` (depths ``first``, ``first + 1``, ...) as one segment on the KV device,
         each verified against its file's checksum and against ``tokens``; stops before the first
-        bad block (deleted, counted) or gone one (counted). None when not even the first is good."""
+        bad block (deleted, counted) or gone one (counted). None when not even the first is good.
+
+        Readers run ahead of the block being checked by up to ``window`` blocks. On a CPU device
+        each reads straight into its rows of the segment; on CUDA into a slot of the tier's
+        pinned ring (``disk_staging``), from which the checked block is copied asynchronously."""
         s = self.shape
         n = len(keys)
         if n == 0:
@@ -101,42 +105,46 @@ class DiskReader:
         rows = n * BLOCK_TOKENS
         k = torch.empty((s.num_layers, s.num_kv_heads, rows, s.head_dim), dtype=s.dtype, device=s.device)
         v = torch.empty_like(k)  # [L, Hkv, rows, D]
-        cuda = torch.device(s.device).type == "cuda"
-        pool = self._readers()
-        window = max(2, 2 * self.load_threads)  # blocks read ahead of the copy (bounded memory)
-        futures: dict[int, Future] = {}
-        good = 0
+        staging = self._staging
+        window = staging.slots if staging is not None else max(2, 2 * self.load_threads)
 
-        def rows(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def rows_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             lo = i * BLOCK_TOKENS
             return k[:, :, lo : lo + BLOCK_TOKENS], v[:, :, lo : lo + BLOCK_TOKENS]  # [L, Hkv, 256, D]
 
-        try:
-            for i in range(n):
-                for j in range(i, min(n, i + window)):
-                    if j not in futures:  # on a CPU device straight into the segment, else pinned memory
-                        futures[j] = pool.submit(self.store.get, keys[j], cuda, None if cuda else rows(j))
-                try:
-                    block = futures.pop(i).result()
-                    self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
-                except BlockGone:  # deleted since the lookup: a miss from here on
-                    self._vanished(keys[i])
-                    break
-                except BlockError as exc:
-                    self._corrupt(keys[i], exc)
-                    break
-                except Exception as exc:  # the store itself failed (index, I/O): the run ends here
-                    self._fault("a block read", exc)
-                    break
-                if cuda:
-                    dst_k, dst_v = rows(i)
-                    dst_k.copy_(block.k, non_blocking=True)  # pinned host -> device
-                    dst_v.copy_(block.v, non_blocking=True)
-                good += 1
-        finally:
-            for fut in futures.values():  # reads still running write rows past the good ones: let them end
-                if not fut.cancel():
-                    fut.exception()
+        def read(i: int) -> Block:
+            return self.store.get(keys[i], staging.slot(i) if staging is not None else rows_of(i))
+
+        pool = self._readers()
+        futures: dict[int, Future] = {}
+        good = 0
+        with staging.lock if staging is not None else contextlib.nullcontext():
+            try:
+                for i in range(n):
+                    for j in range(i, min(n, i + window)):
+                        if j not in futures:
+                            futures[j] = pool.submit(read, j)
+                    try:
+                        block = futures.pop(i).result()
+                        self._check(block, keys[i], keys[i - 1] if i else parent, first + i, tokens)
+                    except BlockGone:  # deleted since the lookup: a miss from here on
+                        self._vanished(keys[i])
+                        break
+                    except BlockError as exc:
+                        self._corrupt(keys[i], exc)
+                        break
+                    except Exception as exc:  # the store itself failed (index, I/O): the run ends here
+                        self._fault("a block read", exc)
+                        break
+                    if staging is not None:
+                        staging.copy_out(
+                            i, (block.k, block.v), rows_of(i)
+                        )  # pinned host -> device, asynchronous
+                    good += 1
+            finally:
+                for fut in futures.values():  # reads still running write past the good rows: let them end
+                    if not fut.cancel():
+                        fut.exception()
         if good == 0:
             return None
         self.store.touch(keys[:good])

@@ -93,12 +93,16 @@ class BlockStore(Protocol):
         """``put`` of each of ``blocks`` at once: durable together, then visible together."""
         ...
 
-    def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
-        """The verified block, its ``k``/``v`` read into ``into`` (CPU views) when given, else into
-        private memory (pinned with ``pin``); raises ``BlockError``."""
+    def get(self, key: str, into: tuple | None = None) -> Block:
+        """The verified block, its ``k``/``v`` read into ``into`` (CPU views whose ``[256, D]``
+        planes are contiguous) when given, else into private memory; raises ``BlockError``."""
         ...
 
     def has(self, key: str) -> bool: ...
+
+    def run_length(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, the store holds (one round trip where it can)."""
+        ...
 
     def delete(self, key: str) -> None: ...
 
@@ -192,14 +196,14 @@ class LocalDirStore:
                 raise  # the files stay: reconcile adopts them at the next start
         return sizes
 
-    def get(self, key: str, pin: bool = False, into: tuple | None = None) -> Block:
+    def get(self, key: str, into: tuple | None = None) -> Block:
         """The verified block; a bad file raises ``BlockError``, a key whose row or file is gone
         (before or during the read) ``BlockGone``."""
         if not self.has(key):
             raise BlockGone(f"block {key[:12]} is no longer in the index")
         path = self.path(key)
         try:
-            return decode_block(str(path), key, pin, into)
+            return decode_block(str(path), key, into)
         except BlockError as exc:
             # ``delete`` drops the row, then the file: either one gone means the block was deleted
             # (evicted, cleared, removed by hand or by another reader), not that its bytes are bad
@@ -210,6 +214,18 @@ class LocalDirStore:
     def has(self, key: str) -> bool:
         with self._mu:
             return self._db.execute("SELECT 1 FROM blocks WHERE key = ?", (key,)).fetchone() is not None
+
+    def run_length(self, keys: Sequence[str]) -> int:
+        n = 0
+        for lo in range(0, len(keys), 500):  # under SQLite's bound on a statement's parameters
+            part = keys[lo : lo + 500]
+            with self._mu:
+                sql = f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(part))})"
+                held = {k for (k,) in self._db.execute(sql, list(part))}
+            n += _leading(part, held)
+            if n < lo + len(part):
+                break
+        return n
 
     def delete(self, key: str) -> None:
         with self._mu:
@@ -368,6 +384,14 @@ class LocalDirStore:
                 ) from exc
             raise
         return f
+
+
+def _leading(keys: Sequence[str], held) -> int:
+    """The number of ``keys``, from the first, in ``held``."""
+    n = 0
+    while n < len(keys) and keys[n] in held:
+        n += 1
+    return n
 
 
 def _gone(path: Path) -> bool:
