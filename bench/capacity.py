@@ -19,6 +19,10 @@ share the counters, so a response's own tier is not known); out tok/s; disk writ
 dropped, RAM drops, corrupt; restore GB/s per tier; and the disk's own fsync'd write rate
 (``bench/disk_write.py``'s ``dd`` measurement, in the same folder, at the end of the run) against
 the writer's (bytes written over the run's time, a lower bound: the writer idles between turns).
+Per round, where the mean TTFT went (``/metrics`` deltas between round ends): the engine's TTFT
+(from the scheduler's submit) and its queue time (submit to admission); the client's TTFT less
+the engine's is the HTTP handler's (rendering and tokenizing the history); and the round's steps,
+their mean wall time and the host's time per step (``/health.scheduler``).
 
     python bench/capacity.py                                     # default model on a CPU
     python bench/capacity.py --model random:llama3-8b --device cuda --convs 64 --rounds 3 \\
@@ -30,6 +34,7 @@ Prints a table, writes ``bench/out/<tag>.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import queue
 import random
@@ -60,6 +65,52 @@ WORDS = "alpha beta gamma delta river stone cloud paper engine window garden sil
 def get_health(base: str) -> dict:
     with urllib.request.urlopen(f"{base}/health", timeout=30) as r:
         return json.loads(r.read())
+
+
+ENGINE_TIMES = {  # /metrics histograms summed per round: where a turn's TTFT went
+    "turnkv_queue_time_seconds": "queue_s",  # submit to admission (a running slot, KV memory)
+    "turnkv_time_to_first_token_seconds": "engine_ttft_s",  # submit to the first token
+}
+
+
+def engine_times(base: str) -> dict[str, float]:
+    """The sums and counts of ``ENGINE_TIMES`` now (``/metrics``; the turns finished so far), and
+    the scheduler's step count and host seconds (``/health.scheduler``) at this moment."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    sched = get_health(base).get("scheduler", {})
+    got: dict[str, float] = {
+        "t": time.perf_counter(),
+        "steps": sched.get("steps", 0),
+        "host_s": sum((sched.get("host_s") or {}).values()),
+    }
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for metric, key in ENGINE_TIMES.items():
+            if name in (f"{metric}_sum", f"{metric}_count"):
+                got[f"{key}_{name.rsplit('_', 1)[1]}"] = float(value)
+    return got
+
+
+def round_times(rows: list[dict], marks: list[dict]) -> list[dict]:
+    """Per round, the mean client TTFT and, from the ``/metrics`` deltas between round ends, the
+    engine's (from the scheduler's submit) and the queue's share of it: client minus engine is the
+    HTTP handler's time (rendering, tokenizing the history), engine minus queue the steps'."""
+    out = []
+    for rnd, (m0, m1) in enumerate(itertools.pairwise(marks), 1):
+        ttfts = [r["ttft_s"] for r in rows if r["round"] == rnd]
+        row = {"round": rnd, "turns": len(ttfts), "client_ttft_s": sum(ttfts) / max(1, len(ttfts))}
+        steps = m1["steps"] - m0["steps"]
+        row |= {
+            "steps": steps,  # the round's steps, their mean wall time and the host's share of it
+            "step_ms": (m1["t"] - m0["t"]) / steps * 1e3 if steps else None,
+            "host_ms_step": (m1["host_s"] - m0["host_s"]) / steps * 1e3 if steps else None,
+        }
+        for key in ENGINE_TIMES.values():
+            n = m1.get(f"{key}_count", 0) - m0.get(f"{key}_count", 0)
+            row[key] = (m1.get(f"{key}_sum", 0) - m0.get(f"{key}_sum", 0)) / n if n else None
+        out.append(row)
+    return out
 
 
 def model_facts(model: str, device: str, history: int) -> tuple[int, float, int]:
@@ -157,13 +208,15 @@ def one_turn(client, conv: Conversation, args, rnd: int) -> dict:
     return row
 
 
-def drive(base: str, args) -> tuple[list[dict], list[str], float]:
+def drive(base: str, args) -> tuple[list[dict], list[str], float, list[dict]]:
+    """(turn rows, errors, wall seconds, ``engine_times`` at the start and after each round)."""
     from openai import OpenAI
 
     convs = [Conversation(i, args) for i in range(args.convs)]
     rows: list[dict] = []
     errors: list[str] = []
     lock = threading.Lock()
+    marks = [engine_times(base)]
     t0 = time.perf_counter()
     for rnd in range(1, args.rounds + 1):
         todo: queue.Queue = queue.Queue()
@@ -192,10 +245,11 @@ def drive(base: str, args) -> tuple[list[dict], list[str], float]:
             t.start()
         for t in threads:
             t.join()
+        marks.append(engine_times(base))
         print(
             f"# round {rnd} done at {time.perf_counter() - t0:.1f} s ({len(rows)} turns, {len(errors)} failed)"
         )
-    return rows, errors, time.perf_counter() - t0
+    return rows, errors, time.perf_counter() - t0, marks
 
 
 def served(r: dict) -> bool:
@@ -332,7 +386,7 @@ def main() -> None:
         else:
             raise SystemExit("turnkv serve did not answer /health in 600 s")
         args.served_model = before["model"]
-        rows, errors, wall = drive(base, args)
+        rows, errors, wall, marks = drive(base, args)
         time.sleep(2)  # the writers finish behind the last answers
         after = get_health(base)
     finally:
@@ -344,6 +398,7 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     s = summarize(rows, before, after, wall, errors, args)
     s |= {
+        "rounds": round_times(rows, marks),
         "disk_dd_gb_s": disk_rate,
         "model": args.model,
         "device": after.get("device"),
@@ -371,6 +426,13 @@ def main() -> None:
     for k, t in s["ttft"].items():
         if t["n"]:
             print(f"TTFT {k:>10}: n {t['n']:>4} p50 {t['p50']:.3f} s p99 {t['p99']:.3f} s")
+    for r in s["rounds"]:
+        f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        print(
+            f"round {r['round']}: TTFT mean {f(r['client_ttft_s'])} s, of it the engine's "
+            f"{f(r['engine_ttft_s'])} s, of that queued for admission {f(r['queue_s'])} s; "
+            f"{r['steps']} steps of {f(r['step_ms'])} ms ({f(r['host_ms_step'])} ms host)"
+        )
     dk, rm = s["disk"], s["ram"]
     print(
         f"disk writes {dk.get('writes', 0)} dropped {dk.get('dropped_writes', 0)} corrupt {dk.get('corrupt', 0)} "

@@ -7,7 +7,9 @@ spawn; the Triton cache is shared by the variants, the KV disk tier is each one'
 over HTTP by ``--clients`` concurrent streaming ``openai`` clients, closed loop: each client holds
 one conversation of ``--rounds`` rounds -- a shared system prompt of ``--system-tokens``, a first
 user message of ``--doc-tokens`` (a document), follow-ups of ``--user-tokens``, answers of
-``--answer-tokens`` (``ignore_eos``) -- and sends its next round when the answer is in.
+``--answer-tokens`` (``ignore_eos``) -- and sends its next round when the answer is in; with
+``--stagger S`` client ``i`` starts ``i * S`` seconds late, so first turns keep arriving beside
+the others' follow-ups (issue 31: follow-ups behind first turns).
 
 Reports out tok/s, TTFT of first and follow-up turns (p50/p99), ITL p50/p99 (the gaps between a
 stream's chunks: one token each), kernels compiled or graphs captured during the measured pass
@@ -109,6 +111,7 @@ def drive(url: str, args, seed: int = 0) -> tuple[list[dict], list[str], float]:
             {"role": "system", "content": system},
             {"role": "user", "content": document(rng, words(args.doc_tokens)) + "\nSummarize it."},
         ]
+        time.sleep(i * args.stagger)  # --stagger: first turns keep arriving beside follow-ups
         for rnd in range(1, args.rounds + 1):
             try:
                 row = one_turn(oai, model, messages, args, bias)
@@ -164,6 +167,7 @@ def summarize(rows: list[dict], errors: list[str], wall: float, before: dict, af
         "jit_during": (s1.get("jit_after_ready") or 0) - (s0.get("jit_after_ready") or 0),
         "jit_late": s1.get("jit_late"),  # the variants compiled after ready, in words
         "graph_misses": s1.get("graph_misses"),  # steps run eagerly: their keys were not captured
+        "turn_ttfts": [[r["client"], r["round"], r3(r["ttft_s"])] for r in rows],  # client, round, s
     }
 
 
@@ -276,6 +280,9 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=400, help="the first user message (a document)")
     ap.add_argument("--user-tokens", type=int, default=40, help="each follow-up's user message")
     ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument(
+        "--stagger", type=float, default=0.0, help="client i starts i x this many seconds after the first"
+    )
     ap.add_argument(
         "--warm-passes",
         type=int,

@@ -1,5 +1,5 @@
 """The scheduler without HTTP, on ``random:test`` (fast): the token budget, decode before prefill,
-arrival order, no starvation, waiting instead of failing, the queue timeout, step observations."""
+the prompt order (shortest first), no starvation, waiting instead of failing, the queue timeout, step observations."""
 
 from __future__ import annotations
 
@@ -64,15 +64,15 @@ def test_a_long_prompt_never_stalls_the_others_decoding_for_more_than_one_chunk(
     assert all(log.tokens(i) == 40 for i in range(3)) and log.tokens(9) == 2
 
 
-def test_prefill_goes_in_arrival_order_within_the_budget(engine):
+def test_prefill_goes_shortest_first_within_the_budget(engine):
     sched = Scheduler(engine, new_bank(engine, "256M"), max_running=8, max_batch_tokens=100)
     log = Log(sched)
     for i, n in enumerate((90, 90, 30)):
         sched.submit(request(n, start=7 * i), log.emit(i))
-    sched.step()  # a 64-row chunk (--prefill-chunk) of the first, 36 rows of the second: the budget
-    assert log.steps[0] == (2, 100)
-    third = sched.running[2].turn
-    assert third.phase == "prefill" and third.cache.num_tokens == 0  # waits for the ones before it
+    sched.step()  # the third's 30 rows, a 64-row chunk (--prefill-chunk) of the first, 6 of the second
+    assert log.steps[0] == (3, 100)
+    first, second, third = (e.turn for e in sched.running)
+    assert third.phase == "decode" and (first.cache.num_tokens, second.cache.num_tokens) == (64, 6)
     while sched.busy:
         sched.step()
     assert all(log.tokens(i) == 4 for i in range(3))

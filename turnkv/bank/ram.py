@@ -21,8 +21,10 @@ namespace share it, and a key names the whole token prefix up to the block's end
   these host rows (``DiskTier.write_host``); blocks RAM had no room for go to the disk from the
   device (``DiskTier.write_behind``).
 - ``extend`` (admission, after the bank's lookup): the run of blocks RAM holds after the memory
-  prefix is copied into one new sealed segment on the device; on CUDA by H2D on the side stream,
-  and the compute stream waits on the copy's event (the host does not).
+  prefix is copied into one new sealed segment on the device; on CUDA by H2D on a stream of its
+  own (allocated there: it waits neither for the steps in flight nor behind the mirrors of other
+  turns, only for a mirror still filling one of its slots), and the compute stream waits on the
+  copy's event (the host does not).
 - Eviction, when a slot is needed: only *leaves* are candidates (blocks no resident block
   continues), least recently used first. A conversation therefore loses its end first, in LRU
   order by conversation, and a prefix many conversations share (a system prompt) becomes a leaf,
@@ -120,7 +122,10 @@ class RamTier:
         self._leaves: set[int] = set()
         self._clock = 0
         self._lock = threading.RLock()
-        self._stream = torch.cuda.Stream(torch.device(s.device)) if self.cuda else None
+        self._stream = torch.cuda.Stream(torch.device(s.device)) if self.cuda else None  # D2H: mirrors
+        # H2D: restores, on their own stream so that they never queue behind the mirrors of
+        # finished turns (each waits for the compute stream's work when its turn ended)
+        self._restore = torch.cuda.Stream(torch.device(s.device)) if self.cuda else None
         # (copy done, the rows it reads, the slots it fills)
         self._inflight: list[tuple[object, SegmentedSnapshot, list[int]]] = []
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
@@ -321,9 +326,10 @@ class RamTier:
             for i in run:  # pinned: no eviction takes them until their copy is done
                 self._slots[i].pins += 1
                 self._slots[i].last_used = self._clock
+            filling = {id(e): e for i in run if (e := self._slots[i].ready) is not None}  # mirrors in flight
         lo = first * BLOCK_TOKENS
         try:
-            seg = self._copy_in(run, tuple(tokens[lo : lo + len(run) * BLOCK_TOKENS]))
+            seg = self._copy_in(run, tuple(tokens[lo : lo + len(run) * BLOCK_TOKENS]), list(filling.values()))
         except Exception as exc:  # no device memory for the rows, a CUDA error: recompute them
             with self._lock:
                 self._unpin(run)
@@ -336,14 +342,15 @@ class RamTier:
         base = prefix.prefix(lo).refs if prefix is not None else ()
         return SegmentedSnapshot((*base, SegmentRef(seg, seg.num_rows)))
 
-    def _copy_in(self, run: list[int], tokens: tuple[int, ...]) -> Segment:
-        """Slots ``run`` as one segment on the device; unpins them once the copy is done."""
+    def _copy_in(self, run: list[int], tokens: tuple[int, ...], filling: list | None = None) -> Segment:
+        """Slots ``run`` as one segment on the device; unpins them once the copy is done.
+        ``filling``: the events of mirrors still copying into those slots (CUDA)."""
         s = self.shape
-        dims = (s.num_layers, s.num_kv_heads, len(run) * BLOCK_TOKENS, s.head_dim)
-        k = torch.empty(dims, dtype=s.dtype, device=s.device)  # [L, Hkv, rows, D]
-        v = torch.empty_like(k)
-        nbytes = 2 * k.nbytes
+        dims = (s.num_layers, s.num_kv_heads, len(run) * BLOCK_TOKENS, s.head_dim)  # [L, Hkv, rows, D]
         if not self.cuda:
+            k = torch.empty(dims, dtype=s.dtype, device=s.device)
+            v = torch.empty_like(k)
+            nbytes = 2 * k.nbytes
             t0 = time.perf_counter()
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
@@ -357,15 +364,23 @@ class RamTier:
             return Segment(k, v, tokens)
         compute = torch.cuda.current_stream()
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(compute)  # k, v were allocated on the compute stream
-            start.record(self._stream)  # after any copy still filling these slots (one stream)
+        with torch.cuda.stream(self._restore):
+            # allocated on the restore stream: the allocator never hands it memory the compute
+            # stream freed, so the copy need not wait for the steps in flight (a prefill)
+            k = torch.empty(dims, dtype=s.dtype, device=s.device)
+            v = torch.empty_like(k)
+            nbytes = 2 * k.nbytes
+            for ev in filling or ():  # a mirror still filling one of these slots
+                self._restore.wait_event(ev)
+            start.record(self._restore)
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
                 hk, hv = self._rows(i)
                 k[:, :, lo : lo + BLOCK_TOKENS].copy_(hk, non_blocking=True)  # pinned -> device
                 v[:, :, lo : lo + BLOCK_TOKENS].copy_(hv, non_blocking=True)
-            done.record(self._stream)
+            done.record(self._restore)
+        k.record_stream(compute)  # read by the steps: freed only after the compute stream's work
+        v.record_stream(compute)
         compute.wait_event(done)  # the step that reads the rows waits on the GPU, not the host
         with self._lock:
             self._releasing.append((done, run, start, nbytes))

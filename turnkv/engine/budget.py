@@ -1,12 +1,12 @@
-"""The prompt budget of a step: how many prompt rows ride beside its decode rows, and whose
+"""The prompt budget of a step: how many prompt rows ride beside its decode rows
 (docs/SCHEDULER.md, "The prompt budget").
 
-One owner for the decision: the scheduler asks its ``StepBudget`` each step for the prompt rows
-(``prompt_rows``) and their order (``order``), and tells it what each completed step cost
-(``observe``). Two kinds:
+One owner for the count: the scheduler asks its ``StepBudget`` each step for the prompt rows
+(``prompt_rows``) and tells it what each completed step cost (``observe``); whose rows they are
+is the scheduler's decision (``engine/prompt_order.py``). Two kinds:
 
 - ``FixedBudget`` (``--max-batch-tokens N``, tensor parallelism, an unprobed ``auto``): ``N`` rows
-  a step, decode rows first, prompts in arrival order -- the behaviour before issue 30.
+  a step, decode rows first -- the behaviour before issue 30.
 - ``AdaptiveBudget`` (``--max-batch-tokens auto`` after the start-up probe,
   ``engine/budget_probe.py``): a step with no decode row takes up to the ``ceiling`` (the row count
   where a step stops getting cheaper per row: nobody's inter-token latency is at stake); a step
@@ -14,19 +14,15 @@ One owner for the decision: the scheduler asks its ``StepBudget`` each step for 
   (``--itl-target-ms``; ``auto``: twice the predicted cost of the decode rows alone), predicted by
   a per-row cost model (``StepCurve``: the measured step times, plus a residual learned from every
   step: the attention over long histories, run-ahead's overlap). At least ``floor`` prompt rows
-  go every step, so every prompt keeps moving even where the decode rows alone reach the target.
-  The oldest prompt goes first (it always gets rows: no starvation), then the others by rows
-  left, shortest first (a 150-token follow-up does not wait behind a 12K-token document).
+  go every step, so prompts keep moving even where the decode rows alone reach the target.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-T = TypeVar("T")
 GRAIN = 16  # adaptive prompt rows are a multiple of this (fewer distinct chunk shapes)
 RESIDUAL_ALPHA = 0.1  # weight of the newest step in the learned residual
 KNEE_WITHIN = 1.1  # the knee: the fewest rows whose per-row cost is within 10 % of the cheapest
@@ -86,10 +82,6 @@ class StepBudget(Protocol):
         """Prompt rows this step may take beside ``decode`` decode rows."""
         ...
 
-    def order(self, prompts: Sequence[T], left: Callable[[T], int]) -> list[T]:
-        """The order in which ``prompts`` (arrival order) take the rows; ``left``: a prompt's rows to go."""
-        ...
-
     def observe(self, rows: int, ms: float) -> None:
         """A completed step of ``rows`` rows took ``ms``."""
         ...
@@ -101,17 +93,14 @@ class StepBudget(Protocol):
 
 @dataclass
 class FixedBudget:
-    """``ceiling`` rows a step, decode rows first (at least one prompt row: prompts move), prompts
-    in arrival order. ``mode``: what /health says (``fixed``, or why ``auto`` is fixed here)."""
+    """``ceiling`` rows a step, decode rows first (at least one prompt row: prompts move).
+    ``mode``: what /health says (``fixed``, or why ``auto`` is fixed here)."""
 
     ceiling: int
     mode: str = "fixed"
 
     def prompt_rows(self, decode: int) -> int:
         return max(self.ceiling - decode, 1)
-
-    def order(self, prompts: Sequence[T], left: Callable[[T], int]) -> list[T]:
-        return list(prompts)
 
     def observe(self, rows: int, ms: float) -> None:
         return None
@@ -173,12 +162,6 @@ class AdaptiveBudget:
         rows = max(self.floor, min(fit // GRAIN * GRAIN, self.ceiling - decode))
         self.last = Decision(decode, rows, self.predict(decode + rows), target)
         return rows
-
-    def order(self, prompts: Sequence[T], left: Callable[[T], int]) -> list[T]:
-        if not prompts:
-            return []
-        head, rest = prompts[0], list(prompts[1:])
-        return [head, *sorted(rest, key=left)]  # stable: equal lengths keep their arrival order
 
     def observe(self, rows: int, ms: float) -> None:
         self.observed += 1

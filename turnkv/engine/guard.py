@@ -25,6 +25,7 @@ class Entry:
     turn: Turn
     emit: Emit
     submitted: float = 0.0  # time.monotonic() at submit
+    admitted: int = 0  # the scheduler's step count at admission (the prompt order's age)
     ended: bool = False  # its last event (Banked or Failed) was sent
     deaf: bool = False  # its emit raised: the turn was cancelled
 

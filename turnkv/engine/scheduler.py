@@ -3,8 +3,9 @@
 Each ``step()`` admits waiting turns while the running set has room (``Turn.begin``: the bank's
 admission), then takes one window from every running turn -- a decode row (or a verify window of
 context-copy drafts) from each decoding turn first, then prefill chunks (and rebase rows) of the
-others within the step's prompt budget (``budget.StepBudget``: how many rows and in what order,
-``--max-batch-tokens``, docs/SCHEDULER.md "The prompt budget") -- and hands them to the step pipeline (``pipeline.Pipeline.advance``: stage, launch, finalize, complete), which runs them
+others, in the prompt order (``prompt_order``: shortest first, aged; this module's decision),
+within the step's prompt budget (``budget.StepBudget``: how many rows, ``--max-batch-tokens``,
+docs/SCHEDULER.md "The prompt budget") -- and hands them to the step pipeline (``pipeline.Pipeline.advance``: stage, launch, finalize, complete), which runs them
 as one forward, chooses every row's token (``chooser``) and hands each turn its tokens.
 A turn's events go to the ``emit`` callback it was submitted with, in order.
 
@@ -43,6 +44,7 @@ from turnkv.engine.engine import Engine
 from turnkv.engine.events import Failed, TurnEvent, TurnRequest
 from turnkv.engine.guard import Emit, Entry, Guard
 from turnkv.engine.pipeline import InFlight, Pipeline, Work
+from turnkv.engine.prompt_order import order
 from turnkv.engine.step import Window
 from turnkv.engine.turn import Turn
 
@@ -85,9 +87,10 @@ class Scheduler:
         self.max_running = max(1, max_running)
         if isinstance(max_batch_tokens, int):
             max_batch_tokens = FixedBudget(max_batch_tokens or engine.prefill_chunk)
-        self.budget: StepBudget = max_batch_tokens  # the one owner of the prompt rows' decision
+        self.budget: StepBudget = max_batch_tokens  # the one owner of the prompt rows' count
         self.max_batch_tokens = self.budget.ceiling  # the most rows of a step (the warm-up's bound)
         self._observed = 0  # steps told to the budget
+        self.steps = 0  # step() calls (the prompt order's clock: deterministic, alike on every rank)
         self._mixed = False  # the step being gathered has prompt rows
         self.host_ms = {"mixed": 0.0, "decode": 0.0}  # host time of a step() (not waiting), moving average
         self.host_s = {"mixed": 0.0, "decode": 0.0}  # the same, summed: a bench's mean over a pass
@@ -118,6 +121,7 @@ class Scheduler:
         with Guard("the step loop", lambda: [(e, None) for e in self.running]) as out:
             self._mixed = False
             self._step()
+        self.steps += 1
         host = (time.perf_counter() - t0 - (self.pipeline.stats.wait_s - waited)) * 1e3
         kind = "mixed" if self._mixed else "decode"
         self.host_ms[kind] += (0.1 if self.host_ms[kind] else 1.0) * (host - self.host_ms[kind])
@@ -127,7 +131,9 @@ class Scheduler:
             self.pipeline.drop()
         # the other choices of a prompt prefilled this step run from the next step on, as its
         # turn's (they are one request: ``max_running`` does not hold them back)
-        self.running += [Entry(t, e.emit, e.submitted) for e in self.running for t in e.turn.take_forks()]
+        self.running += [
+            Entry(t, e.emit, e.submitted, e.admitted) for e in self.running for t in e.turn.take_forks()
+        ]
         self.running = [e for e in self.running if e.live]
         try:
             self.snapshot = self._info()
@@ -150,8 +156,10 @@ class Scheduler:
     def _gather(self, run: InFlight | None) -> Work:
         """This step's windows: a decode row (or a verify window of drafts) from each decoding
         turn first, so decode never waits behind a prefill; then prefill chunks (and rebase rows)
-        of the others in the budget's order within its prompt rows (``self.budget``: a long
-        prompt stalls the others one chunk); drafts share what prefill left. Prefill chunk sizes
+        of the others in the prompt order (``prompt_order``: shortest first, aged, so a short
+        follow-up does not wait behind long first turns, which are chunked into what it leaves)
+        within the budget's prompt rows (``self.budget``: a long prompt stalls the others'
+        decoding one chunk); drafts share what prefill left. Prefill chunk sizes
         then never depend on speculation: a row's bits depend on its own window only, so turns
         answer alike with speculation on and off also in company (tests/test_scheduler.py; a
         fixed budget: an adaptive one follows the measured step times).
@@ -175,7 +183,7 @@ class Scheduler:
         prompts = [e for e in self.running if not e.turn.decodes_next()]
         budget = self.budget.prompt_rows(len(decode)) if prompts else 0
         prefill: Work = []
-        for e in self.budget.order(prompts, _rows_left):
+        for e in order(prompts, lambda e: e.turn.rows_left, lambda e: e.admitted, self.steps):
             if budget <= 0 and (prefill or decode):
                 continue  # waits for a later step
             if (w := window(e, max(budget, 1))) is not None:
@@ -242,6 +250,7 @@ class Scheduler:
                     break
                 e.deliver(events)
                 if e.live:
+                    e.admitted = self.steps
                     self.running.append(e)
 
     def _info(self) -> dict:
@@ -268,12 +277,6 @@ class Scheduler:
             "threads": self.engine.threads.health(),
             "route_counts": dict(s.route_counts),
         }
-
-
-def _rows_left(e: Entry) -> int:
-    """About how many prompt rows ``e``'s turn has left (the budget's order: a key, not a count)."""
-    cache = e.turn.cache
-    return len(e.turn.request.prompt) - (cache.num_tokens if cache is not None else 0)
 
 
 def run_turn(sched: Scheduler, request: TurnRequest, interruptible: bool = False) -> Iterator[TurnEvent]:

@@ -176,6 +176,11 @@ class Turn:
             self._open = None
         return self._open
 
+    @property
+    def rows_left(self) -> int:
+        """Prompt (or rebase) rows still to compute, those in flight included (the prompt order's key)."""
+        return len(self._pending) if self.phase in (_PREFILL, _REBASE) else 0
+
     def decodes_next(self) -> bool:
         """Whether this turn's next window is a decode row: it decodes, or the last chunk of its
         prompt is in flight (the scheduler counts decode rows before prefill chunks)."""
