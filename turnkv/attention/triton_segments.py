@@ -191,9 +191,10 @@ def _result(num, den):
     return tl.where((den > 0)[:, None], num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
 
 
-# counts that vary per step are not specialized (== 1, % 16): each value class was a variant of
-# its own, and a loaded server met combinations the warm-up had not compiled
-@triton.jit(do_not_specialize=["LAYER", "NSPLIT", "NGROUPS", "NPART"])
+# counts that vary per step (the rows M too) are not specialized (== 1, % 16): each value class
+# was a variant of its own, and a loaded server met combinations the warm-up had not compiled;
+# what is left varies by tiles, PIECE and DIRECT alone (``triton_variants``)
+@triton.jit(do_not_specialize=["LAYER", "M", "NSPLIT", "NGROUPS", "NPART"])
 def _segment_attn_kernel(
     Q, Out, PartO, PartL, Table, LAYER,
     sqm, sqh, som, soh,
@@ -308,7 +309,7 @@ def _segment_attn_kernel(
             tl.store(o_ptrs, o, mask=(row_ok & (l_i > 0))[:, None])
 
 
-@triton.jit(do_not_specialize=["NSPLIT", "NPART", "NGROUPS"])
+@triton.jit(do_not_specialize=["M", "NSPLIT", "NPART", "NGROUPS"])
 def _combine_kernel(
     PartO, PartL, Out, Table, HQ, M, NSPLIT, NPART, NGROUPS, som, soh,
     HEAD_DIM: tl.constexpr, UNROLL: tl.constexpr, MAX_SEG: tl.constexpr, PIECE: tl.constexpr,

@@ -2,7 +2,8 @@
 kernel variant and CUDA graph the scheduler will use is compiled and captured before ``/health``
 says ``ok`` (docs/SERVER.md, "Warming up").
 
-It drives turns, not kernels or caches: a private bank and a scheduler like the server's
+It first launches every variant of the fused attention kernels once (``compile_kernels``: which
+of them a step meets depends on its company), then drives turns, not kernels or caches: a private bank and a scheduler like the server's
 (``Runtime.warm_up`` builds both) run synthetic turns whose arrivals make the steps a server
 meets -- prefill chunks of many row counts (aligned and odd: Triton specializes integers by
 divisibility), decode batches of every captured batch size, each beside a conversation long
@@ -75,6 +76,7 @@ class WarmReport:
     steps: int = 0
     failed: int = 0  # turns that ended in a Failed (logged; the server still starts)
     captures: int = 0  # step graphs captured by the end of it (``graphs.StepGraphs``)
+    kernels: int = 0  # attention kernel variants launched up front (``compile_kernels``)
     # mixed graph keys the limits allow (``mixed_keys.shapes``) and how many of them it captured
     mixed_keys: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
@@ -88,6 +90,7 @@ class WarmReport:
             "steps": self.steps,
             "failed": self.failed,
             "captures": self.captures,
+            "kernels": self.kernels,
             "mixed_keys": self.mixed_keys,
             "phases": {k: round(v, 2) for k, v in self.phases.items()},
             "note": self.note,
@@ -214,6 +217,22 @@ def _hot(rows: int, budget: int) -> bool:
     return rows & (rows - 1) == 0 or rows == row_bucket(budget)
 
 
+def compile_kernels(engine) -> int:
+    """Every variant of the fused attention kernels this model can launch, launched once
+    (``triton_variants``): which of them a serving step meets depends on its company, which
+    turns cannot pin down. Returns the launches (0 off the fused route or off CUDA)."""
+    backend = engine.backend
+    if not _compiles(engine) or backend.name != "fused":
+        return 0
+    from turnkv.attention.triton_variants import compile_all
+
+    heads = backend.gqa * backend.kv_heads
+    dtype, kv_dtype = engine.loaded.dtype, engine.shape.dtype
+    return compile_all(
+        heads, backend.kv_heads, backend.head_dim, dtype, kv_dtype, backend.device, backend.fixed
+    )
+
+
 def verify_steps(engine) -> int:
     """Verify windows (context-copy drafts) run as one-row windows in decode graphs: alone in
     their step (``solo``: every row through the one-row GEMV, which compiles per row-count class)
@@ -257,6 +276,9 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     progress.done = 0
     progress.state = "warming"
     t0 = time.perf_counter()
+    progress.phase = "kernels"
+    report.kernels = compile_kernels(sched.engine)
+    report.phases["kernels"] = time.perf_counter() - t0
     for name, groups in phases:
         progress.phase = name
         t = time.perf_counter()
