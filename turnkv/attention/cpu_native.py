@@ -60,6 +60,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.turnkv_attend.restype = ctypes.c_int
     lib.turnkv_store.argtypes = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64]
     lib.turnkv_store.restype = ctypes.c_int
+    lib.turnkv_attend_slice.restype = ctypes.c_int  # (called from C: cpu_decoder.c)
 
 
 KERNEL = cbuild.Kernel(SOURCE, _setup, "torch ops")
@@ -126,13 +127,26 @@ class NativeStep:
         # the tables' addresses, read once: each ``.ctypes`` is a new object, twice a layer
         self._ptrs = tuple(a.ctypes.data for a in (self.wins, self.views, self.items, self.cuts))
 
+    def _scratch_for(self, hq: int) -> int:
+        """Each slice's fp32 work space (see the C file), made once for the step; its stride."""
+        stride = self._rows * (hq // self.hkv) * (self._keys + 2 * self.d) + 16
+        if self._scratch is None:
+            self._scratch = torch.empty(self.parts * stride)
+        return stride
+
+    def tables(self, hq: int) -> tuple[int, ...]:
+        """What ``turnkv_attend_slice`` takes for ``hq`` query heads (``cpu_decoder``): the tables'
+        addresses (wins, views, items, cuts), the window count, the slices, the dtype code, the
+        scratch's address and stride."""
+        stride = self._scratch_for(hq)
+        scratch = self._scratch.data_ptr()
+        return (*self._ptrs, len(self.wins), self.parts, self.dtype, scratch, stride)
+
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """Every item (window x KV head x row block) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim
         contiguous) -> the windows' rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
         hq = q.shape[1]
-        stride = self._rows * (hq // self.hkv) * (self._keys + 2 * self.d) + 16
-        if self._scratch is None:  # each slice's fp32 work space (see the C file), kept for the step
-            self._scratch = torch.empty(self.parts * stride)
+        stride = self._scratch_for(hq)
         self._fn(
             layer,
             q.data_ptr(),

@@ -1,0 +1,194 @@
+"""A CPU step's decoder layers in one C call (``cpu_decoder.c``): built at first use, called through ctypes.
+
+Where every layer weight of a model is packed for the C matmul (``cpu_int4``) and every window of
+a step attends in C (``cpu_native``), ``LlamaModel.forward`` hands the step's rows to ``Decoder.run``
+instead of its per-layer loop: one call runs all layers (norms, the matmuls, RoPE, the K/V store,
+attention, silu, the residual adds) in one OpenMP region, where the loop made ~60 torch ops and 5
+ctypes calls a layer, each a dispatch that cost more than its arithmetic on a decode row, and
+each parallel matmul its own fork and join. The embedding, the final norm, the LM head and
+sampling stay in torch (once a step).
+
+The bits are those of the torch loop: the C computes each pointwise op as torch's CPU kernel for
+it does, which depends on torch's CPU capability (``_torch_kernels``); a capability whose
+rounding is not modelled keeps the loop. ``tests/test_cpu_decoder.py`` compares the two.
+
+``TURNKV_CPU_KERNEL=off``, a failed build, or a model the C does not cover (biases, q/k norms,
+tensor parallelism, a non-fp32 model, a weight not packed for C) keep the loop; ``set_enabled``
+switches it for A/B benches in one process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from turnkv import cbuild
+from turnkv.attention import cpu_native
+from turnkv.models import cpu_int4
+from turnkv.models.quant import QuantWeight
+
+SOURCE = Path(__file__).with_name("cpu_decoder.c")
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    """The C's ``tkv_layer``."""
+
+    _fields_ = [(n, _ptr) for n in ("attn_norm", "mlp_norm", "qkv", "o", "gate_up", "down")]
+
+
+class _Model(ctypes.Structure):
+    """The C's ``tkv_model``."""
+
+    _fields_ = [(n, _ptr) for n in ("prepare", "part", "slice", "store", "exp8", "layer")]
+    _fields_ += [(n, _i64) for n in ("layers", "hidden", "inter", "hq", "hkv", "d", "torch_fma", "torch_vec")]
+    _fields_ += [("eps", _f32), ("scale", _f32)]
+
+
+_STEP_PTRS = ("x", "x2", "cos", "sin", "qkv", "qk", "att", "gu", "h", "q", "qd", "qdq", "bf16")
+_STEP_PTRS += ("wins", "views", "items", "cuts")
+
+
+class _Step(ctypes.Structure):
+    """The C's ``tkv_step``."""
+
+    _fields_ = [("M", _i64), ("threads", _i64)] + [(n, _ptr) for n in _STEP_PTRS]
+    _fields_ += [(n, _i64) for n in ("nwins", "parts", "dtype", "scratch_stride")] + [("scratch", _ptr)]
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.turnkv_decoder_layers.argtypes = [_ptr, _ptr]
+    lib.turnkv_decoder_layers.restype = ctypes.c_int
+    lib.turnkv_decoder_can.argtypes = [_i64]
+    lib.turnkv_decoder_can.restype = _i64
+
+
+# no contraction: only the FMAs the C writes out are fused (torch's rounding, see the C file)
+KERNEL = cbuild.Kernel(SOURCE, _setup, "torch ops", flags=("-ffp-contract=off",))
+library = KERNEL.library
+set_enabled = KERNEL.set_enabled  # steps from now on run the layers in C (True) or the torch loop
+status = KERNEL.status
+
+
+def _torch_kernels() -> tuple[int, int, int] | str:
+    """``(fma, vec, exp8)`` of torch's CPU kernels, or why they are not modelled: whether they
+    fuse ``a * b + c`` (its x86 builds with FMA), the floats of its silu loop's vector block,
+    and the address of the SLEEF ``expf`` over 8 floats that it links (0 where it takes libm's)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "DEFAULT":
+        return 0, 0, 0
+    if cap not in ("AVX2", "AVX512"):
+        return f"torch's CPU capability {cap}: its kernels' rounding is not modelled"
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        exp8 = ctypes.cast(lib.Sleef_expf8_u10avx2, _ptr).value
+    except (OSError, AttributeError) as e:
+        return f"torch's SLEEF expf not found ({e})"
+    return 1, 32 if cap == "AVX512" else 16, int(exp8 or 0)
+
+
+def _fn(lib: ctypes.CDLL, name: str) -> int:
+    return int(ctypes.cast(getattr(lib, name), _ptr).value or 0)
+
+
+class Decoder:
+    """A model's layers bound for the C call (``bind``); ``run`` per step. Invariant: holds every
+    tensor whose address the bound structs carry (the weights, via ``weights``)."""
+
+    def __init__(self, model, lib: ctypes.CDLL, kernels: tuple[int, int, int]):
+        cfg = model.cfg
+        self.weights = [layer.weights() for layer in model.layers]  # what the structs point into
+        self._layers = (_Layer * len(self.weights))()
+        self._mats = []
+        for slot, (attn_norm, qkv, _, _, _, o, _, mlp_norm, gate_up, down) in zip(self._layers, self.weights):
+            mats = [w._c_matrix() for w in (qkv, o, gate_up, down)]
+            self._mats.append(mats)
+            slot.attn_norm, slot.mlp_norm = attn_norm.data_ptr(), mlp_norm.data_ptr()
+            slot.qkv, slot.o, slot.gate_up, slot.down = (ctypes.addressof(m._args) for m in mats)
+        q4, att = cpu_int4.KERNEL.loaded, cpu_native.library()
+        fma, vec, exp8 = kernels
+        self._model = _Model(
+            _fn(q4, "turnkv_q4_prepare"), _fn(q4, "turnkv_q4_part"), _fn(att, "turnkv_attend_slice"),
+            _fn(att, "turnkv_store"), exp8, ctypes.addressof(self._layers),
+            len(self.weights), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, fma, vec, cfg.rms_norm_eps, model.scale,
+        )  # fmt: skip
+        self._fn = lib.turnkv_decoder_layers
+        self._mptr = ctypes.addressof(self._model)
+        self._step = _Step()
+        self._sptr = ctypes.addressof(self._step)
+        self._bufs: tuple[int, list[torch.Tensor]] = (0, [])
+        c = cfg
+        self._kmax = max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim)
+        self._widths = (
+            c.hidden_size,  # x2
+            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,  # qkv
+            (c.num_heads + c.num_kv_heads) * c.head_dim,  # qk
+            c.num_heads * c.head_dim,  # att
+            2 * c.intermediate_size,  # gu
+            self._kmax,  # h
+        )
+
+    @staticmethod
+    def bind(model) -> Decoder | str:
+        """The decoder of ``model`` (a ``LlamaModel``), or why the C does not cover it."""
+        cfg = model.cfg
+        if model.device.type != "cpu" or model.dtype != torch.float32 or model.tp is not None:
+            return "not a one-process fp32 CPU model"
+        lib = library()
+        if lib is None or cpu_int4.KERNEL.loaded is None or cpu_native.library() is None:
+            return f"a C kernel is off ({status()}; matmul {cpu_int4.status()}; attention {cpu_native.status()})"
+        kernels = _torch_kernels()
+        if isinstance(kernels, str):
+            return kernels
+        if not lib.turnkv_decoder_can(kernels[1]):
+            return "this build cannot call torch's SLEEF expf (no AVX)"
+        if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.head_dim % 2:
+            return f"sizes {cfg.hidden_size}/{cfg.intermediate_size}/{cfg.head_dim} not covered"
+        for layer in model.layers:
+            attn_norm, qkv, qkv_b, q_norm, _, o, o_b, mlp_norm, gate_up, down = layer.weights()
+            if qkv_b is not None or o_b is not None or q_norm is not None:
+                return "biases or q/k norms: not covered"
+            for w in (qkv, o, gate_up, down):
+                if not (isinstance(w, QuantWeight) and w.native):
+                    return "a layer weight not packed for the C matmul"
+            for n in (attn_norm, mlp_norm):
+                if n.dtype != torch.float32 or not n.is_contiguous():
+                    return "norm weights not contiguous fp32"
+        return Decoder(model, lib, kernels)
+
+    def current(self, model) -> bool:
+        """Whether the bound weights are still the model's (a layer's attribute set since drops its
+        ``weights()`` tuple)."""
+        return all(layer.__dict__.get("_weights") is w for layer, w in zip(model.layers, self.weights))
+
+    def _buffers(self, m: int) -> list[torch.Tensor]:
+        if self._bufs[0] != m:  # (a decode step's rows repeat: kept for the next step)
+            k = self._kmax
+            fp32 = [torch.empty(m, w) for w in self._widths]
+            rest = [torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32)]
+            self._bufs = (m, [*fp32, *rest, torch.empty(m, k, dtype=torch.int16)])
+        return self._bufs[1]
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: cpu_native.NativeStep) -> torch.Tensor:
+        """Every layer over the step's rows ``x`` fp32 ``[N, hidden]`` at the rows' RoPE tables
+        ``cos``, signed ``sin`` ``[N, D]`` fp32, attending through ``native`` (all the step's
+        windows) -> the residual stream after the last layer ``[N, hidden]`` (x itself, rewritten)."""
+        x = x if x.is_contiguous() else x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        m = x.shape[0]
+        x2, qkv, qk, att, gu, h, q, qd, qdq, bf16 = self._buffers(m)
+        wins, views, items, cuts, nwins, parts, dtype, scratch, stride = native.tables(self._model.hq)
+        s = self._step
+        s.M, s.threads = m, torch.get_num_threads()
+        s.x, s.x2, s.cos, s.sin = x.data_ptr(), x2.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        s.qkv, s.qk, s.att, s.gu, s.h = qkv.data_ptr(), qk.data_ptr(), att.data_ptr(), gu.data_ptr(), h.data_ptr()
+        s.q, s.qd, s.qdq, s.bf16 = q.data_ptr(), qd.data_ptr(), qdq.data_ptr(), bf16.data_ptr()
+        s.wins, s.views, s.items, s.cuts = wins, views, items, cuts
+        s.nwins, s.parts, s.dtype, s.scratch_stride, s.scratch = nwins, parts, dtype, stride, scratch
+        rc = self._fn(self._mptr, self._sptr)
+        if rc:
+            raise RuntimeError(f"turnkv_decoder_layers failed ({rc})")
+        return x
