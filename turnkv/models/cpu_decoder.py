@@ -102,7 +102,9 @@ class Decoder:
         self.weights = [layer.weights() for layer in model.layers]  # what the structs point into
         self._layers = (_Layer * len(self.weights))()
         self._mats = []
-        for slot, (attn_norm, qkv, _, _, _, o, _, mlp_norm, gate_up, down) in zip(self._layers, self.weights):
+        for slot, (attn_norm, qkv, _, _, _, o, _, mlp_norm, gate_up, down) in zip(
+            self._layers, self.weights, strict=True
+        ):
             mats = [w._c_matrix() for w in (qkv, o, gate_up, down)]
             self._mats.append(mats)
             slot.attn_norm, slot.mlp_norm = attn_norm.data_ptr(), mlp_norm.data_ptr()
@@ -139,7 +141,9 @@ class Decoder:
             return "not a one-process fp32 CPU model"
         lib = library()
         if lib is None or cpu_int4.KERNEL.loaded is None or cpu_native.library() is None:
-            return f"a C kernel is off ({status()}; matmul {cpu_int4.status()}; attention {cpu_native.status()})"
+            return (
+                f"a C kernel is off ({status()}; matmul {cpu_int4.status()}; attention {cpu_native.status()})"
+            )
         kernels = _torch_kernels()
         if isinstance(kernels, str):
             return kernels
@@ -162,7 +166,9 @@ class Decoder:
     def current(self, model) -> bool:
         """Whether the bound weights are still the model's (a layer's attribute set since drops its
         ``weights()`` tuple)."""
-        return all(layer.__dict__.get("_weights") is w for layer, w in zip(model.layers, self.weights))
+        return all(
+            layer.__dict__.get("_weights") is w for layer, w in zip(model.layers, self.weights, strict=True)
+        )
 
     def _buffers(self, m: int) -> list[torch.Tensor]:
         if self._bufs[0] != m:  # (a decode step's rows repeat: kept for the next step)
@@ -172,7 +178,9 @@ class Decoder:
             self._bufs = (m, [*fp32, *rest, torch.empty(m, k, dtype=torch.int16)])
         return self._bufs[1]
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: cpu_native.NativeStep) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: cpu_native.NativeStep
+    ) -> torch.Tensor:
         """Every layer over the step's rows ``x`` fp32 ``[N, hidden]`` at the rows' RoPE tables
         ``cos``, signed ``sin`` ``[N, D]`` fp32, attending through ``native`` (all the step's
         windows) -> the residual stream after the last layer ``[N, hidden]`` (x itself, rewritten)."""
@@ -184,7 +192,13 @@ class Decoder:
         s = self._step
         s.M, s.threads = m, torch.get_num_threads()
         s.x, s.x2, s.cos, s.sin = x.data_ptr(), x2.data_ptr(), cos.data_ptr(), sin.data_ptr()
-        s.qkv, s.qk, s.att, s.gu, s.h = qkv.data_ptr(), qk.data_ptr(), att.data_ptr(), gu.data_ptr(), h.data_ptr()
+        s.qkv, s.qk, s.att, s.gu, s.h = (
+            qkv.data_ptr(),
+            qk.data_ptr(),
+            att.data_ptr(),
+            gu.data_ptr(),
+            h.data_ptr(),
+        )
         s.q, s.qd, s.qdq, s.bf16 = q.data_ptr(), qd.data_ptr(), qdq.data_ptr(), bf16.data_ptr()
         s.wins, s.views, s.items, s.cuts = wins, views, items, cuts
         s.nwins, s.parts, s.dtype, s.scratch_stride, s.scratch = nwins, parts, dtype, stride, scratch
