@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -89,6 +90,12 @@ def _torch_kernels() -> tuple[int, int, int] | str:
     return 1, 32 if cap == "AVX512" else 16, int(exp8 or 0)
 
 
+def _kernel_libs() -> tuple:
+    """The matmul and attention libraries the C calls now (what ``cpu_int4.Matrix.mm`` and
+    ``cpu_native.NativeStep`` call: a test may swap in another ISA's build)."""
+    return cpu_int4.KERNEL.lib or cpu_int4.KERNEL.loaded, cpu_native.KERNEL.lib
+
+
 def _fn(lib: ctypes.CDLL, name: str) -> int:
     return int(ctypes.cast(getattr(lib, name), _ptr).value or 0)
 
@@ -109,7 +116,7 @@ class Decoder:
             self._mats.append(mats)
             slot.attn_norm, slot.mlp_norm = attn_norm.data_ptr(), mlp_norm.data_ptr()
             slot.qkv, slot.o, slot.gate_up, slot.down = (ctypes.addressof(m._args) for m in mats)
-        q4, att = cpu_int4.KERNEL.loaded, cpu_native.library()
+        q4, att = _kernel_libs()
         fma, vec, exp8 = kernels
         self._model = _Model(
             _fn(q4, "turnkv_q4_prepare"), _fn(q4, "turnkv_q4_part"), _fn(att, "turnkv_attend_slice"),
@@ -163,13 +170,6 @@ class Decoder:
                     return "norm weights not contiguous fp32"
         return Decoder(model, lib, kernels)
 
-    def current(self, model) -> bool:
-        """Whether the bound weights are still the model's (a layer's attribute set since drops its
-        ``weights()`` tuple)."""
-        return all(
-            layer.__dict__.get("_weights") is w for layer, w in zip(model.layers, self.weights, strict=True)
-        )
-
     def _buffers(self, m: int) -> list[torch.Tensor]:
         if self._bufs[0] != m:  # (a decode step's rows repeat: kept for the next step)
             k = self._kmax
@@ -206,3 +206,44 @@ class Decoder:
         if rc:
             raise RuntimeError(f"turnkv_decoder_layers failed ({rc})")
         return x
+
+
+class _Binding(NamedTuple):
+    """What a model was bound to: its decoder or why none, and what that was decided for."""
+
+    decoder: Decoder | None
+    why: str
+    weights: list  # each layer's ``weights()`` tuple then
+    libs: tuple  # ``_kernel_libs()`` then
+
+
+def for_model(model) -> Decoder | None:
+    """``model``'s decoder (``Decoder.bind``), bound at its first step and again when a layer's
+    weights changed (setting a layer's attribute drops its ``weights()`` tuple) or a kernel's
+    library did; None where the C is off or does not cover the model (``why``)."""
+    if model.device.type != "cpu" or library() is None:
+        return None
+    got = model.__dict__.get("_cpu_decoder")
+    if got is None or not _current(got, model):
+        bound = Decoder.bind(model)
+        weights = [layer.weights() for layer in model.layers]
+        dec = bound if isinstance(bound, Decoder) else None
+        got = model.__dict__["_cpu_decoder"] = _Binding(
+            dec, "ok" if dec else str(bound), weights, _kernel_libs()
+        )
+    return got.decoder
+
+
+def why(model) -> str:
+    """Why ``model``'s steps run the torch loop (``ok``: they run in C)."""
+    if model.device.type != "cpu" or library() is None:
+        return f"off ({status()})" if model.device.type == "cpu" else "not a CPU model"
+    for_model(model)
+    return model.__dict__["_cpu_decoder"].why
+
+
+def _current(b: _Binding, model) -> bool:
+    libs = _kernel_libs()
+    if libs[0] is not b.libs[0] or libs[1] is not b.libs[1]:
+        return False
+    return all(layer.__dict__.get("_weights") is w for layer, w in zip(model.layers, b.weights, strict=True))

@@ -288,7 +288,7 @@ class LlamaModel(nn.Module):
         if tp is not None:
             x = tp.vocab_reduce(x, ids)  # rows of other ranks' ids zeroed, summed over ranks
         native = getattr(attention, "native_only", None)  # (the CPU's portable steps have it)
-        decoder = self._cpu_decoder() if native is not None else None
+        decoder = cpu_decoder.for_model(self) if native is not None else None
         step = native() if decoder is not None else None
         layers = () if step is not None else self.layers
         if step is not None:  # every layer in one C call (cpu_decoder), the same bits as this loop
@@ -315,17 +315,6 @@ class LlamaModel(nn.Module):
         if tp is not None:
             logits = tp.gather_vocab(logits)  # -> [R, V]
         return logits.float() if upcast else logits
-
-    def _cpu_decoder(self) -> cpu_decoder.Decoder | None:
-        """The layers bound for the C call (``cpu_decoder``), bound at the first step and again
-        when a layer's weights changed; None where the C is off or does not cover this model
-        (then it is not asked again)."""
-        if self.device.type != "cpu" or cpu_decoder.library() is None:
-            return None
-        got = self.__dict__.get("_decoder")
-        if got is None or (isinstance(got, cpu_decoder.Decoder) and not got.current(self)):
-            got = self.__dict__["_decoder"] = cpu_decoder.Decoder.bind(self)
-        return got if isinstance(got, cpu_decoder.Decoder) else None
 
     def _row_linear(
         self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, matmul: MatmulPlan
