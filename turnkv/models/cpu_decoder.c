@@ -73,10 +73,14 @@ typedef struct {
     float *x, *x2;          /* [M, hidden]: the residual stream in and out of x; x2 between */
     const float *cos, *sin; /* [M, d]: the rows' RoPE tables (sin's first half negated) */
     float *qkv, *qk, *att;  /* [M, (hq + 2 hkv) d], [M, (hq + hkv) d] after RoPE, [M, hq d] */
-    float *gu, *h;          /* [M, 2 inter]; [M, kmax] a norm's or silu's rows */
-    int8_t *q;              /* the activations' int8 form: [M, kmax], steps [M, kmax / 32] x 2 */
+    float *gu;              /* [M, 2 inter] */
+    /* `sets` buffer sets (rows_of) of: h [M, kmax] a norm's or silu's rows, their int8 form q
+       [M, kmax] with steps qd, qdq [M, kmax / 32], and bf16 [M, kmax] */
+    float *h;
+    int8_t *q;
     float *qd, *qdq;
-    uint16_t *bf16; /* [M, kmax] */
+    uint16_t *bf16;
+    int64_t kmax, sets;
     const int64_t *wins, *views, *items, *cuts;
     int64_t nwins, parts, dtype, scratch_stride;
     float *scratch; /* parts x scratch_stride */
@@ -127,28 +131,54 @@ static void silu_mul_row(const tkv_model *m, const float *g, const float *u, flo
     for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* every phase's rows r = t, t + T, ...; matmul parts and attention slices t, t + T, ... */
+/* A phase's rows: with one buffer set per thread (a decode step's few rows) every thread computes
+ * every row's norm or silu and activations itself, in its own set, and needs no barrier before
+ * the matmul; else the threads share set 0, thread t takes rows t, t + T, ..., and they meet. */
+typedef struct {
+    float *h;
+    int8_t *q;
+    float *qd, *qdq;
+    uint16_t *bf16;
+    int64_t r0, dr; /* rows r0, r0 + dr, ... */
+    int own;        /* this thread's own set: no barrier before the matmul */
+} rows_t;
+
+static rows_t rows_of(const tkv_model *m, const tkv_step *s, int64_t t, int64_t T) {
+    const int own = T > 1 && s->sets >= T;
+    const int64_t set = own ? t : 0, k = s->M * s->kmax;
+    rows_t r = {s->h + set * k, s->q + set * k, s->qd + set * (k / 32), s->qdq + set * (k / 32), s->bf16 + set * k,
+                own ? 0 : t, own ? 1 : T, own};
+    (void)m;
+    return r;
+}
+
+/* every matmul's parts and attention slices t, t + T, ... of the T threads */
 static void run(const tkv_model *m, const tkv_step *s, int64_t t, int64_t T) {
     const int64_t M = s->M, H = m->hidden, I = m->inter, d = m->d, hq = m->hq, hkv = m->hkv;
     const int64_t QKV = (hq + 2 * hkv) * d, QK = (hq + hkv) * d, O = hq * d;
+    const rows_t b = rows_of(m, s, t, T);
 #define SYNC()                     \
     do {                           \
         if (T > 1) {               \
             _Pragma("omp barrier") \
         }                          \
     } while (0)
-/* rows of src [M, K] (fp32) -> the int8 activations of matrix MAT, rows of this thread */
-#define PREPARE(MAT, SRC, K)                                                                                     \
-    m->prepare(MAT, 1, (SRC) + r * (K), K, 1, s->q + r * (K), s->qd + r * ((K) / 32), s->qdq + r * ((K) / 32), \
-               s->bf16 + r * (K))
+#define ROWS_DONE()          \
+    do {                     \
+        if (!b.own) SYNC(); \
+    } while (0)
+/* row r of src [M, K] (fp32) -> the int8 activations of matrix MAT in this thread's set */
+#define PREPARE(MAT, SRC, K) \
+    m->prepare(MAT, 1, (SRC) + r * (K), K, 1, b.q + r * (K), b.qd + r * ((K) / 32), b.qdq + r * ((K) / 32), b.bf16 + r * (K))
+#define MATMUL(MAT, OUT, RES) m->part(MAT, t, T, M, b.q, b.qd, b.qdq, OUT, RES)
     for (int64_t l = 0; l < m->layers; l++) {
         const tkv_layer *ly = m->layer + l;
-        for (int64_t r = t; r < M; r += T) {
-            rms_norm_row(m, s->x + r * H, ly->attn_norm, s->h + r * H);
-            PREPARE(ly->qkv, s->h, H);
+        for (int64_t r = b.r0; r < M; r += b.dr) {
+            rms_norm_row(m, s->x + r * H, ly->attn_norm, b.h + r * H);
+            PREPARE(ly->qkv, b.h, H);
         }
-        SYNC();
-        m->part(ly->qkv, t, T, M, s->q, s->qd, s->qdq, s->qkv, NULL);
+        ROWS_DONE();
+        MATMUL(ly->qkv, s->qkv, NULL);
         SYNC();
         if (t == 0) { /* (a few us for a prefill chunk: not worth a barrier more) */
             for (int64_t r = 0; r < M; r++) rope_row(m, s, r);
@@ -159,26 +189,28 @@ static void run(const tkv_model *m, const tkv_step *s, int64_t t, int64_t T) {
             m->slice(l, s->qk, QK, d, s->att, hq, hkv, d, m->scale, s->wins, s->views, s->items, s->dtype, s->cuts,
                      p, s->scratch + p * s->scratch_stride);
         SYNC();
-        for (int64_t r = t; r < M; r += T) PREPARE(ly->o, s->att, O);
+        for (int64_t r = b.r0; r < M; r += b.dr) PREPARE(ly->o, s->att, O);
+        ROWS_DONE();
+        MATMUL(ly->o, s->x2, s->x);
         SYNC();
-        m->part(ly->o, t, T, M, s->q, s->qd, s->qdq, s->x2, s->x);
-        SYNC();
-        for (int64_t r = t; r < M; r += T) {
-            rms_norm_row(m, s->x2 + r * H, ly->mlp_norm, s->h + r * H);
-            PREPARE(ly->gate_up, s->h, H);
+        for (int64_t r = b.r0; r < M; r += b.dr) {
+            rms_norm_row(m, s->x2 + r * H, ly->mlp_norm, b.h + r * H);
+            PREPARE(ly->gate_up, b.h, H);
         }
+        ROWS_DONE();
+        MATMUL(ly->gate_up, s->gu, NULL);
         SYNC();
-        m->part(ly->gate_up, t, T, M, s->q, s->qd, s->qdq, s->gu, NULL);
-        SYNC();
-        for (int64_t r = t; r < M; r += T) {
-            silu_mul_row(m, s->gu + r * 2 * I, s->gu + r * 2 * I + I, s->h + r * I);
-            PREPARE(ly->down, s->h, I);
+        for (int64_t r = b.r0; r < M; r += b.dr) {
+            silu_mul_row(m, s->gu + r * 2 * I, s->gu + r * 2 * I + I, b.h + r * I);
+            PREPARE(ly->down, b.h, I);
         }
-        SYNC();
-        m->part(ly->down, t, T, M, s->q, s->qd, s->qdq, s->x, s->x2);
+        ROWS_DONE();
+        MATMUL(ly->down, s->x, s->x2);
         SYNC();
     }
+#undef MATMUL
 #undef PREPARE
+#undef ROWS_DONE
 #undef SYNC
 }
 

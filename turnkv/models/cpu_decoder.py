@@ -32,6 +32,10 @@ from turnkv.models.quant import QuantWeight
 
 SOURCE = Path(__file__).with_name("cpu_decoder.c")
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# Steps of up to this many rows give each thread its own activations to compute (the C's
+# ``rows_of``): each thread then norms (or silus) and quantizes the rows itself, where splitting
+# them over the threads cost a barrier more before each of the four matmuls of a layer.
+OWN_ROWS = 2
 
 
 class _Layer(ctypes.Structure):
@@ -55,7 +59,8 @@ _STEP_PTRS += ("wins", "views", "items", "cuts")
 class _Step(ctypes.Structure):
     """The C's ``tkv_step``."""
 
-    _fields_ = [("M", _i64), ("threads", _i64)] + [(n, _ptr) for n in _STEP_PTRS]
+    _fields_ = [("M", _i64), ("threads", _i64)] + [(n, _ptr) for n in _STEP_PTRS[:13]]
+    _fields_ += [("kmax", _i64), ("sets", _i64)] + [(n, _ptr) for n in _STEP_PTRS[13:]]
     _fields_ += [(n, _i64) for n in ("nwins", "parts", "dtype", "scratch_stride")] + [("scratch", _ptr)]
 
 
@@ -128,7 +133,7 @@ class Decoder:
         self._mptr = ctypes.addressof(self._model)
         self._step = _Step()
         self._sptr = ctypes.addressof(self._step)
-        self._bufs: tuple[int, list[torch.Tensor]] = (0, [])
+        self._bufs: tuple[tuple[int, int], list[torch.Tensor]] = ((0, 0), [])
         c = cfg
         self._kmax = max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim)
         self._widths = (
@@ -137,7 +142,6 @@ class Decoder:
             (c.num_heads + c.num_kv_heads) * c.head_dim,  # qk
             c.num_heads * c.head_dim,  # att
             2 * c.intermediate_size,  # gu
-            self._kmax,  # h
         )
 
     @staticmethod
@@ -170,13 +174,20 @@ class Decoder:
                     return "norm weights not contiguous fp32"
         return Decoder(model, lib, kernels)
 
-    def _buffers(self, m: int) -> list[torch.Tensor]:
-        if self._bufs[0] != m:  # (a decode step's rows repeat: kept for the next step)
-            k = self._kmax
-            fp32 = [torch.empty(m, w) for w in self._widths]
-            rest = [torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32), torch.empty(m, k // 32)]
-            self._bufs = (m, [*fp32, *rest, torch.empty(m, k, dtype=torch.int16)])
-        return self._bufs[1]
+    def _buffers(self, m: int, threads: int) -> tuple[int, list[torch.Tensor]]:
+        """The step's buffers for ``m`` rows (the C's ``tkv_step``) and their sets' count."""
+        sets = threads if m <= OWN_ROWS else 1
+        if self._bufs[0] != (m, sets):  # (a decode step's rows repeat: kept for the next step)
+            k = self._kmax * m * sets
+            shared = [torch.empty(m, w) for w in self._widths]
+            per_set = [
+                torch.empty(k),
+                torch.empty(k, dtype=torch.int8),
+                torch.empty(k // 32),
+                torch.empty(k // 32),
+            ]
+            self._bufs = ((m, sets), [*shared, *per_set, torch.empty(k, dtype=torch.int16)])
+        return sets, self._bufs[1]
 
     def run(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: cpu_native.NativeStep
@@ -186,11 +197,11 @@ class Decoder:
         windows) -> the residual stream after the last layer ``[N, hidden]`` (x itself, rewritten)."""
         x = x if x.is_contiguous() else x.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
-        m = x.shape[0]
-        x2, qkv, qk, att, gu, h, q, qd, qdq, bf16 = self._buffers(m)
+        m, threads = x.shape[0], torch.get_num_threads()
+        sets, (x2, qkv, qk, att, gu, h, q, qd, qdq, bf16) = self._buffers(m, threads)
         wins, views, items, cuts, nwins, parts, dtype, scratch, stride = native.tables(self._model.hq)
         s = self._step
-        s.M, s.threads = m, torch.get_num_threads()
+        s.M, s.threads, s.kmax, s.sets = m, threads, self._kmax, sets
         s.x, s.x2, s.cos, s.sin = x.data_ptr(), x2.data_ptr(), cos.data_ptr(), sin.data_ptr()
         s.qkv, s.qk, s.att, s.gu, s.h = (
             qkv.data_ptr(),
