@@ -55,6 +55,14 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def engine_fp32_kv(engine):
+    """The same model with fp32 KV rows (``--kv-dtype float32``)."""
+    eng = Engine(engine.loaded, EngineConfig(device="cpu", threads=1, kv_dtype="float32"))
+    assert eng.shape.dtype == torch.float32
+    return eng
+
+
+@pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     """The three kernels compiled without AVX-512 and without AVX2, beside this machine's own."""
     out = {"native": tuple(k.library() for k in KERNELS)}
@@ -154,6 +162,12 @@ def test_the_c_layers_give_the_torch_loops_bits(engine, builds, isa):
         pytest.skip(f"no {isa} build here")
     settings(max_examples=EXAMPLES[isa], deadline=None, suppress_health_check=[HealthCheck.too_slow])(
         given(script=scripts)(lambda script: check_script(engine, builds[isa], script))
+    )()
+
+
+def test_fp32_kv_rows_too(engine_fp32_kv, builds):
+    settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+        given(script=scripts)(lambda script: check_script(engine_fp32_kv, builds["native"], script))
     )()
 
 
