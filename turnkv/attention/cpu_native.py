@@ -120,8 +120,14 @@ class NativeStep:
         # slice below SPLIT_MIN_KEYS, where splitting gains nothing (docs/BENCHMARKS.md)
         total = sum(work)
         parts = min(threads, len(items)) if total >= SPLIT_MIN_KEYS else 1
-        ends = np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left") + 1
-        self.cuts = np.asarray(sorted({0, len(items), *(int(e) for e in ends)}), dtype=np.int64)
+        cuts = [0, len(items)]
+        if parts > 1:  # (numpy's calls cost more than a short decode step's table: only when cut)
+            ends = (
+                np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left")
+                + 1
+            )
+            cuts = sorted({*cuts, *(int(e) for e in ends)})
+        self.cuts = np.asarray(cuts, dtype=np.int64)
         self.parts = len(self.cuts) - 1
         self._scratch: torch.Tensor | None = None
         # the tables' addresses, read once: each ``.ctypes`` is a new object, twice a layer

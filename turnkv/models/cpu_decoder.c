@@ -71,7 +71,8 @@ typedef struct {
 typedef struct {
     int64_t M, threads;
     float *x, *x2;          /* [M, hidden]: the residual stream in and out of x; x2 between */
-    const float *cos, *sin; /* [M, d]: the rows' RoPE tables (sin's first half negated) */
+    const float *cos, *sin; /* [P, d]: the RoPE tables (sin's first half negated), P > every position */
+    const int64_t *pos;     /* [M] the rows' positions */
     float *qkv, *qk, *att;  /* [M, (hq + 2 hkv) d], [M, (hq + hkv) d] after RoPE, [M, hq d] */
     float *gu;              /* [M, 2 inter] */
     /* `sets` buffer sets (rows_of) of: h [M, kmax] a norm's or silu's rows, their int8 form q
@@ -80,7 +81,7 @@ typedef struct {
     int8_t *q;
     float *qd, *qdq;
     uint16_t *bf16;
-    int64_t kmax, sets;
+    int64_t kmax, sets, rope_rows; /* rope_rows: P */
     const int64_t *wins, *views, *items, *cuts;
     int64_t nwins, parts, dtype, scratch_stride;
     float *scratch; /* parts x scratch_stride */
@@ -104,7 +105,7 @@ static void rms_norm_row(const tkv_model *m, const float *x, const float *w, flo
 /* q and k heads of row r, rotated: qk[r] = qkv[r][: (hq + hkv) d] * cos + roll(., d / 2) * sin */
 static void rope_row(const tkv_model *m, const tkv_step *s, int64_t r) {
     const int64_t d = m->d, heads = m->hq + m->hkv, half = d / 2;
-    const float *c = s->cos + r * d, *sn = s->sin + r * d;
+    const float *c = s->cos + s->pos[r] * d, *sn = s->sin + s->pos[r] * d;
     for (int64_t h = 0; h < heads; h++) {
         const float *x = s->qkv + r * (heads + m->hkv) * d + h * d;
         float *o = s->qk + (r * heads + h) * d;
@@ -214,6 +215,13 @@ static void run(const tkv_model *m, const tkv_step *s, int64_t t, int64_t T) {
 #undef SYNC
 }
 
+/* The final norm of the rows `rows` [R] of x [., hidden] -> y [R, hidden] (fp32: the LM head's C
+ * matmul rounds them to bf16 as the torch path's cast does) */
+void turnkv_decoder_norm(const tkv_model *m, int64_t R, const float *x, const int64_t *rows, const float *w,
+                         float *y) {
+    for (int64_t r = 0; r < R; r++) rms_norm_row(m, x + rows[r] * m->hidden, w, y + r * m->hidden);
+}
+
 /* 1 where this build can run torch's silu for `torch_vec` (its SLEEF calls need AVX) */
 int64_t turnkv_decoder_can(int64_t torch_vec) { return torch_vec == 0 || TKV_EXP8; }
 
@@ -222,6 +230,8 @@ int64_t turnkv_decoder_can(int64_t torch_vec) { return torch_vec == 0 || TKV_EXP
 int turnkv_decoder_layers(const tkv_model *m, const tkv_step *s) {
     if ((m->torch_vec && (!TKV_EXP8 || !m->exp8 || m->torch_vec % 8)) || m->d % 2 || m->hidden % 32 || m->inter % 32)
         return 1;
+    for (int64_t r = 0; r < s->M; r++)
+        if (s->pos[r] < 0 || s->pos[r] >= s->rope_rows) return 2; /* a position past the RoPE tables */
     if (s->threads <= 1) {
         run(m, s, 0, 1);
         return 0;

@@ -52,21 +52,23 @@ class _Model(ctypes.Structure):
     _fields_ += [("eps", _f32), ("scale", _f32)]
 
 
-_STEP_PTRS = ("x", "x2", "cos", "sin", "qkv", "qk", "att", "gu", "h", "q", "qd", "qdq", "bf16")
+_STEP_PTRS = ("x", "x2", "cos", "sin", "pos", "qkv", "qk", "att", "gu", "h", "q", "qd", "qdq", "bf16")
 _STEP_PTRS += ("wins", "views", "items", "cuts")
 
 
 class _Step(ctypes.Structure):
     """The C's ``tkv_step``."""
 
-    _fields_ = [("M", _i64), ("threads", _i64)] + [(n, _ptr) for n in _STEP_PTRS[:13]]
-    _fields_ += [("kmax", _i64), ("sets", _i64)] + [(n, _ptr) for n in _STEP_PTRS[13:]]
+    _fields_ = [("M", _i64), ("threads", _i64)] + [(n, _ptr) for n in _STEP_PTRS[:14]]
+    _fields_ += [("kmax", _i64), ("sets", _i64), ("rope_rows", _i64)] + [(n, _ptr) for n in _STEP_PTRS[14:]]
     _fields_ += [(n, _i64) for n in ("nwins", "parts", "dtype", "scratch_stride")] + [("scratch", _ptr)]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
     lib.turnkv_decoder_layers.argtypes = [_ptr, _ptr]
     lib.turnkv_decoder_layers.restype = ctypes.c_int
+    lib.turnkv_decoder_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+    lib.turnkv_decoder_norm.restype = None
     lib.turnkv_decoder_can.argtypes = [_i64]
     lib.turnkv_decoder_can.restype = _i64
 
@@ -129,7 +131,7 @@ class Decoder:
             len(self.weights), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, fma, vec, cfg.rms_norm_eps, model.scale,
         )  # fmt: skip
-        self._fn = lib.turnkv_decoder_layers
+        self._fn, self._norm = lib.turnkv_decoder_layers, lib.turnkv_decoder_norm
         self._mptr = ctypes.addressof(self._model)
         self._step = _Step()
         self._sptr = ctypes.addressof(self._step)
@@ -190,19 +192,30 @@ class Decoder:
         return sets, self._bufs[1]
 
     def run(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: cpu_native.NativeStep
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        native: cpu_native.NativeStep,
     ) -> torch.Tensor:
-        """Every layer over the step's rows ``x`` fp32 ``[N, hidden]`` at the rows' RoPE tables
-        ``cos``, signed ``sin`` ``[N, D]`` fp32, attending through ``native`` (all the step's
-        windows) -> the residual stream after the last layer ``[N, hidden]`` (x itself, rewritten)."""
+        """Every layer over the step's rows ``x`` fp32 ``[N, hidden]`` at ``positions`` int64 ``[N]``
+        (covered by the RoPE tables ``rope``: cos, signed sin ``[P, D]`` fp32 contiguous, as
+        ``llama.Rope.tables``), attending through ``native`` (all the step's windows) -> the
+        residual stream after the last layer ``[N, hidden]`` (x itself, rewritten)."""
         x = x if x.is_contiguous() else x.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
+        positions = positions if positions.is_contiguous() else positions.contiguous()
         m, threads = x.shape[0], torch.get_num_threads()
         sets, (x2, qkv, qk, att, gu, h, q, qd, qdq, bf16) = self._buffers(m, threads)
         wins, views, items, cuts, nwins, parts, dtype, scratch, stride = native.tables(self._model.hq)
         s = self._step
-        s.M, s.threads, s.kmax, s.sets = m, threads, self._kmax, sets
-        s.x, s.x2, s.cos, s.sin = x.data_ptr(), x2.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        s.M, s.threads, s.kmax, s.sets, s.rope_rows = m, threads, self._kmax, sets, rope[0].shape[0]
+        s.x, s.x2, s.cos, s.sin, s.pos = (
+            x.data_ptr(),
+            x2.data_ptr(),
+            rope[0].data_ptr(),
+            rope[1].data_ptr(),
+            positions.data_ptr(),
+        )
         s.qkv, s.qk, s.att, s.gu, s.h = (
             qkv.data_ptr(),
             qk.data_ptr(),
@@ -214,9 +227,21 @@ class Decoder:
         s.wins, s.views, s.items, s.cuts = wins, views, items, cuts
         s.nwins, s.parts, s.dtype, s.scratch_stride, s.scratch = nwins, parts, dtype, stride, scratch
         rc = self._fn(self._mptr, self._sptr)
+        if rc == 2:
+            raise ValueError(
+                f"a position past the RoPE tables' {rope[0].shape[0]} rows (call rope.ensure first)"
+            )
         if rc:
             raise RuntimeError(f"turnkv_decoder_layers failed ({rc})")
         return x
+
+    def final_norm(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of rows ``rows`` int64 ``[R]`` of ``run``'s ``x`` -> fp32 ``[R, hidden]``
+        (the torch path's norm before its bf16 cast, which the LM head's C matmul makes)."""
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        y = torch.empty(rows.shape[0], x.shape[1])
+        self._norm(self._mptr, rows.shape[0], x.data_ptr(), rows.data_ptr(), weight.data_ptr(), y.data_ptr())
+        return y
 
 
 class _Binding(NamedTuple):
