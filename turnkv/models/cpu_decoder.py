@@ -179,6 +179,9 @@ class Decoder:
     def _buffers(self, m: int, threads: int) -> tuple[int, list[torch.Tensor]]:
         """The step's buffers for ``m`` rows (the C's ``tkv_step``) and their sets' count."""
         sets = threads if m <= OWN_ROWS else 1
+        kept_m, kept_sets = self._bufs[0]
+        if kept_m == m and kept_sets >= sets:  # (the thread governor may switch counts between steps)
+            sets = kept_sets if m <= OWN_ROWS else sets
         if self._bufs[0] != (m, sets):  # (a decode step's rows repeat: kept for the next step)
             k = self._kmax * m * sets
             shared = [torch.empty(m, w) for w in self._widths]
