@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cached_equals_uncached import write_gguf
+from test_cached_equals_uncached import ISAS, builds, write_gguf  # noqa: F401 (builds: a fixture)
 
 from turnkv import cbuild
 from turnkv.attention import cpu_native
@@ -40,7 +38,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 KERNELS = (cpu_native, cpu_int4, cpu_decoder)
-ISAS = {"native": None, "avx2": "-mno-avx512f", "plain-c": "-mno-avx2"}
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +60,22 @@ def engine_fp32_kv(engine):
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """The three kernels compiled without AVX-512 and without AVX2, beside this machine's own."""
-    out = {"native": tuple(k.library() for k in KERNELS)}
-    if platform.machine() not in ("x86_64", "AMD64") or not shutil.which("cc"):
-        return out
-    root = tmp_path_factory.mktemp("isa")
-    for name, flag in ISAS.items():
-        if flag is None or (name == "avx2" and "avx2" not in cbuild._cpu_flags()):
+def all_builds(builds, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    """test_cached_equals_uncached's builds of the attention and matmul kernels (``builds``), each
+    with the decoder's build for the same ISA."""
+    out = {"native": (*builds["native"], cpu_decoder.library())}
+    root = tmp_path_factory.mktemp("decoder")
+    for name, libs in builds.items():
+        if name == "native":
             continue
-        libs = []
-        for kernel in KERNELS:
-            so = root / f"{kernel.SOURCE.stem}-{name}.so"
-            flags = [*cbuild.FLAGS, *cbuild.OPENMP, flag, *kernel.KERNEL.flags]
-            subprocess.run(["cc", *flags, str(kernel.SOURCE), "-o", str(so)], check=True, capture_output=True)
-            lib = ctypes.CDLL(str(so))
-            kernel._setup(lib)
-            libs.append(lib)
-        out[name] = tuple(libs)
+        so = root / f"cpu_decoder-{name}.so"
+        flags = [*cbuild.FLAGS, *cbuild.OPENMP, ISAS[name], *cpu_decoder.KERNEL.flags]
+        subprocess.run(
+            ["cc", *flags, str(cpu_decoder.SOURCE), "-o", str(so)], check=True, capture_output=True
+        )
+        lib = ctypes.CDLL(str(so))
+        cpu_decoder._setup(lib)
+        out[name] = (*libs, lib)
     return out
 
 
@@ -157,17 +152,17 @@ def check_script(engine: Engine, libs, script: dict) -> None:
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-def test_the_c_layers_give_the_torch_loops_bits(engine, builds, isa):
-    if isa not in builds:
+def test_the_c_layers_give_the_torch_loops_bits(engine, all_builds, isa):
+    if isa not in all_builds:
         pytest.skip(f"no {isa} build here")
     settings(max_examples=EXAMPLES[isa], deadline=None, suppress_health_check=[HealthCheck.too_slow])(
-        given(script=scripts)(lambda script: check_script(engine, builds[isa], script))
+        given(script=scripts)(lambda script: check_script(engine, all_builds[isa], script))
     )()
 
 
-def test_fp32_kv_rows_too(engine_fp32_kv, builds):
+def test_fp32_kv_rows_too(engine_fp32_kv, all_builds):
     settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
-        given(script=scripts)(lambda script: check_script(engine_fp32_kv, builds["native"], script))
+        given(script=scripts)(lambda script: check_script(engine_fp32_kv, all_builds["native"], script))
     )()
 
 
