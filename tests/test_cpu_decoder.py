@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cached_equals_uncached import ISAS, builds, write_gguf  # noqa: F401 (builds: a fixture)
+from test_cached_equals_uncached import ISAS, builds, tiny  # noqa: F401 (builds, tiny: fixtures)
 
 from turnkv import cbuild
 from turnkv.attention import cpu_native
@@ -30,7 +30,6 @@ from turnkv.config import EngineConfig
 from turnkv.engine.engine import Engine
 from turnkv.engine.step import Window
 from turnkv.models import cpu_decoder, cpu_int4
-from turnkv.models.load import load_model
 
 pytestmark = pytest.mark.skipif(
     cpu_decoder.library() is None or cpu_native.library() is None or cpu_int4.library() is None,
@@ -41,14 +40,9 @@ KERNELS = (cpu_native, cpu_int4, cpu_decoder)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    write_gguf(root / "tiny.gguf")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TURNKV_PACK_CACHE", "off")
-        loaded = load_model(str(root / "tiny.gguf"), "cpu", "auto", progress=False, weights="packed")
-    assert (loaded.weights, loaded.matmul) == ("packed", "c")
-    return Engine(loaded, EngineConfig(device="cpu", threads=1))
+def engine(tiny):  # noqa: F811 (the imported fixture)
+    """test_cached_equals_uncached's small model, packed, bf16 KV rows, one thread."""
+    return tiny["segmented"]
 
 
 @pytest.fixture(scope="module")
