@@ -1,7 +1,9 @@
 """Where one CPU decode step's time goes: the C matmuls by shape, the attention kernel, the rest.
 
-Wraps ``cpu_int4.Matrix.mm`` and ``NativeStep.attend`` with wall-clock timers around a greedy decode of the
-default model (``TURNKV_CPU_ISA`` picks the kernels' variant), one process per thread count:
+Wraps ``cpu_decoder.Decoder.run`` (the layers in one C call), ``cpu_int4.Matrix.mm`` and
+``NativeStep.attend`` (the LM head, and the torch loop's calls with ``--torch-loop``) with
+wall-clock timers around a greedy decode of the default model (``TURNKV_CPU_ISA`` picks the
+kernels' variant), one process per thread count:
 
     TURNKV_CPU_ISA=avx2 python bench/cpu_profile.py --threads 1,2
 
@@ -21,7 +23,7 @@ import time
 from collections import defaultdict
 
 
-def child(threads: int, gen: int) -> dict:
+def child(threads: int, gen: int, torch_loop: bool) -> dict:
     from turnkv.threads import prepare_env
 
     prepare_env()
@@ -32,11 +34,12 @@ def child(threads: int, gen: int) -> dict:
     from turnkv.config import EngineConfig
     from turnkv.engine.sampling import SamplingParams
     from turnkv.engine.turn import GenEvent, TurnRequest
-    from turnkv.models import cpu_int4
+    from turnkv.models import cpu_decoder, cpu_int4
     from turnkv.runtime import build, load_engine
     from turnkv.threads import set_threads
 
     set_threads(threads)
+    cpu_decoder.set_enabled(not torch_loop)
     cfg = EngineConfig(device="cpu", weights="packed", threads=threads, speculate="off")  # one row a step
     eng = load_engine(cfg, progress=False)
     rt = build(cfg, "bench", engine=eng)
@@ -44,7 +47,7 @@ def child(threads: int, gen: int) -> dict:
     times: dict[str, float] = defaultdict(float)
     wbytes: dict[str, int] = {}
     calls: dict[str, int] = defaultdict(int)
-    mm, attend = cpu_int4.Matrix.mm, cpu_native.NativeStep.attend
+    mm, attend, layers = cpu_int4.Matrix.mm, cpu_native.NativeStep.attend, cpu_decoder.Decoder.run
 
     def timed_mm(self, a, residual=None):
         t0 = time.perf_counter()
@@ -62,7 +65,16 @@ def child(threads: int, gen: int) -> dict:
         times["attention"] += time.perf_counter() - t0
         calls["attention"] += 1
 
+    def timed_layers(self, x, *args):
+        t0 = time.perf_counter()
+        out = layers(self, x, *args)
+        key = f"layers in C M={x.shape[0]}"
+        times[key] += time.perf_counter() - t0
+        calls[key] += 1
+        return out
+
     cpu_int4.Matrix.mm, cpu_native.NativeStep.attend = timed_mm, timed_attend
+    cpu_decoder.Decoder.run = timed_layers
     ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
 
     def run(n: int, ns: str) -> float:
@@ -82,6 +94,7 @@ def child(threads: int, gen: int) -> dict:
     return {
         "threads": threads,
         "kernels": cbuild.variant(),
+        "layers": "torch loop" if torch_loop else "C (cpu_decoder)",
         "decode_tok_s": tps,
         "step_ms": wall / gen * 1e3,  # the turn's wall time per token, prefill included
         "parts_ms": per,
@@ -96,10 +109,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", default="1,2", help="counts to profile; 0: the thread governor picks")
     ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--torch-loop", action="store_true", help="the layers as torch ops (cpu_decoder off)")
     ap.add_argument("--child", type=int, default=None)
     a = ap.parse_args()
     if a.child is not None:
-        print(json.dumps(child(a.child, a.gen)))
+        print(json.dumps(child(a.child, a.gen, a.torch_loop)))
         return
     print(f"load average before: {os.getloadavg()}")
     from report import cpu_name
@@ -107,7 +121,8 @@ def main() -> None:
     cpu = cpu_name()  # the model and its vector extensions
     for t in (int(s) for s in a.threads.split(",")):
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(t), "--gen", str(a.gen)],
+            [sys.executable, __file__, "--child", str(t), "--gen", str(a.gen)]
+            + ["--torch-loop"] * a.torch_loop,
             capture_output=True,
             text=True,
             env=os.environ,
@@ -117,7 +132,7 @@ def main() -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         floor = r["weight_mb_per_token"] / 1e3 / (r["copy_gbps"] / 2) * 1e3  # reads at half the copy rate
         print(
-            f"\n{cpu} | kernels {r['kernels']} | {t} thread(s): {r['decode_tok_s']:.1f} tok/s, "
+            f"\n{cpu} | kernels {r['kernels']}, layers {r['layers']} | {t} thread(s): {r['decode_tok_s']:.1f} tok/s, "
             f"step {r['step_ms']:.2f} ms; weights {r['weight_mb_per_token']:.1f} MB/token, "
             f"copy {r['copy_gbps']:.1f} GB/s -> floor ~{floor:.2f} ms"
         )

@@ -86,14 +86,15 @@ def _cache_dir() -> Path:
     return cache_home() / "kernels"
 
 
-def build(source: Path) -> Path:
-    """The shared library of ``source``, compiled now or found in the cache; RuntimeError says
-    why it cannot be (no compiler, a failed compile)."""
+def build(source: Path, extra: tuple[str, ...] = ()) -> Path:
+    """The shared library of ``source`` (``extra``: its own flags, after the common ones),
+    compiled now or found in the cache; RuntimeError says why it cannot be (no compiler, a
+    failed compile)."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     src = source.read_bytes()
-    flags = (*FLAGS, *isa_flags(isa()))
+    flags = (*FLAGS, *isa_flags(isa()), *extra)
     key = hashlib.sha256(
         src + " ".join((cc, *flags, *OPENMP, platform.machine(), _cpu_flags())).encode()
     ).hexdigest()
@@ -117,17 +118,20 @@ def build(source: Path) -> Path:
     return out
 
 
-def load(source: Path) -> ctypes.CDLL:
+def load(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     """``build`` then load; OSError or RuntimeError says why not."""
-    return ctypes.CDLL(str(build(source)))
+    return ctypes.CDLL(str(build(source, extra)))
 
 
 class Kernel:
     """One C kernel of a module: built and loaded at the first ``library()`` call, or the reason
-    it is not (its torch path runs then). ``setup`` declares the library's argument types."""
+    it is not (its torch path runs then). ``setup`` declares the library's argument types;
+    ``flags``: the source's own compiler flags."""
 
-    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None], fallback: str):
-        self.source, self.setup, self.fallback = source, setup, fallback
+    def __init__(
+        self, source: Path, setup: Callable[[ctypes.CDLL], None], fallback: str, flags: tuple[str, ...] = ()
+    ):
+        self.source, self.setup, self.fallback, self.flags = source, setup, fallback, flags
         self.lib: ctypes.CDLL | None = None
         self.why: str | None = None  # "ok", why not, or None before the first call
         self.loaded: ctypes.CDLL | None = None  # the library once loaded, whatever set_enabled says later
@@ -139,7 +143,7 @@ class Kernel:
                 self.why = off
                 return None
             try:
-                lib = load(self.source)
+                lib = load(self.source, self.flags)
                 self.setup(lib)
                 self.lib, self.why, self.loaded = lib, "ok", lib
             except (OSError, RuntimeError, AttributeError) as e:

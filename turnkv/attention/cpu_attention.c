@@ -401,6 +401,18 @@ int turnkv_attend(int64_t layer, const float *q, int64_t q_rs, int64_t q_hs, flo
     return 0;
 }
 
+/* Slice t of turnkv_attend's items alone, on the calling thread: the decoder's OpenMP region
+ * (models/cpu_decoder.c) runs slice t on its thread t, the same code as turnkv_attend's. */
+int turnkv_attend_slice(int64_t layer, const float *q, int64_t q_rs, int64_t q_hs, float *out, int64_t hq,
+                        int64_t hkv, int64_t d, float scale, const int64_t *wins, const int64_t *views,
+                        const int64_t *items, int64_t dtype, const int64_t *cuts, int64_t t, float *scratch) {
+    const int64_t nc = d / 16;
+    if (d % 16 || nc > MAXC) return 1;
+    run_slice(layer, q, q_rs, q_hs, out, hq, hkv, scale, wins, views, items, dtype, cuts[t], cuts[t + 1], scratch,
+              nc);
+    return 0;
+}
+
 /* fp32 -> bf16, round to nearest even (torch's conversion, NaN aside) */
 static inline uint16_t to_bf16(float x) {
     uint32_t u;

@@ -60,6 +60,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.turnkv_attend.restype = ctypes.c_int
     lib.turnkv_store.argtypes = [i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64]
     lib.turnkv_store.restype = ctypes.c_int
+    lib.turnkv_attend_slice.restype = ctypes.c_int  # (called from C: cpu_decoder.c)
 
 
 KERNEL = cbuild.Kernel(SOURCE, _setup, "torch ops")
@@ -119,20 +120,39 @@ class NativeStep:
         # slice below SPLIT_MIN_KEYS, where splitting gains nothing (docs/BENCHMARKS.md)
         total = sum(work)
         parts = min(threads, len(items)) if total >= SPLIT_MIN_KEYS else 1
-        ends = np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left") + 1
-        self.cuts = np.asarray(sorted({0, len(items), *(int(e) for e in ends)}), dtype=np.int64)
+        cuts = [0, len(items)]
+        if parts > 1:  # (numpy's calls cost more than a short decode step's table: only when cut)
+            ends = (
+                np.searchsorted(np.cumsum(work), [total * i / parts for i in range(1, parts)], side="left")
+                + 1
+            )
+            cuts = sorted({*cuts, *(int(e) for e in ends)})
+        self.cuts = np.asarray(cuts, dtype=np.int64)
         self.parts = len(self.cuts) - 1
         self._scratch: torch.Tensor | None = None
         # the tables' addresses, read once: each ``.ctypes`` is a new object, twice a layer
         self._ptrs = tuple(a.ctypes.data for a in (self.wins, self.views, self.items, self.cuts))
 
+    def _scratch_for(self, hq: int) -> int:
+        """Each slice's fp32 work space (see the C file), made once for the step; its stride."""
+        stride = self._rows * (hq // self.hkv) * (self._keys + 2 * self.d) + 16
+        if self._scratch is None:
+            self._scratch = torch.empty(self.parts * stride)
+        return stride
+
+    def tables(self, hq: int) -> tuple[int, ...]:
+        """What ``turnkv_attend_slice`` takes for ``hq`` query heads (``cpu_decoder``): the tables'
+        addresses (wins, views, items, cuts), the window count, the slices, the dtype code, the
+        scratch's address and stride."""
+        stride = self._scratch_for(hq)
+        scratch = self._scratch.data_ptr()
+        return (*self._ptrs, len(self.wins), self.parts, self.dtype, scratch, stride)
+
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """Every item (window x KV head x row block) of ``layer``: q fp32 ``[N, Hq, D]`` (last dim
         contiguous) -> the windows' rows of ``out`` fp32 ``[N, Hq, D]`` (contiguous)."""
         hq = q.shape[1]
-        stride = self._rows * (hq // self.hkv) * (self._keys + 2 * self.d) + 16
-        if self._scratch is None:  # each slice's fp32 work space (see the C file), kept for the step
-            self._scratch = torch.empty(self.parts * stride)
+        stride = self._scratch_for(hq)
         self._fn(
             layer,
             q.data_ptr(),

@@ -106,6 +106,11 @@ class PortableStep:
                 threads=torch.get_num_threads(),
             )
 
+    def native_only(self) -> cpu_native.NativeStep | None:
+        """The C attention's plan when it takes every window of the step (``cpu_decoder`` then
+        runs the layers in one C call), else None."""
+        return None if self.others else self.native
+
     def rope_store(self, layer, qk, v, cos, sin) -> torch.Tensor:
         hq = qk.shape[1] - v.shape[1]
         if self._rope[0] is not cos:  # the step's tables as [N, 1, D], viewed once for all layers

@@ -529,6 +529,28 @@ static void run_part(const tkv_matrix *mat, int64_t part, int64_t threads, int64
 
 #define STACK_BYTES 32768 /* activations of a decode step's rows go on the stack, more to malloc */
 
+/* Rows x[M, K] (row stride x_stride; bf16, or fp32 with x_fp32, then rounded to bf16 first into
+ * bf16[M, K]) -> the activations' int8 form: q [M][K], d and dq [M][K/32] (quantize_rows), in
+ * the order this matrix's kernel reads them. Row by row: rows quantized apart are the same. */
+void turnkv_q4_prepare(const tkv_matrix *mat, int64_t M, const void *x, int64_t x_stride, int64_t x_fp32,
+                       int8_t *q, float *d, float *dq, uint16_t *bf16) {
+    const int64_t K = mat->K;
+    const uint16_t *xb = (const uint16_t *)x;
+    if (x_fp32) {
+        round_rows_bf16(M, K, (const float *)x, x_stride, bf16);
+        xb = bf16, x_stride = K;
+    }
+    quantize_rows(M, K, xb, x_stride, q, d, dq, TKV_AVX2 && mat->P > 0);
+}
+
+/* The columns of part `part` of `threads` (run_part) for rows prepared by turnkv_q4_prepare, on
+ * the calling thread: the decoder's OpenMP region (models/cpu_decoder.c) runs part t on thread t. */
+void turnkv_q4_part(const tkv_matrix *mat, int64_t part, int64_t threads, int64_t M, const int8_t *q,
+                    const float *d, const float *dq, float *out, const float *residual) {
+    if (threads > mat->tiles) threads = mat->tiles;
+    if (part < threads) run_part(mat, part, threads, M, q, d, dq, out, residual);
+}
+
 /* y[M, n_out] (fp32, contiguous) = x[M, K] (row stride x_stride; bf16, or fp32 with x_fp32, then
  * rounded to bf16 first) @ W.T (+ residual[M, n_out], fp32 contiguous, or NULL). threads: the
  * column cut; one thread runs without an OpenMP region (its entry costs ~0.4 us a call). */
@@ -544,13 +566,7 @@ int turnkv_q4_mm(const tkv_matrix *mat, int64_t M, const void *x, int64_t x_stri
     if (!buf) return 2;
     int8_t *q = (int8_t *)buf;
     float *d = (float *)(void *)(buf + q_bytes), *dq = d + rows * G;
-    const uint16_t *xb = (const uint16_t *)x;
-    if (x_fp32) {
-        uint16_t *r = (uint16_t *)(void *)(dq + rows * G);
-        round_rows_bf16(M, K, (const float *)x, x_stride, r);
-        xb = r, x_stride = K;
-    }
-    quantize_rows(M, K, xb, x_stride, q, d, dq, TKV_AVX2 && mat->P > 0);
+    turnkv_q4_prepare(mat, M, x, x_stride, x_fp32, q, d, dq, (uint16_t *)(void *)(dq + rows * G));
     if (threads > tiles) threads = tiles;
     if (threads <= 1) {
         run_part(mat, 0, 1, M, q, d, dq, out, residual);

@@ -26,8 +26,10 @@ from torch import nn
 
 from turnkv.attention.backend import StepAttention
 from turnkv.config import ModelConfig, RopeScaling
+from turnkv.models import cpu_decoder
 from turnkv.models.matmul import PLAIN, MatmulPlan, embedding, input_dtype, linear, residual_linear
 from turnkv.models.pointwise import rms_norm, silu_mul
+from turnkv.models.quant import QuantWeight
 
 if TYPE_CHECKING:
     from turnkv.parallel.group import TensorParallel
@@ -91,6 +93,10 @@ class Rope(nn.Module):
         # the sin table's first half is negated so apply_rope needs a roll, not a cat and a neg
         self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.dtype)
         return True
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin ``[P, D]`` (contiguous), the positions ``ensure`` covered."""
+        return self._cos, self._sin
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin ``[N, D]`` for device ``positions`` ``[N]`` (covered by ``ensure``)."""
@@ -280,15 +286,36 @@ class LlamaModel(nn.Module):
         alone; every other op is row-wise). Positions must be covered by ``rope.ensure``. Never
         commits. ``upcast`` False: the logits in the compute dtype (a CUDA graph's output, which
         ``engine.graphs`` upcasts after each replay into a tensor of its own)."""
-        cfg = self.cfg
-        n = ids.shape[0]
-        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        eps = cfg.rms_norm_eps
-        tp = self.tp
-        cos, sin = self.rope.at(positions)  # [N, D]
+        eps, tp = self.cfg.rms_norm_eps, self.tp
         x = embedding(ids if tp is None else tp.vocab_ids(ids), self.embed, self.dtype)  # [N, hidden]
         if tp is not None:
             x = tp.vocab_reduce(x, ids)  # rows of other ranks' ids zeroed, summed over ranks
+        head = self.embed if self.lm_head is None else self.lm_head
+        dtype = x.dtype
+        native = getattr(attention, "native_only", None)  # (the CPU's portable steps have it)
+        decoder = cpu_decoder.for_model(self) if native is not None else None
+        step = native() if decoder is not None else None
+        if step is not None:  # every layer in one C call (cpu_decoder), the same bits as the loop
+            x = decoder.run(x, positions, self.rope.tables(), step)
+            # the final norm in C too where the head's C matmul rounds its fp32 rows as the cast would
+            if isinstance(head, QuantWeight) and head.native:
+                x = decoder.final_norm(x, logit_rows, self.norm)  # [R, hidden] fp32
+            else:
+                x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))
+        else:
+            x = self._layers(x, positions, attention, matmul)
+            x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))  # [R, hidden]
+        logits = linear(x, head, None, matmul.head(), dtype)  # [R, V] ([R, V / n] per rank)
+        if tp is not None:
+            logits = tp.gather_vocab(logits)  # -> [R, V]
+        return logits.float() if upcast else logits
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, attention: StepAttention, matmul: MatmulPlan):
+        """The decoder layers as torch ops and kernel calls, one layer after another: x ``[N,
+        hidden]`` -> the residual stream after the last layer."""
+        cfg = self.cfg
+        n, d, hq, hkv, eps = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        cos, sin = self.rope.at(positions)  # [N, D]
         for i, layer in enumerate(self.layers):
             attn_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, mlp_norm, gate_up, down = layer.weights()
             # packed weights take bf16 rows: the norms round to it (once, as the matmul would)
@@ -304,13 +331,7 @@ class LlamaModel(nn.Module):
             h = rms_norm(x, mlp_norm, eps, input_dtype(gate_up))
             up = silu_mul(linear(h, gate_up, None, matmul, x.dtype))  # [N, I]
             x = self._row_linear(x, up, down, None, matmul)
-        head = self.embed if self.lm_head is None else self.lm_head
-        dtype = x.dtype
-        x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))  # [R, hidden]
-        logits = linear(x, head, None, matmul.head(), dtype)  # [R, V] ([R, V / n] per rank)
-        if tp is not None:
-            logits = tp.gather_vocab(logits)  # -> [R, V]
-        return logits.float() if upcast else logits
+        return x
 
     def _row_linear(
         self, x: torch.Tensor, h: torch.Tensor, w, b: torch.Tensor | None, matmul: MatmulPlan
