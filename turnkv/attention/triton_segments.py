@@ -502,6 +502,13 @@ def check_shape(hq: int, hkv: int, d: int) -> None:
         raise ValueError(f"{hq} query heads over {hkv} kv heads at head_dim {d} do not fit the kernel")
 
 
+def partials(config: LaunchConfig, groups: int) -> int:
+    """Partial results a row of a launch of ``config`` over ``groups`` view groups writes (1: it
+    writes its output directly, no combine pass; the kernel's ``DIRECT``). A deterministic launch
+    of one program per row block merges its pieces itself (``fixed_config``)."""
+    return 1 if config.piece and config.splits == 1 else groups * config.splits
+
+
 def segment_attention(
     q: torch.Tensor,
     packed: torch.Tensor,
@@ -521,8 +528,7 @@ def segment_attention(
         q = q.contiguous()
     if out is None:
         out = torch.empty_like(q)
-    # a deterministic launch of one program per row block merges its pieces itself (``fixed_config``)
-    npart = 1 if config.piece and config.splits == 1 else meta.groups * config.splits
+    npart = partials(config, meta.groups)
     direct = npart == 1
     if direct:
         part_o = part_l = out  # unused

@@ -15,28 +15,22 @@ of its own: the set is finite and known from the model's shape alone (``variants
 from __future__ import annotations
 
 import torch
-import triton
 
 from turnkv.attention import triton_segments as ts
-from turnkv.attention.segment_table import pack, upload
+from turnkv.attention.segment_table import ROW_BUCKETS, pack, upload
+
+MAX_ROWS_LOG2 = ROW_BUCKETS[-1].bit_length()  # a window's rows: at most the largest row bucket
 
 
 def variants(gqa: int, head_dim: int, fixed: bool) -> list[ts.LaunchConfig]:
     """The launch configs of every kernel variant a model of ``gqa`` query heads per KV head and
     ``head_dim`` can launch: each tile choice at one split (``DIRECT``) and at two (the combine
-    pass). ``fixed``: ``fixed_config``'s 16-row tiles and key pieces only."""
-    if fixed:
-        bn, warps, stages, _ = ts._TUNED[(16, head_dim)]
-        tiles = [(16, bn, warps, stages)]
-        piece = ts.PIECE_KEYS
-    else:
-        cap = 64 if head_dim > 128 else 128  # (``_tuned``'s cap)
-        blocks = []
-        bm = max(16, triton.next_power_of_2(gqa))  # the narrowest: a one-row window's GQA rows
-        while bm <= cap:
-            blocks.append(bm)
-            bm *= 2
-        tiles = [ts._tuned(bm, head_dim)[:4] for bm in blocks]
+    pass). ``fixed``: ``fixed_config``'s tiles and key pieces only."""
+    if fixed:  # (its tiles and piece do not depend on the table: only its split count does)
+        one = ts.fixed_config(1, 1, gqa, 1, 1, head_dim, 1, torch.device("cpu"))
+        tiles, piece = [tuple(one[:4])], one.piece
+    else:  # ``_tuned`` by the rows per KV head: gqa x a window's rows, up to its cap
+        tiles = sorted({ts._tuned(gqa << k, head_dim)[:4] for k in range(MAX_ROWS_LOG2 + 1)})
         piece = 0
     return [ts.LaunchConfig(*t, splits=s, piece=piece) for t in tiles for s in (1, 2)]
 
@@ -44,8 +38,8 @@ def variants(gqa: int, head_dim: int, fixed: bool) -> list[ts.LaunchConfig]:
 def variant_of(config: ts.LaunchConfig, groups: int) -> tuple:
     """What a launch of ``config`` over a table of ``groups`` groups compiles (the constexprs that
     ``segment_attention`` passes): tiles, warps, stages, PIECE, DIRECT."""
-    npart = 1 if config.piece and config.splits == 1 else groups * config.splits
-    return (config.block_m, config.block_n, config.num_warps, config.num_stages, config.piece, npart == 1)
+    direct = ts.partials(config, groups) == 1
+    return (config.block_m, config.block_n, config.num_warps, config.num_stages, config.piece, direct)
 
 
 def compile_all(

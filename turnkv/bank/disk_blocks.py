@@ -130,25 +130,35 @@ def _feed(h, t: torch.Tensor) -> None:
         h.update(_raw(plane))
 
 
+def _checksum_of(facts: dict[str, str]):
+    """The checksum's hash, fed with ``facts`` (sorted JSON); the payload's bytes follow."""
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+
+
 def payload_checksum(facts: dict[str, str], k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor) -> str:
-    h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+    h = _checksum_of(facts)
     for t in (k, v, tokens):
         _feed(h, t)
     return "sha256:" + h.hexdigest()
 
 
-def metadata(block: Block, tokens: torch.Tensor) -> dict[str, str]:
-    """The metadata a file holding ``block`` (whose ids are ``tokens``) must carry, exactly."""
-    facts = {
+def _facts(key: str, parent: str, context: str, depth: int, dtype: torch.dtype, shape) -> dict[str, str]:
+    """Every metadata field of a block file but its checksum, as its content implies them."""
+    return {
         "format": FORMAT,
         "version": str(FORMAT_VERSION),
-        "key": block.key,
-        "parent": block.parent,
-        "context": block.context,
-        "depth": str(block.depth),
-        "dtype": dtype_name(block.k.dtype),
-        "shape": ",".join(str(s) for s in block.k.shape),
+        "key": key,
+        "parent": parent,
+        "context": context,
+        "depth": str(depth),
+        "dtype": dtype_name(dtype),
+        "shape": ",".join(str(s) for s in shape),
     }
+
+
+def metadata(block: Block, tokens: torch.Tensor) -> dict[str, str]:
+    """The metadata a file holding ``block`` (whose ids are ``tokens``) must carry, exactly."""
+    facts = _facts(block.key, block.parent, block.context, block.depth, block.k.dtype, block.k.shape)
     return facts | {"checksum": payload_checksum(facts, block.k, block.v, tokens)}
 
 
@@ -264,18 +274,9 @@ def _decode(src: _File | _Bytes, key: str, into: tuple[torch.Tensor, torch.Tenso
         depth = int(md.get("depth", ""))
     except ValueError as exc:
         raise BlockError(f"depth {md.get('depth')!r} is not a number") from exc
-    facts = {
-        "format": FORMAT,
-        "version": str(FORMAT_VERSION),
-        "key": key,
-        "parent": md.get("parent", ""),
-        "context": md.get("context", ""),
-        "depth": str(depth),
-        "dtype": dtype_name(kd),
-        "shape": ",".join(str(s) for s in ks),
-    }
+    facts = _facts(key, md.get("parent", ""), md.get("context", ""), depth, kd, ks)
     k, v = _destination(ks, kd, into)
-    h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())  # payload_checksum's stream
+    h = _checksum_of(facts)  # payload_checksum's stream, fed as the chunks are read
     for t, at in ((k, ko), (v, vo)):
         for bufs in _chunks(t):
             src.read(base + at, list(bufs))

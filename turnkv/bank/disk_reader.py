@@ -71,7 +71,6 @@ class DiskReader:
 
     def _restore(self, keys: list[str], first: int, have: int, tokens: Sequence[int]) -> Segment | None:
         """The run of stored blocks ``keys[first:]`` that every rank holds, loaded; None if none."""
-        run = 0
         try:
             run = self.store.run_length(keys[first:])
         except Exception as exc:  # a damaged index: a miss (the ranks still agree below)

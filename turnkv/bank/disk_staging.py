@@ -19,6 +19,7 @@ import threading
 import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.host_memory import host_empty
 from turnkv.kv.cache import KVShape
 
 # pinned bytes of the ring at most: 2 slots a reader (32 of an 8B model's 32 MiB blocks), so that
@@ -34,8 +35,10 @@ class Staging:
         block = shape.bytes_per_row * BLOCK_TOKENS
         self.slots = max(2, min(2 * threads, budget // block))
         dims = (self.slots, shape.num_layers, shape.num_kv_heads, BLOCK_TOKENS, shape.head_dim)
-        self.k = torch.empty(dims, dtype=shape.dtype, pin_memory=True)
-        self.v = torch.empty(dims, dtype=shape.dtype, pin_memory=True)
+        # pages faulted, then registered (``host_memory``: the driver's lock held for the
+        # registration only); a slot's copy lies inside one registration
+        self.k = host_empty(dims, shape.dtype, pinned=True)
+        self.v = host_empty(dims, shape.dtype, pinned=True)
         self._copied: list[torch.cuda.Event | None] = [None] * self.slots
         self.lock = threading.Lock()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -222,7 +223,7 @@ class LocalDirStore:
             with self._mu:
                 sql = f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(part))})"
                 held = {k for (k,) in self._db.execute(sql, list(part))}
-            n += _leading(part, held)
+            n += leading(k in held for k in part)
             if n < lo + len(part):
                 break
         return n
@@ -386,12 +387,10 @@ class LocalDirStore:
         return f
 
 
-def _leading(keys: Sequence[str], held) -> int:
-    """The number of ``keys``, from the first, in ``held``."""
-    n = 0
-    while n < len(keys) and keys[n] in held:
-        n += 1
-    return n
+def leading(held: Iterable[bool]) -> int:
+    """How many of ``held``, from the first, are true (a store's ``run_length``; stops at the
+    first false, so a lazy ``held`` asks no further)."""
+    return sum(1 for _ in itertools.takewhile(bool, held))
 
 
 def _gone(path: Path) -> bool:

@@ -1,4 +1,5 @@
-"""Host memory for the RAM tier's pool: on CUDA, pages faulted first and then registered.
+"""Pinned host memory (the RAM tier's pool, the disk tier's staging ring): on CUDA, pages faulted
+first and then registered.
 
 ``torch.empty(pin_memory=True)`` (``cudaHostAlloc``) faults, zeroes and maps a chunk's pages
 while it holds the CUDA driver's lock, so every other CUDA call of the process (a step's

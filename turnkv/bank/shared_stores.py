@@ -37,7 +37,7 @@ from pathlib import Path
 from turnkv.bank.disk_blocks import Block, BlockError, decode_block, decode_bytes, encode_block, write_block
 from turnkv.bank.disk_files import write_durable
 from turnkv.bank.disk_index import SUFFIX
-from turnkv.bank.disk_store import BlockGone, BlockInfo
+from turnkv.bank.disk_store import BlockGone, BlockInfo, leading
 
 RETRY_S = 5.0  # after a connection error, Redis calls fail at once for this long
 TEMP_AGE_S = 600.0  # a temp file older than this is a dead writer's (reconcile removes it)
@@ -134,10 +134,7 @@ class SharedDirStore:
         return self.path(key).exists()
 
     def run_length(self, keys: Sequence[str]) -> int:
-        n = 0
-        while n < len(keys) and self.has(keys[n]):
-            n += 1
-        return n
+        return leading(self.has(k) for k in keys)
 
     def delete(self, key: str) -> None:
         path = self.path(key)
@@ -363,11 +360,7 @@ class RedisStore:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.exists(self._block + key)
-        held = self._call(pipe.execute)
-        n = 0
-        while n < len(keys) and held[n]:
-            n += 1
-        return n
+        return leading(self._call(pipe.execute))
 
     def delete(self, key: str) -> None:
         self._call(self._del, keys=self._keys(key), args=[key])

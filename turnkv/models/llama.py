@@ -297,13 +297,12 @@ class LlamaModel(nn.Module):
         step = native() if decoder is not None else None
         if step is not None:  # every layer in one C call (cpu_decoder), the same bits as the loop
             x = decoder.run(x, positions, self.rope.tables(), step)
-            # the final norm in C too where the head's C matmul rounds its fp32 rows as the cast would
-            if isinstance(head, QuantWeight) and head.native:
-                x = decoder.final_norm(x, logit_rows, self.norm)  # [R, hidden] fp32
-            else:
-                x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))
         else:
             x = self._layers(x, positions, attention, matmul)
+        # the final norm in C too where the head's C matmul rounds its fp32 rows as the cast would
+        if step is not None and isinstance(head, QuantWeight) and head.native:
+            x = decoder.final_norm(x, logit_rows, self.norm)  # [R, hidden] fp32
+        else:
             x = rms_norm(x.index_select(0, logit_rows), self.norm, eps, input_dtype(head))  # [R, hidden]
         logits = linear(x, head, None, matmul.head(), dtype)  # [R, V] ([R, V / n] per rank)
         if tp is not None:
