@@ -59,6 +59,10 @@ STARTED = time.perf_counter()
 TIER_ROWS = re.compile(
     r"\b(ram|disk) (\d+)"
 )  # usage.cache_break.detail: "... lower tier: ram 11776, disk 256"
+# random weights over the byte-level tokenizer answer bytes that often never form UTF-8, which a
+# stream withholds (as vLLM's and HF's incremental detokenizers do) until its end, so a client
+# would see no text before the last chunk: steer them to a-z (one byte a token), as a model answers
+LETTERS = {str(i): 100 for i in range(97, 123)}
 WORDS = "alpha beta gamma delta river stone cloud paper engine window garden silver orbit lamp".split()
 
 
@@ -173,6 +177,7 @@ def one_turn(client, conv: Conversation, args, rnd: int) -> dict:
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        logit_bias=LETTERS if args.model.startswith("random:") else None,
         extra_body={"ignore_eos": True},
     )
     for chunk in stream:
@@ -192,6 +197,7 @@ def one_turn(client, conv: Conversation, args, rnd: int) -> dict:
         "conv": conv.i,
         "round": rnd,
         "ttft_s": ttft if ttft is not None else total,
+        "text_seen": ttft is not None,  # else the TTFT is the whole turn's (no text came)
         "total_s": total,
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -295,6 +301,7 @@ def summarize(rows: list[dict], before: dict, after: dict, wall: float, errors: 
         "rows_by_source": sources,
         "from_a_tier": cached / history if history else None,
         "ttft": {k: {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99)} for k, v in by.items()},
+        "no_text_turns": sum(not r.get("text_seen", True) for r in rows),
         "ttft_first_round": {"p50": pct([r["ttft_s"] for r in rows if r["round"] == 1], 50)},
         "out_tok_s": sum(r["completion_tokens"] for r in rows) / wall,
         "wall_s": wall,
@@ -416,7 +423,8 @@ def main() -> None:
     )
     print(
         f"turns {s['turns']}/{s['turns_expected']} ({s['failed']} failed), out {s['out_tok_s']:.1f} tok/s, "
-        f"wall {wall:.1f} s, bank evictions {s['bank'].get('evictions', 0)}"
+        f"wall {wall:.1f} s, bank evictions {s['bank'].get('evictions', 0)}; "
+        f"{s['no_text_turns']} turns streamed no text (their TTFT is the whole turn's)"
     )
     print(
         "follow-up history rows: "

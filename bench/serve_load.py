@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 
 import httpx
-from capacity import document, model_facts, pct
+from capacity import LETTERS, document, model_facts, pct
 from report import save
 from startup_gpu import ServeProcess
 
-LETTERS = {str(i): 100 for i in range(97, 123)}  # a-z of the byte-level tokenizer, one byte a token
 BRIEF = ("out_tok_s", "ttft_first_p50", "ttft_follow_p99", "itl_p99_ms", "jit_during", "host_ms")
 GOALS_H200 = {  # issue 30, 32 x 5 with D~3.3K, U=150, A=128 on the H200
     "out_tok_s": (">=", 1500),
