@@ -1,6 +1,9 @@
 """The mixed graph keys a step can take are the ones ``engine.mixed_keys`` enumerates (CPU: the
 keys are host arithmetic; ``FusedBackend.mixed_launch`` over real windows is the oracle).
 
+The enumeration is small enough for the warm-up to capture every key (``MIXED_BATCHES``), and
+``layout`` gives a step of each shape that stages to exactly that shape's key.
+
 Random steps within a scheduler's limits (decode rows, verify windows cut into one-row windows,
 short prompt chunks and prefill chunks; at most ``running`` conversations and ``budget`` rows):
 the key ``StepGraphs.stage`` gives each is in ``shapes(budget, running)``'s keys, and the same
@@ -19,7 +22,7 @@ pytest.importorskip("triton")
 from turnkv.attention.fused import FusedBackend
 from turnkv.attention.segment_table import row_bucket
 from turnkv.attention.verdict import Verdict
-from turnkv.engine.mixed_keys import key, shapes
+from turnkv.engine.mixed_keys import key, layout, shapes
 from turnkv.kv.cache import KVWindow
 from turnkv.limits import MAX_WINDOW_ROWS
 
@@ -77,6 +80,36 @@ def test_every_steps_key_is_one_the_enumeration_lists(budget, running, convs, hi
     assert got in listed
 
 
+def parts_windows(parts, history: int) -> list[KVWindow]:
+    """``layout``'s parts as the windows the backend plans (a verify part cut into one-row windows)."""
+    out: list[KVWindow] = []
+    for p in parts:
+        out += [window(history + j, 1) for j in range(p.rows)] if p.verify else [window(history, p.rows)]
+    return out
+
+
+@pytest.mark.parametrize(
+    "budget,running", [(64, 64), (256, 8), (1024, 64), (1000, 3), (2048, 64), (8192, 64)]
+)
+def test_every_listed_shape_has_a_step_that_stages_to_its_key(budget, running):
+    listed = shapes(budget, running)
+    # few enough to capture them all before ready (at 2048 rows and 64 running the old
+    # power-of-two tables listed 786 keys; the classes 209)
+    assert len(listed) <= 300
+    made = 0
+    for shape in listed:
+        parts = layout(shape, budget, running)
+        if parts is None:
+            continue
+        made += 1
+        assert len(parts) <= running
+        assert sum(p.rows for p in parts) <= budget
+        assert any(p.rows > 1 and not p.verify for p in parts) or any(p.logits == 0 for p in parts)
+        assert staged_key(parts_windows(parts, 3000)) == key(BACKEND, shape, DTYPE), shape
+    # with room for the conversations, every shape has a step (the warm-up captures all of them)
+    assert made == len(listed) or running < 16
+
+
 def test_a_steps_key_holds_no_context_and_no_chunk_size():
     # 7 decode rows beside one chunk, at 3K and 30K keys, the chunk 100 or 180 rows of a
     # 192-row step: one key (so one graph, captured once, serves them all)
@@ -102,3 +135,49 @@ def test_the_warm_up_counts_the_possible_keys_it_captured():
     graphs = SimpleNamespace(capture=True, backend=BACKEND, graphs=held)
     assert mixed_coverage(sched, graphs) == {"possible": len(possible), "captured": 5}
     assert mixed_coverage(sched, SimpleNamespace(status="off: no CUDA (cpu)")) == {}
+
+
+@pytest.mark.parametrize("budget,running", [(256, 8), (1024, 64)])
+def test_the_warm_up_captures_every_possible_mixed_key(budget, running):
+    # ``capture_mixed`` runs a step of each listed shape not captured yet; an engine whose steps
+    # stage as the fused backend plans them (verify windows cut into one-row windows) and record
+    # their key as captured ends the warm-up with every possible key captured (or, where too few
+    # conversations may run for a shape's fewest windows, all but those)
+    from types import SimpleNamespace
+
+    from turnkv.engine.warmup import capture_mixed, mixed_coverage
+
+    graphs = SimpleNamespace(capture=True, backend=BACKEND, graphs={})
+    ran = []
+
+    class Engine:
+        loaded = SimpleNamespace(config=SimpleNamespace(vocab_size=256))
+        shape = SimpleNamespace(device=torch.device("cuda"), dtype=DTYPE)
+
+        def __init__(self):
+            self.graphs = graphs
+
+        def new_cache(self):
+            return object()
+
+        def run_step(self, windows):
+            assert len({id(w.cache) for w in windows}) == len(windows)  # one window a conversation
+            kv = []
+            for w in windows:
+                cut = w.logits == len(w.tokens) > 1  # a verify window (``Window.verifies``)
+                kv += (
+                    [window(3000 + j, 1) for j in range(len(w.tokens))]
+                    if cut
+                    else [window(3000, len(w.tokens))]
+                )
+            ran.append(staged_key(kv))
+            graphs.graphs[ran[-1]] = None
+
+    sched = SimpleNamespace(engine=Engine(), max_batch_tokens=budget, max_running=running)
+    graphs.graphs[key(BACKEND, min(shapes(budget, running), key=str), DTYPE)] = None  # met by a turn before
+    steps = capture_mixed(sched)
+    assert steps == len(ran) == len(set(ran))  # no key twice, none already captured
+    cov = mixed_coverage(sched, graphs)
+    missing = [s for s in shapes(budget, running) if layout(s, budget, running) is None]
+    assert cov == {"possible": len(shapes(budget, running)), "captured": cov["possible"] - len(missing)}
+    assert running < 16 or not missing

@@ -27,6 +27,7 @@ from turnkv.attention.routes import Path  # noqa: E402
 from turnkv.attention.segment_table import (  # noqa: E402
     UnsupportedViews,
     key_bucket,
+    mixed_batch,
     pack,
     padded_batch,
     row_bucket,
@@ -190,10 +191,13 @@ def test_a_mixed_launch_pads_rows_and_sequences_and_attends_the_real_rows_alike(
     windows = [window4(hkv, lengths, m, d, seed=20 + i) for i, (lengths, m) in enumerate(shapes)]
     backend = FusedBackend(Verdict(), hkv * gqa, hkv, d, DEVICE)
     launch = backend.mixed_launch(windows)
-    assert (launch.narrow.batch, launch.narrow.rows) == (padded_batch(3), 32)
+    assert (launch.narrow.batch, launch.narrow.rows) == (mixed_batch(3), 32)
     n = sum(w.rows for w in windows)
     np_ = row_bucket(n)
-    assert (launch.wide.batch, launch.wide.rows) == (2, np_)  # the step's rows, not its widest chunk's
+    assert (launch.wide.batch, launch.wide.rows) == (
+        mixed_batch(2),
+        np_,
+    )  # the step's rows, not its widest chunk's
     assert np_ > row_bucket(40)
     step = backend.plan(windows, launch, out=backend.graph_table(launch.batch))
     assert [lc.meta.batch for lc in step.launches] == [launch.narrow.batch, launch.wide.batch]

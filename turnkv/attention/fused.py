@@ -10,8 +10,9 @@ For a CUDA graph the plan is built into a static buffer (``out``, ``graph_table`
 ``DecodeLaunch`` (``decode_launch``: padding sequences up to the captured batch, the split count
 of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.graphs``. A step
 with prompt rows is captured whole the same way by its ``MixedLaunch`` (``mixed_launch``): per
-table, padded batch, grid rows (1 or 32 narrow, the step's row bucket wide), the tiles those give
-and a grid with room for the most splits any context could ask at that batch; the step's own
+table, its batch padded to a class (``segment_table.MIXED_BATCHES``), grid rows (1 or 32 narrow,
+the step's row bucket wide), the tiles those give and a grid with room for the most splits any
+context could ask at the class's smallest batch; the step's own
 split count (by the key bucket of its longest context and its conversations) is written into
 the table, where the kernels read it, so one graph serves every context. The same key bucket
 bounds a verify window (``verify_rows``), whose rows must split as they would decoded alone: the
@@ -29,9 +30,10 @@ from turnkv.attention.backend import DecodeLaunch, MixedLaunch, TableLaunch, row
 from turnkv.attention.routes import Path, Route, narrow
 from turnkv.attention.segment_table import (
     FIELDS,
-    GRAPH_BATCHES,
     TableMeta,
     key_bucket,
+    mixed_batch,
+    mixed_fewest,
     pack,
     padded_batch,
     row_bucket,
@@ -196,15 +198,16 @@ class FusedBackend:
 
     def mixed_launch(self, windows: Sequence[KVWindow]) -> MixedLaunch | None:
         """``MixedLaunch`` of a step with prompt rows (None past ``MAX_SEGMENTS`` views or
-        ``GRAPH_BATCHES[-1]`` windows of one kind). A table's grid is sized for its padded batch
-        and a bucket of its widest window: one-row windows 1, other narrow ones
-        ``MAX_WINDOW_ROWS``, prefill chunks the step's row bucket (the graph's rows: so a chunk's
-        size within the step is no part of the key either; the rows past a chunk's are programs
-        that read nothing, and its splits are those of a chunk as wide as the step, at most 1.5x
-        fewer where the chunk's own bucket is one below: 9 -> 6 at 64 -> 96 rows, 8B shapes). Its
-        tiles follow from those, and its room for splits is the most any context could ask at
-        that batch (``table_launch``): the step's own split count is written into the table
-        (``table_splits``), so neither the context nor the conversation count enters the key."""
+        ``MIXED_BATCHES[-1]`` windows of one kind). A table's sequences are padded to their class
+        (``mixed_batch``) and its grid sized for a bucket of its widest window: one-row windows 1,
+        other narrow ones ``MAX_WINDOW_ROWS``, prefill chunks the step's row bucket (the graph's
+        rows: so a chunk's size within the step is no part of the key either; the rows past a
+        chunk's are programs that read nothing, and its splits are those of a chunk as wide as
+        the step, at most 1.5x fewer where the chunk's own bucket is one below: 9 -> 6 at 64 ->
+        96 rows, 8B shapes). Its tiles follow from those, and its room for splits is the most any
+        context could ask at the class's smallest batch (``table_launch``): the step's own split
+        count is written into the table (``table_splits``), so neither the context nor the
+        conversation count enters the key."""
         if any(len(w.views) > MAX_SEGMENTS for w in windows):
             return None
         step_rows = row_bucket(sum(w.rows for w in windows))
@@ -214,22 +217,29 @@ class FusedBackend:
             if not group:
                 tables.append(None)
                 continue
-            batch = padded_batch(len(group))
+            batch = mixed_batch(len(group))
             widest = max(w.rows for w in group)
             rows = step_rows if wide else (1 if widest == 1 else MAX_WINDOW_ROWS)
-            if batch > GRAPH_BATCHES[-1] or rows is None:
+            if batch is None or rows is None:
                 return None
             tables.append(self.table_launch(batch, rows, group[0].views[0][0].dtype))
         return MixedLaunch(*tables)
 
     def table_launch(self, batch: int, rows: int, dtype: torch.dtype) -> TableLaunch:
-        """The launch of a mixed step's table of ``batch`` sequences and a ``rows``-row grid: the
+        """The launch of a mixed step's table of the class ``batch`` and a ``rows``-row grid: the
         tiles of ``pick_config`` and, as its room for splits, its split count at an unbounded
-        context."""
+        context. A one-row grid's room is that of the class's smallest batch (its few
+        conversations keep their flash-decoding splits; the combine pass of a padding sequence
+        is one empty program a head); a wider grid's is the class's own (there the combine pass
+        would run a program per head and grid row of every padding sequence)."""
         from turnkv.attention import triton_segments as ts
 
         meta = TableMeta(batch, 1, SPLIT_ROOM_KEYS, rows, self.kv_heads, self.head_dim, dtype)
-        config = ts.pick_config(meta, self.gqa, self.device, conversations=batch, fixed=self.fixed)
+        fewest = mixed_fewest(batch) if rows == 1 else batch
+        config = ts.pick_config(meta, self.gqa, self.device, conversations=fewest, fixed=self.fixed)
+        if rows == 1 and self.fixed:  # (``fixed_config`` sizes its pieces' programs by the batch)
+            small = replace(meta, batch=fewest)
+            config = config._replace(splits=ts.pick_config(small, self.gqa, self.device, fixed=True).splits)
         return TableLaunch(batch, rows, config)
 
     def table_splits(self, group: Sequence[KVWindow], table: TableLaunch) -> int:

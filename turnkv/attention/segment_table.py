@@ -71,6 +71,25 @@ def padded_batch(b: int) -> int:
     return next((s for s in GRAPH_BATCHES if s >= b), b)
 
 
+# sequences a table of a step with prompt rows is padded to (``FusedBackend.mixed_launch``): so few
+# classes that the warm-up captures every key a step can take (``engine.mixed_keys``). The programs
+# of padding sequences read and write nothing, so padding costs launches of empty programs; one
+# chunk alone (the commonest wide table: a prompt beside decode rows) keeps a class of its own
+MIXED_BATCHES = (1, 8, 64)
+
+
+def mixed_batch(b: int) -> int | None:
+    """The class a table of ``b`` sequences in a step with prompt rows is padded to (None: more
+    than the largest, which runs eagerly)."""
+    return next((s for s in MIXED_BATCHES if s >= b), None)
+
+
+def mixed_fewest(batch: int) -> int:
+    """The fewest sequences padded to the class ``batch`` (one more than the class below)."""
+    i = MIXED_BATCHES.index(batch)
+    return 1 if i == 0 else MIXED_BATCHES[i - 1] + 1
+
+
 # total rows a step with prompt rows is captured at (``engine.graphs``): powers of two and the
 # midpoints between them, so a step pads by at most half its rows
 ROW_BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)

@@ -14,10 +14,11 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
   same batch bit for bit.
 - **Steps with prompt rows** (prefill chunks, alone or beside decode and verify rows): keyed by
   the row bucket of their rows (``segment_table.row_bucket``, up to 8192), their padded logit
-  rows and the attention's ``MixedLaunch`` (per table: padded batch, the grid's rows: 1 or 32
-  for the narrow table, the step's row bucket for the wide one, and the tiles and room for
-  splits those give). Neither a chunk's size nor any context enters the key: each table's grid has
-  room for the most splits any context could ask at its batch, and the step's own split count
+  rows and the attention's ``MixedLaunch`` (per table: its batch class, ``MIXED_BATCHES``, the
+  grid's rows: 1 or 32 for the narrow table, the step's row bucket for the wide one, and the
+  tiles and room for splits those give). Neither a chunk's size nor any context enters the key:
+  each table's grid has room for the most splits any context could ask at its class's smallest
+  batch, and the step's own split count
   (by the key bucket of its longest context and its conversations) is written into the segment
   table, where the kernels read it; the programs past it read and write nothing
   (``FusedBackend.table_launch``/``table_splits``). Padding rows read token 0 at position 0 and
@@ -33,9 +34,9 @@ shapes, then the capture), so no JIT runs inside a capture. Once the server's wa
 eagerly on its staged buffers (``eager``: the same bits a replay would give) and is counted in
 ``misses`` instead of capturing while serving (a capture stalls every running turn for a forward
 and more, and captured under load it shares the device with the tiers' copy threads). The
-mixed keys still multiply (row bucket x the narrow table's batch and grid rows x the wide
-table's batch: 786 for a 2048-row budget and 64 running, ``engine.mixed_keys``), so the warm-up
-captures the common ones and the rest stay eager (``/health.scheduler.warmup.mixed_keys``).
+mixed keys are few (row bucket x the narrow table's class and grid rows x the wide table's
+class: 165 for a 1024-row budget and 64 running, ``engine.mixed_keys``), and the warm-up captures
+a step of each (``warmup.capture_mixed``; ``/health.scheduler.warmup.mixed_keys``).
 
 ``--cuda-graphs off`` stages every step the same way and runs it eagerly on those buffers (so
 graphs on or off change no bit). ``--cuda-graphs auto`` captures where it can: CUDA, the fused route, at most ``MAX_GRAPH_BATCH``

@@ -12,9 +12,10 @@ chunks of several sizes over histories of every power of two of keys (restored f
 chunk's split count, and so its combine kernel's variant, follows its keys), mixed steps
 of decode rows plus prompt chunks for each captured batch of decode rows (``mixed_groups``),
 sampled, logprob and grammar-masked rows; then verify windows driven on the engine directly
-(``verify_steps``: drafts cannot be forced through turns). Whatever those steps compile or
-capture is then in place, and the step graphs are sealed (``graphs.StepGraphs.seal``): a mixed
-key the warm-up did not reach runs eagerly on its staged buffers (the same bits) instead of
+(``verify_steps``: drafts cannot be forced through turns), and a step of every mixed graph key
+the limits allow that the turns did not meet (``capture_mixed``: the keys are few,
+``mixed_keys``). Whatever those steps compile or capture is then in place, and the step graphs
+are sealed (``graphs.StepGraphs.seal``): a step past the graphs' limits runs eagerly instead of
 capturing while serving. What a serving step still compiles is counted (``jit_watch``).
 
 On a CPU there is no JIT (the C kernels are built at load): one short turn (``smoke``) checks the
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from turnkv.attention.segment_table import GRAPH_BATCHES, ROW_BUCKETS, row_bucket
 from turnkv.engine.events import Banked, Failed, TurnRequest
-from turnkv.engine.mixed_keys import key, shapes
+from turnkv.engine.mixed_keys import key, layout, shapes
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
 from turnkv.limits import MAX_WINDOW_ROWS
@@ -175,11 +176,9 @@ def mixed_groups(sched: Scheduler, grammar, seed) -> list[Group]:
     table's grid is sized for whatever its chunks' sizes), a short one (the narrow table's 32-row grid beside the decode rows) and two
     together (a wide table of two chunks: a head beside another prompt's tail under load).
 
-    A mixed graph is keyed by the row bucket and each table's batch and rows (its split count
-    rides in the table, so the context is no part of it): still too many keys to capture all;
-    these are the ones a loaded server meets most (``graphs.StepGraphs.seal`` runs the rest
-    eagerly), and between them they compile every Triton variant a mixed step takes (row-count
-    classes, direct and split launches, one and two masked rows)."""
+    Between them they compile what a mixed step runs beside its graph: sampled, logprob and
+    grammar-masked rows in company (one and two masked rows), and the mixed keys these steps
+    meet; ``capture_mixed`` then captures every other key directly."""
     engine = sched.engine
     vocab = engine.loaded.config.vocab_size
     budget, running = sched.max_batch_tokens, sched.max_running
@@ -268,6 +267,36 @@ def verify_steps(engine) -> int:
     return steps
 
 
+def capture_mixed(sched: Scheduler) -> int:
+    """A step of every mixed graph key ``sched``'s limits allow that the turns before did not
+    capture (``mixed_keys.layout``), run on the engine directly over caches of its own and not
+    committed: so the graphs are sealed with every mixed key in place, and a serving step with
+    prompt rows replays (or, past the graphs' limits, runs eagerly: too many windows of a kind,
+    too many views, scored rows). Returns the steps run."""
+    from turnkv.engine.step import Window
+
+    engine = sched.engine
+    graphs = getattr(engine, "graphs", None)
+    if not _compiles(engine) or not getattr(graphs, "capture", False):
+        return 0
+    budget, running = sched.max_batch_tokens, sched.max_running
+    vocab, dtype = engine.loaded.config.vocab_size, engine.shape.dtype
+    caches: list = []
+    steps = 0
+    order = sorted(shapes(budget, running), key=lambda s: (s[0], s[1] or (0, 0), s[2] or 0))
+    for shape in order:
+        parts = layout(shape, budget, running)
+        if parts is None or key(graphs.backend, shape, dtype) in graphs.graphs:
+            continue
+        caches += [engine.new_cache() for _ in range(len(parts) - len(caches))]
+        windows = [
+            Window(caches[i], _prompt(p.rows, 11000 + i, vocab), logits=p.logits) for i, p in enumerate(parts)
+        ]
+        engine.run_step(windows)
+        steps += 1
+    return steps
+
+
 def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmReport:
     """Run ``plan(sched)`` on ``sched`` (idle, over a bank of its own) to the end of every turn."""
     phases = plan(sched, grammar)
@@ -289,6 +318,10 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     t = time.perf_counter()
     report.steps += verify_steps(sched.engine)
     report.phases["verify"] = time.perf_counter() - t
+    progress.phase = "graphs"
+    t = time.perf_counter()
+    report.steps += capture_mixed(sched)
+    report.phases["graphs"] = time.perf_counter() - t
     graphs = getattr(sched.engine, "graphs", None)
     if graphs is not None:
         report.captures = int(getattr(graphs, "captures", 0))
