@@ -9,7 +9,8 @@ seconds per GB (``time.process_time``: less disturbed by other jobs on a shared 
 
 - ``read``: the block files' bytes read into one buffer per thread (``os.preadv``): the page
   cache's copy, the floor of any file store's read (``dir``/``local`` only);
-- ``sha256``: SHA-256 of a block's bytes already in memory (the checksum's own cost);
+- ``checksum``: the block checksum (``disk_blocks.CHECKSUM``, XXH3-128) of a block's bytes already
+  in memory (its own cost), and ``sha256``: SHA-256 of the same bytes (the checksum before format 2);
 - ``pin_per_block`` (CUDA): page-locked allocations of ``2 x --threads`` blocks, the first in
   the process: what the reader paid per block before its pinned ring (``disk_staging``);
 - ``get``: ``store.get`` of every block into one destination per thread: read, parse, verify;
@@ -40,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import xxhash
 from report import cpu_name, save
 from serve_procs import drop_page_cache
 
@@ -187,10 +189,15 @@ def main() -> None:
         record("read", *timed(per_block(t, len(keys), read), args.repeat, cold))
     raw = [[x.reshape(-1).view(torch.uint8).numpy() for x in (b.k, b.v)] for b in blocks[:t]]
 
+    def checksum(i: int, slot: int) -> None:
+        h = xxhash.xxh3_128(raw[slot][0])
+        h.update(raw[slot][1])
+
     def sha(i: int, slot: int) -> None:
         h = hashlib.sha256(raw[slot][0])
         h.update(raw[slot][1])
 
+    record("checksum", *timed(per_block(t, len(keys), checksum), args.repeat))
     record("sha256", *timed(per_block(t, len(keys), sha), args.repeat))
     reader = open_store(args.store, root, args.redis) if args.store != "redis" else _reopen(args.redis)
     get = per_block(t, len(keys), lambda i, s: reader.get(keys[i], into=dsts[s]))

@@ -159,6 +159,55 @@ def test_foreign_and_older_files_are_refused(tmp_path):
         decode_block(str(tmp_path / "missing.safetensors"), block.key)
 
 
+def _version_1(block: Block) -> bytes:
+    """``block`` as format version 1 wrote it: a SHA-256 checksum over the same stream."""
+    import hashlib
+    import json
+
+    tokens = torch.tensor(block.tokens)
+    md = {n: f for n, f in metadata(block, tokens).items() if n != "checksum"} | {"version": "1"}
+    h = hashlib.sha256(json.dumps(md, sort_keys=True).encode())
+    for t in (block.k, block.v, tokens):
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return save(
+        {"k": block.k, "v": block.v, "tokens": tokens}, metadata=md | {"checksum": "sha256:" + h.hexdigest()}
+    )
+
+
+def test_version_1_files_are_never_looked_up_and_a_rebuild_drops_them_without_a_corrupt_count(
+    tmp_path, monkeypatch
+):
+    # the keys cover the format version: a version-1 file of the same tokens has another key, so
+    # no lookup finds it; with the index lost, the rebuild drops it as a file that does not verify
+    # and the store starts (it is not a read's ``corrupt``: no read touches it)
+    from turnkv.bank.disk_store import LocalDirStore
+
+    block = _block()
+    with monkeypatch.context() as m:
+        m.setattr(disk_blocks, "FORMAT_VERSION", 1)
+        v1_context = block_context("fp", SHAPE)
+    assert v1_context != block.context
+    v1_key = block_keys(v1_context, "ns", TOKENS, 1)[0]
+    assert v1_key != block.key
+    old = dataclasses.replace(block, key=v1_key, context=v1_context)
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(_version_1(old))
+    with pytest.raises(BlockError, match="version"):
+        decode_block(str(path), v1_key)
+    store = LocalDirStore(tmp_path / "kv")
+    store.put(block)
+    target = store.path(v1_key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(_version_1(old))
+    store.close()
+    (tmp_path / "kv" / "index.sqlite").unlink()  # lost: the next start rebuilds from the files
+    store = LocalDirStore(tmp_path / "kv")
+    assert store.run_length([block.key]) == 1 and store.run_length([v1_key]) == 0
+    assert not target.exists()
+    assert _same(store.get(block.key), block)
+    store.close()
+
+
 def test_payload_with_a_wrong_checksum_is_refused(tmp_path):
     block = _block()
     tokens = torch.tensor(block.tokens)

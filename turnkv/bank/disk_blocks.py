@@ -9,7 +9,7 @@ namespace share blocks, and nothing of another model, dtype, geometry or namespa
 
 A block file is safetensors (no pickle): tensors ``k``, ``v`` ``[L, Hkv, 256, D]`` and ``tokens``
 ``[256]`` int64, and string metadata ``format``, ``version``, ``key``, ``parent``, ``context``,
-``depth``, ``dtype``, ``shape`` and ``checksum``: ``sha256:`` of the other metadata fields (as
+``depth``, ``dtype``, ``shape`` and ``checksum``: ``xxh3-128:`` of the other metadata fields (as
 sorted JSON) and then the bytes of ``k``, ``v`` and ``tokens``, so no field can change unseen.
 :func:`decode_block` returns a block only when every metadata field is exactly what the file's
 own content implies and the checksum matches; anything else raises :class:`BlockError`.
@@ -20,9 +20,14 @@ into the memory that will hold them (a segment's rows, a pinned staging slot) a 
 each chunk hashed while still in the cache. A restore is bound by that read and the hash, not
 by copies (docs/BENCHMARKS.md, "Restore stages").
 
-SHA-256 rather than a CRC: a block read back is either the exact bytes written or refused, with no
-practical chance of a collision; with SHA-NI it runs at 1.0-1.4 GB/s a core (a 2-core Xeon VM),
-so the tier reads blocks on several threads.
+XXH3-128 (the ``xxhash`` library) as the checksum, not SHA-256: it guards against corruption
+(bit flips, a torn or truncated write, a file of another block or model), which it misses with a
+chance of 2^-128, not against an adversary: the checksum is not keyed, so whoever can write the
+store can write a valid block whatever the hash. SHA-256 hashed at about a tenth of its rate and
+bounded a restore from a warm page cache (docs/BENCHMARKS.md, "Block checksums: XXH3-128"); the
+block *keys*, which name content across replicas, stay chained SHA-256. Format version 2; the
+keys cover the version, so a version-1 file is never found by a lookup: the LRU evicts it, a
+rebuild drops it.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 from turnkv.kv.cache import KVShape
 
 BLOCK_TOKENS = 256
 FORMAT = "turnkv.kv-block"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: SHA-256 checksums
+CHECKSUM = "xxh3-128"
 ROOT_KEY = "0" * 64  # the parent of a conversation's first block
 
 
@@ -103,7 +110,7 @@ def block_keys(context: str, namespace: str, tokens: Sequence[int], count: int |
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor, as a buffer ``hashlib`` reads without a copy."""
+    """The bytes of a contiguous CPU tensor, as a buffer the checksum reads without a copy."""
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -132,14 +139,14 @@ def _feed(h, t: torch.Tensor) -> None:
 
 def _checksum_of(facts: dict[str, str]):
     """The checksum's hash, fed with ``facts`` (sorted JSON); the payload's bytes follow."""
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+    return xxhash.xxh3_128(json.dumps(facts, sort_keys=True).encode())
 
 
 def payload_checksum(facts: dict[str, str], k: torch.Tensor, v: torch.Tensor, tokens: torch.Tensor) -> str:
     h = _checksum_of(facts)
     for t in (k, v, tokens):
         _feed(h, t)
-    return "sha256:" + h.hexdigest()
+    return f"{CHECKSUM}:{h.hexdigest()}"
 
 
 def _facts(key: str, parent: str, context: str, depth: int, dtype: torch.dtype, shape) -> dict[str, str]:
@@ -252,7 +259,7 @@ class _Bytes:
 
 HEADER_MAX = 1 << 20  # a block's safetensors header is ~1 KiB; more is not a block
 # bytes read, then hashed while still in the core's L2 (2 MiB here): a block read and verified in
-# chunks of 256 KiB took 0.78 CPU s/GB, of 1 MiB 0.86, whole 16 MiB tensors 1.09 (one thread;
+# chunks of 256 KiB took 0.78 CPU s/GB, of 1 MiB 0.86, whole 16 MiB tensors 1.09 (one thread, SHA-256;
 # docs/BENCHMARKS.md, "Restore stages"); each chunk is two calls that release and retake the GIL,
 # so not smaller
 CHUNK = 512 << 10
@@ -286,7 +293,7 @@ def _decode(src: _File | _Bytes, key: str, into: tuple[torch.Tensor, torch.Tenso
     ids = np.empty(BLOCK_TOKENS, "<i8")
     src.read(base + to, [ids.view(np.uint8)])
     h.update(ids)
-    want = facts | {"checksum": "sha256:" + h.hexdigest()}
+    want = facts | {"checksum": f"{CHECKSUM}:{h.hexdigest()}"}
     if md != want:
         bad = sorted(n for n in set(md) | set(want) if md.get(n) != want.get(n))
         raise BlockError(f"metadata does not match the content ({', '.join(bad)})")

@@ -37,7 +37,7 @@ SCHEMA_VERSION = 1  # of the index; an index of another version is rebuilt from 
 SUFFIX = ".safetensors"
 SIDE_FILES = ("-wal", "-shm")  # SQLite's companions of the index in WAL mode
 COLUMNS = "key, parent, context, depth, nbytes, last_access"
-VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))  # SHA-256 of a block runs without the GIL
+VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))  # a block's checksum runs without the GIL
 _KEY = re.compile(r"[0-9a-f]{64}")
 # errors that say the index cannot be reached now, not that it is damaged: never rebuild for them
 _NOT_DAMAGE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_READONLY")

@@ -28,8 +28,8 @@ from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger("turnkv.bank.disk")
 
-# readers verifying blocks in parallel (hashing and numpy copies run without the GIL); SHA-256 of
-# one block is one core's work, so a restore scales with the cores up to here
+# readers verifying blocks in parallel (hashing and numpy copies run without the GIL); a block's
+# read and checksum are one core's work, so a restore scales with the cores up to here
 LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
 
 
