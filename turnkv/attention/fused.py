@@ -12,7 +12,7 @@ of its key bucket), so a replay needs only the one upload; see ``turnkv.engine.g
 with prompt rows is captured whole the same way by its ``MixedLaunch`` (``mixed_launch``): per
 table, its batch padded to a class (``segment_table.MIXED_BATCHES``), grid rows (1 or 32 narrow,
 the step's row bucket wide), the tiles those give and a grid with room for the most splits any
-context could ask at the class's smallest batch; the step's own
+context could ask (``table_launch``); the step's own
 split count (by the key bucket of its longest context and its conversations) is written into
 the table, where the kernels read it, so one graph serves every context. The same key bucket
 bounds a verify window (``verify_rows``), whose rows must split as they would decoded alone: the
@@ -205,7 +205,7 @@ class FusedBackend:
         chunk's are programs that read nothing, and its splits are those of a chunk as wide as
         the step, at most 1.5x fewer where the chunk's own bucket is one below: 9 -> 6 at 64 ->
         96 rows, 8B shapes). Its tiles follow from those, and its room for splits is the most any
-        context could ask at the class's smallest batch (``table_launch``): the step's own split
+        context could ask (``table_launch``): the step's own split
         count is written into the table (``table_splits``), so neither the context nor the
         conversation count enters the key."""
         if any(len(w.views) > MAX_SEGMENTS for w in windows):

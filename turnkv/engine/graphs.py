@@ -17,8 +17,8 @@ shared memory pool, then each step only writes those buffers (two uploads: ``sta
   rows and the attention's ``MixedLaunch`` (per table: its batch class, ``MIXED_BATCHES``, the
   grid's rows: 1 or 32 for the narrow table, the step's row bucket for the wide one, and the
   tiles and room for splits those give). Neither a chunk's size nor any context enters the key:
-  each table's grid has room for the most splits any context could ask at its class's smallest
-  batch, and the step's own split count
+  each table's grid has room for the most splits any context could ask (``table_launch``), and
+  the step's own split count
   (by the key bucket of its longest context and its conversations) is written into the segment
   table, where the kernels read it; the programs past it read and write nothing
   (``FusedBackend.table_launch``/``table_splits``). Padding rows read token 0 at position 0 and
