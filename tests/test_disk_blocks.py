@@ -209,6 +209,27 @@ def test_version_1_files_are_never_looked_up_and_a_rebuild_drops_them_without_a_
     store.close()
 
 
+def test_the_checksum_is_xxh3_128_of_the_sorted_metadata_then_k_v_and_token_ids():
+    """The file format, computed here in one shot: the writer's stream (a strided ``k`` fed
+    plane by plane) and the reader's chunked one must both be exactly these bytes in this order."""
+    import json
+
+    import xxhash
+
+    block = _block(dataclasses.replace(SHAPE, dtype=torch.bfloat16))
+    tokens = torch.tensor(block.tokens)
+    md = metadata(block, tokens)
+    facts = {n: f for n, f in md.items() if n != "checksum"}
+    raw = json.dumps(facts, sort_keys=True).encode() + b"".join(
+        t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in (block.k, block.v, tokens)
+    )
+    assert md["checksum"] == "xxh3-128:" + xxhash.xxh3_128(raw).hexdigest()
+    wide = torch.zeros(2, 2, 3 * BLOCK_TOKENS, 8, dtype=torch.bfloat16)
+    wide[:, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS] = block.k
+    strided = dataclasses.replace(block, k=wide[:, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS])
+    assert not strided.k.is_contiguous() and metadata(strided, tokens) == md
+
+
 def test_payload_with_a_wrong_checksum_is_refused(tmp_path):
     block = _block()
     tokens = torch.tensor(block.tokens)
