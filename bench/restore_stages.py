@@ -9,8 +9,9 @@ seconds per GB (``time.process_time``: less disturbed by other jobs on a shared 
 
 - ``read``: the block files' bytes read into one buffer per thread (``os.preadv``): the page
   cache's copy, the floor of any file store's read (``dir``/``local`` only);
-- ``checksum``: the block checksum (``disk_blocks.CHECKSUM``, XXH3-128) of a block's bytes already
-  in memory (its own cost), and ``sha256``: SHA-256 of the same bytes (the checksum before format 2);
+- ``checksum``: the block checksum in use (``disk_blocks.CHECKSUM``, XXH3-128) of a block already
+  in memory, as the writer computes it (``disk_blocks.metadata``): its own cost; and ``sha256``:
+  SHA-256 of the same bytes (the checksum before format 2);
 - ``pin_per_block`` (CUDA): page-locked allocations of ``2 x --threads`` blocks, the first in
   the process: what the reader paid per block before its pinned ring (``disk_staging``);
 - ``get``: ``store.get`` of every block into one destination per thread: read, parse, verify;
@@ -41,7 +42,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import xxhash
 from report import cpu_name, save
 from serve_procs import drop_page_cache
 
@@ -189,9 +189,10 @@ def main() -> None:
         record("read", *timed(per_block(t, len(keys), read), args.repeat, cold))
     raw = [[x.reshape(-1).view(torch.uint8).numpy() for x in (b.k, b.v)] for b in blocks[:t]]
 
-    def checksum(i: int, slot: int) -> None:
-        h = xxhash.xxh3_128(raw[slot][0])
-        h.update(raw[slot][1])
+    ids = [torch.tensor(b.tokens, dtype=torch.int64) for b in blocks[:t]]
+
+    def checksum(i: int, slot: int) -> None:  # the writer's own: metadata, k, v, token ids
+        disk_blocks.metadata(blocks[slot], ids[slot])
 
     def sha(i: int, slot: int) -> None:
         h = hashlib.sha256(raw[slot][0])
@@ -242,6 +243,7 @@ def main() -> None:
         "bytes": total,
         "threads": t,
         "chunk_bytes": getattr(disk_blocks, "CHUNK", None),
+        "checksum": getattr(disk_blocks, "CHECKSUM", "sha256"),
         "store": args.store,
         "page_cache": "dropped before each run (posix_fadvise)" if args.cold else "warm",
         "device": args.device,

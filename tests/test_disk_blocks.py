@@ -203,9 +203,31 @@ def test_version_1_files_are_never_looked_up_and_a_rebuild_drops_them_without_a_
     (tmp_path / "kv" / "index.sqlite").unlink()  # lost: the next start rebuilds from the files
     store = LocalDirStore(tmp_path / "kv")
     assert store.run_length([block.key]) == 1 and store.run_length([v1_key]) == 0
+    assert (store.rebuilt.kept, store.rebuilt.dropped, store.rebuilt.other_version) == (1, 0, 1)
     assert not target.exists()
     assert _same(store.get(block.key), block)
     store.close()
+
+
+def test_the_checksum_is_xxh3_128_of_the_sorted_metadata_then_k_v_and_token_ids():
+    """The file format, computed here in one shot: the writer's stream (a strided ``k`` fed
+    plane by plane) and the reader's chunked one must both be exactly these bytes in this order."""
+    import json
+
+    import xxhash
+
+    block = _block(dataclasses.replace(SHAPE, dtype=torch.bfloat16))
+    tokens = torch.tensor(block.tokens)
+    md = metadata(block, tokens)
+    facts = {n: f for n, f in md.items() if n != "checksum"}
+    raw = json.dumps(facts, sort_keys=True).encode() + b"".join(
+        t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in (block.k, block.v, tokens)
+    )
+    assert md["checksum"] == "xxh3-128:" + xxhash.xxh3_128(raw).hexdigest()
+    wide = torch.zeros(2, 2, 3 * BLOCK_TOKENS, 8, dtype=torch.bfloat16)
+    wide[:, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS] = block.k
+    strided = dataclasses.replace(block, k=wide[:, :, BLOCK_TOKENS : 2 * BLOCK_TOKENS])
+    assert not strided.k.is_contiguous() and metadata(strided, tokens) == md
 
 
 def test_payload_with_a_wrong_checksum_is_refused(tmp_path):
@@ -242,6 +264,33 @@ def test_flipped_bytes_are_refused_or_harmless(tmp_path, dtype, flips):
     except BlockError:
         return
     assert _same(got, want)
+
+
+def _metadata_of(data: bytes) -> dict[str, str]:
+    import json
+
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bit=st.integers(min_value=0), field=st.sampled_from(sorted(_metadata_of(ENCODED[torch.float32]))))
+def test_one_flipped_bit_of_k_v_tokens_or_a_metadata_field_is_refused(tmp_path, bit, field):
+    """One bit anywhere in the payload (``k``, ``v``, ``tokens``), or in any metadata field's
+    value, and the file is refused: nothing the checksum covers can change unseen."""
+    data = ENCODED[torch.float32]
+    header = 8 + int.from_bytes(data[:8], "little")
+    path = tmp_path / "b.safetensors"
+    payload = bytearray(data)
+    payload[header + (bit // 8) % (len(data) - header)] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(payload))
+    with pytest.raises(BlockError, match="checksum"):
+        decode_block(str(path), _block().key)
+    value = _metadata_of(data)[field]
+    at = (bit // 7) % len(value)
+    flipped = value[:at] + chr(ord(value[at]) ^ (1 << (bit % 7))) + value[at + 1 :]  # ASCII stays ASCII
+    path.write_bytes(_reheader(data, lambda h: h | {"__metadata__": h["__metadata__"] | {field: flipped}}))
+    with pytest.raises(BlockError):
+        decode_block(str(path), _block().key)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -23,11 +23,11 @@ by copies (docs/BENCHMARKS.md, "Restore stages").
 XXH3-128 (the ``xxhash`` library) as the checksum, not SHA-256: it guards against corruption
 (bit flips, a torn or truncated write, a file of another block or model), which it misses with a
 chance of 2^-128, not against an adversary: the checksum is not keyed, so whoever can write the
-store can write a valid block whatever the hash. SHA-256 hashed at about a tenth of its rate and
-bounded a restore from a warm page cache (docs/BENCHMARKS.md, "Block checksums: XXH3-128"); the
+store can write a valid block whatever the hash. SHA-256 bounded a restore from a warm page
+cache; XXH3-128 is many times faster (docs/BENCHMARKS.md, "Block checksums: XXH3-128"); the
 block *keys*, which name content across replicas, stay chained SHA-256. Format version 2; the
-keys cover the version, so a version-1 file is never found by a lookup: the LRU evicts it, a
-rebuild drops it.
+keys cover the version, so a version-1 file is never found by a lookup: the LRU evicts it, and a
+rebuild removes it and counts it apart from the files that fail verification (:class:`OtherVersion`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,12 @@ ROOT_KEY = "0" * 64  # the parent of a conversation's first block
 
 class BlockError(Exception):
     """A block that cannot be used: missing, unreadable, truncated, foreign, older or corrupt."""
+
+
+class OtherVersion(BlockError):
+    """A block file of another format version (an older or newer turnkv's). Its key's context
+    covers that version, so no lookup of this version names it: a scan of the directory finds it
+    (a rebuild), never a read of a key, and it is no sign of damage."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,9 @@ HEADER_MAX = 1 << 20  # a block's safetensors header is ~1 KiB; more is not a bl
 # bytes read, then hashed while still in the core's L2 (2 MiB here): a block read and verified in
 # chunks of 256 KiB took 0.78 CPU s/GB, of 1 MiB 0.86, whole 16 MiB tensors 1.09 (one thread, SHA-256;
 # docs/BENCHMARKS.md, "Restore stages"); each chunk is two calls that release and retake the GIL,
-# so not smaller
+# so not smaller. xxhash 4.x releases the GIL only for an update of more than 64 KiB: a contiguous
+# chunk does; the planes of a strided one (rows of a longer segment, a CPU restore) are hashed one
+# by one under the GIL (docs/BENCHMARKS.md, "Block checksums: XXH3-128")
 CHUNK = 512 << 10
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
 NAMES = ("k", "v", "tokens")
@@ -301,7 +309,10 @@ def _decode(src: _File | _Bytes, key: str, into: tuple[torch.Tensor, torch.Tenso
 
 
 def _check_format(md: dict, names: set[str]) -> None:
-    if md.get("format") != FORMAT or md.get("version") != str(FORMAT_VERSION):
+    version = md.get("version")
+    if md.get("format") == FORMAT and version != str(FORMAT_VERSION) and str(version).isdecimal():
+        raise OtherVersion(f"a {FORMAT} file of format version {version}, not {FORMAT_VERSION}")
+    if md.get("format") != FORMAT or version != str(FORMAT_VERSION):
         raise BlockError(
             f"not a {FORMAT} v{FORMAT_VERSION} file (format {md.get('format')!r}, version {md.get('version')!r})"
         )

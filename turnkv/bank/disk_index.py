@@ -7,8 +7,9 @@ quick_check``, its schema version, its table). One that is missing while block f
 empty, of another schema or damaged (truncated, a garbage header or page) is rebuilt
 (:func:`rebuild`): a damaged file and its ``-wal``/``-shm`` are moved aside to
 ``index.sqlite.damaged-<time>``, every block file is read and verified (checksum and metadata, on
-several threads), those that fail are removed and counted, the new index is written to a temp
-file, fsynced and renamed into place, and one line with the counts is logged. A crash at any
+several threads), those that fail are removed and counted (a file of another format version, an
+older turnkv's, apart: it is no damage), the new index is written to a temp file, fsynced and
+renamed into place, and one line with the counts is logged. A crash at any
 point leaves the old index or none, and no index means the next start rebuilds again.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from turnkv.bank.disk_blocks import BlockError, decode_block
+from turnkv.bank.disk_blocks import BlockError, OtherVersion, decode_block
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Rebuild:
     reason: str  # what was wrong with the index: "missing", "empty", "damaged (...)", ...
     kept: int  # block files verified and indexed
     dropped: int  # block files that failed verification, removed
+    other_version: int  # block files of another format version (never looked up here), removed
     bad_entries: int  # entries of the wrong kind under blocks/ (a directory at a block's path), removed
     temp_files: int  # writes a crash cut short, removed
     seconds: float
@@ -114,14 +116,16 @@ def block_files(root: Path) -> int:
     return sum(1 for e in scan(root / "blocks") if e.kind == "block")
 
 
-def verified_row(path: Path, key: str) -> tuple | None:
-    """The index row of the block file ``path`` (its mtime as the last access), or None when the
-    file does not verify as block ``key``."""
+def verified_row(path: Path, key: str) -> tuple | BlockError:
+    """The index row of the block file ``path`` (its mtime as the last access), or why the file
+    is not block ``key`` (``OtherVersion``: a block of another format version)."""
     try:
         block = decode_block(str(path), key)
         st = path.stat()
-    except (BlockError, OSError):
-        return None
+    except BlockError as exc:
+        return exc
+    except OSError as exc:
+        return BlockError(f"unreadable: {type(exc).__name__}: {exc}")
     return (key, block.parent, block.context, block.depth, st.st_size, st.st_mtime)
 
 
@@ -191,7 +195,7 @@ def open_index(root: Path, repair: bool = True) -> tuple[sqlite3.Connection, Reb
         if not repair and not (why == "missing" and block_files(root) == 0):
             raise IndexDamaged(root, why)
         report = rebuild(root, why)
-        if why == "missing" and report.kept + report.dropped + report.bad_entries == 0:
+        if why == "missing" and report.kept + report.dropped + report.other_version + report.bad_entries == 0:
             report = None  # a new directory: nothing was lost
     return open_db(path), report
 
@@ -231,7 +235,7 @@ def rebuild(root: Path, reason: str, last_access: dict[str, float] | None = None
     moved = _move_aside(path) if reason.startswith("damaged") else None
     for stale in root.glob(INDEX + ".rebuild-*"):  # a rebuild a crash cut short
         remove(stale)
-    temp = bad = dropped = 0
+    temp = bad = dropped = other = 0
     found: list[Entry] = []
     for entry in scan(root / "blocks"):
         if entry.kind == "block":
@@ -243,7 +247,10 @@ def rebuild(root: Path, reason: str, last_access: dict[str, float] | None = None
     rows = []
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="turnkv-disk-rebuild") as pool:
         for entry, row in zip(found, pool.map(lambda e: verified_row(e.path, e.key), found), strict=True):
-            if row is None:
+            if isinstance(row, OtherVersion):
+                other += 1
+                remove(entry.path)
+            elif isinstance(row, BlockError):
                 dropped += 1
                 remove(entry.path)
             else:
@@ -251,16 +258,18 @@ def rebuild(root: Path, reason: str, last_access: dict[str, float] | None = None
     tmp = root / f"{INDEX}.rebuild-{os.getpid()}"
     _write(tmp, rows)
     _install(tmp, path)
-    report = Rebuild(reason, len(rows), dropped, bad, temp, time.monotonic() - t0, moved)
-    if reason != "missing" or rows or dropped or bad:
+    report = Rebuild(reason, len(rows), dropped, other, bad, temp, time.monotonic() - t0, moved)
+    if reason != "missing" or rows or dropped or other or bad:
         log.warning(
             "KV disk cache %s: the index was %s; rebuilt it from the block files in %.2f s: %d kept, "
-            "%d dropped (failed verification), %d bad entries and %d temp files removed%s",
+            "%d dropped (failed verification), %d of another format version (written by another "
+            "turnkv; not damage), %d bad entries and %d temp files removed%s",
             root,
             reason,
             report.seconds,
             report.kept,
             dropped,
+            other,
             bad,
             temp,
             f"; the old index is at {moved}" if moved else "",

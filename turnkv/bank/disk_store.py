@@ -318,7 +318,7 @@ class LocalDirStore:
                     if _size(entry.path) != rows[entry.key]:
                         out["bad_size"] += 1
                         self.delete(entry.key)
-                elif adopt and (row := verified_row(entry.path, entry.key)) is not None:
+                elif adopt and isinstance(row := verified_row(entry.path, entry.key), tuple):
                     self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?, ?, ?, ?, ?)", row)
                     out["adopted"] += 1
                 else:
