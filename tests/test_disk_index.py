@@ -201,6 +201,7 @@ def test_cache_stats_verify_and_repair_on_a_damaged_index(written, tmp_path, dam
     report = json.loads(out)
     assert code == 0, (out, err)
     assert (report["kept"], report["dropped"], report["bad_entries"]) == (BLOCKS, 0, 0)
+    assert report["other_version"] == 0  # (a version-1 file would be counted here: test_disk_versions)
     assert report["index"] != "ok" and (report["moved_to"] is None) == (damage in ("missing", "empty"))
     code, out, _ = cache(capsys, "verify", "--disk-dir", d, "--json")
     assert code == 0 and json.loads(out)["good"] == BLOCKS

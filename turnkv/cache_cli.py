@@ -113,6 +113,7 @@ def repair(store: LocalDirStore) -> dict:
         "index": index,
         "kept": report.kept,
         "dropped": report.dropped,
+        "other_version": report.other_version,  # removed, not a fault: never looked up since
         "bad_entries": report.bad_entries,
         "temp_files": report.temp_files,
         "seconds": round(report.seconds, 3),
