@@ -234,12 +234,10 @@ class FusedBackend:
         would run a program per head and grid row of every padding sequence)."""
         from turnkv.attention import triton_segments as ts
 
-        meta = TableMeta(batch, 1, SPLIT_ROOM_KEYS, rows, self.kv_heads, self.head_dim, dtype)
-        fewest = mixed_fewest(batch) if rows == 1 else batch
-        config = ts.pick_config(meta, self.gqa, self.device, conversations=fewest, fixed=self.fixed)
-        if rows == 1 and self.fixed:  # (``fixed_config`` sizes its pieces' programs by the batch)
-            small = replace(meta, batch=fewest)
-            config = config._replace(splits=ts.pick_config(small, self.gqa, self.device, fixed=True).splits)
+        # the tiles follow from the rows alone, so the config of the sizing batch is the table's
+        sizing = mixed_fewest(batch) if rows == 1 else batch
+        meta = TableMeta(sizing, 1, SPLIT_ROOM_KEYS, rows, self.kv_heads, self.head_dim, dtype)
+        config = ts.pick_config(meta, self.gqa, self.device, conversations=sizing, fixed=self.fixed)
         return TableLaunch(batch, rows, config)
 
     def table_splits(self, group: Sequence[KVWindow], table: TableLaunch) -> int:
