@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
 
+import turnkv.bank.disk_store as disk_store
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, Block, BlockError, block_context, block_keys
 from turnkv.bank.disk_store import BlockGone, LocalDirStore, StoreBusy
 from turnkv.kv.cache import KVShape
@@ -181,6 +183,43 @@ def test_eviction_skips_pinned_blocks_until_the_pin_ends(store):
         assert store.evict(size) == 1
     assert {i.key for i in store.iterate()} == {KEYS[0]}
     assert store.evict(0) == 1 and store.count == 0
+
+
+def test_lookups_never_wait_behind_the_index_and_evictions_unlink_outside_it(store, monkeypatch):
+    """The engine thread asks ``has``/``run_length`` at every turn's end and admission: with the
+    directory's lock this process is its one writer, so they answer from memory while another
+    thread holds the index (a writer's transaction), and agree with the index afterwards."""
+    for d in range(3):
+        store.put(chain_block(d), at=100.0 + d)
+    held, answered = threading.Event(), []
+
+    def writer_holding_the_index():
+        with store._mu:
+            held.set()
+            ok = threading.Event()
+            answered.append(ok)
+            ok.wait(10)  # until the lookups below are answered
+
+    t = threading.Thread(target=writer_holding_the_index)
+    t.start()
+    held.wait(10)
+    assert [store.has(k) for k in KEYS[:4]] == [True, True, True, False]
+    assert store.run_length(KEYS) == 3
+    answered[0].set()
+    t.join()
+    unlinked_under_lock = []
+    real = disk_store.remove
+    monkeypatch.setattr(
+        disk_store,
+        "remove",
+        lambda p: (unlinked_under_lock.append(store._mu._is_owned()), real(p))[1],
+    )
+    assert store.evict(0) == 3
+    assert unlinked_under_lock == [False] * 3  # the files went after the rows, outside the lock
+    assert not any(store.has(k) for k in KEYS) and store.count == 0 and files(store) == []
+    other = LocalDirStore(store.root, lock=False)  # a reader beside the owner asks the index
+    assert other.run_length(KEYS) == 0
+    other.close()
 
 
 def test_one_process_per_directory(tmp_path):

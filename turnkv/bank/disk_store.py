@@ -142,6 +142,11 @@ class LocalDirStore:
         self.blocks.mkdir(parents=True, exist_ok=True)
         self._lock_file = self._take_lock() if lock else None
         self._mu = threading.RLock()
+        # with the lock this process is the directory's one writer, so the index's keys are known
+        # here: ``has`` and ``run_length`` (asked on the engine thread) answer from memory, never
+        # waiting behind a writer's transaction (``disk_writer``'s module docstring)
+        self._sole = lock
+        self._keys: set[str] = set()
         self._pins: Counter[str] = Counter()  # key -> restores holding it (``pinned``)
         self.bad_entries = 0  # entries of the wrong kind that writes replaced
         try:
@@ -189,6 +194,7 @@ class LocalDirStore:
                     if cur.rowcount:
                         self._nbytes += n
                         self._count += 1
+                        self._keys.add(b.key)
                         sizes[i] = n
                 self._db.execute("COMMIT")
             except BaseException:
@@ -213,10 +219,14 @@ class LocalDirStore:
             raise
 
     def has(self, key: str) -> bool:
+        if self._sole:
+            return key in self._keys
         with self._mu:
             return self._db.execute("SELECT 1 FROM blocks WHERE key = ?", (key,)).fetchone() is not None
 
     def run_length(self, keys: Sequence[str]) -> int:
+        if self._sole:
+            return leading(k in self._keys for k in keys)
         n = 0
         for lo in range(0, len(keys), 500):  # under SQLite's bound on a statement's parameters
             part = keys[lo : lo + 500]
@@ -235,6 +245,7 @@ class LocalDirStore:
                 self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
                 self._nbytes -= row[0]
                 self._count -= 1
+            self._keys.discard(key)
         remove(self.path(key))  # a directory we cannot write: the row is gone anyway
 
     @contextlib.contextmanager
@@ -265,23 +276,39 @@ class LocalDirStore:
             self._db.executemany("UPDATE blocks SET last_access = ? WHERE key = ?", [(now, k) for k in keys])
 
     def evict(self, budget_bytes: int) -> int:
-        evicted = 0
+        """Drop least recently used blocks until the store fits ``budget_bytes``: their rows in one
+        transaction under the lock, then their files outside it (unlinking a large file waits on
+        a busy disk, and lookups must not wait with it). A reader that finds a row gone, or its
+        file, takes it as deleted (``get``: ``BlockGone``)."""
+        victims: list[str] = []
         with self._mu:
             if self._nbytes <= budget_bytes:
                 return 0
             rows = self._db.execute(
                 "SELECT key, nbytes FROM blocks ORDER BY last_access, depth DESC"
             ).fetchall()
-            over = self._nbytes - budget_bytes
+            over, sizes = self._nbytes - budget_bytes, 0
             for key, size in rows:
                 if over <= 0:
                     break
                 if key in self._pins:  # a restore is reading it: a later eviction takes it
                     continue
-                self.delete(key)
+                victims.append(key)
                 over -= size
-                evicted += 1
-        return evicted
+                sizes += size
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("DELETE FROM blocks WHERE key = ?", [(k,) for k in victims])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._nbytes -= sizes
+            self._count -= len(victims)
+            self._keys.difference_update(victims)
+        for key in victims:
+            remove(self.path(key))
+        return len(victims)
 
     @property
     def nbytes(self) -> int:
@@ -367,6 +394,7 @@ class LocalDirStore:
     def _recount(self) -> None:
         n, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()
         self._count, self._nbytes = int(n), int(total)
+        self._keys = {k for (k,) in self._db.execute("SELECT key FROM blocks")}
 
     def _take_lock(self):
         try:

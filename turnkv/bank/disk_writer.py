@@ -13,6 +13,12 @@
   stands in front: the rows are already in host memory (RAM's pinned slots, filled once
   ``copied`` has passed), so the writer copies nothing from the device; RAM keeps those slots
   while ``queued(key)`` says they wait, so these blocks are bounded by RAM's budget, not the queue.
+
+Both are called on the engine thread, which must never wait for the disk: there the store is
+only asked ``has`` (``LocalDirStore`` answers from memory), and the blocks found already stored
+are marked used by the writer threads (``touch``: an index write that could wait behind a
+writer's transaction or a WAL checkpoint, which stalled every running turn for ~200 ms on the
+H200: docs/BENCHMARKS.md, "A step timeline under load").
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class DiskWriter:
         self._closing = False
         self._abandon = False  # close() timed out: drop what is still queued
         self._stream = None  # the queue-time copies' CUDA stream (tensor parallelism)
+        self._touches: list[tuple[list[str], float]] = []  # stored blocks found used, for the writers
+        self._applying = 0  # writers applying touches (``flush`` waits for them too)
         block = BLOCK_TOKENS * self.shape.bytes_per_row
         self._batch = self.batch_blocks or max(1, BATCH_BYTES // block)
         self._writers = [
@@ -156,11 +164,22 @@ class DiskWriter:
         self._cv.notify_all()
 
     def _touch_present(self, present: list[str], now: float) -> None:
+        """Mark ``present`` used at ``now``: on a writer thread (the module docstring)."""
         if present:
+            with self._cv:
+                self._touches.append((present, now))
+                self._cv.notify()
+
+    def _apply_touches(self, touches: list[tuple[list[str], float]]) -> None:
+        for keys, at in touches:
             try:
-                self.store.touch(present, now)
+                self.store.touch(keys, at)
             except Exception as exc:
                 self._fault("marking blocks used", exc)
+        if touches:
+            with self._cv:
+                self._applying -= 1
+                self._cv.notify_all()
 
     def held(self) -> list[SegmentedSnapshot]:
         """Snapshots that queued writes keep alive (the bank counts their memory)."""
@@ -171,7 +190,9 @@ class DiskWriter:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written (or failed); False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._queued == 0, timeout)
+            return self._cv.wait_for(
+                lambda: self._queued == 0 and not self._touches and not self._applying, timeout
+            )
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish the queued writes (up to ``timeout`` seconds), stop the threads, close the store."""
@@ -230,13 +251,19 @@ class DiskWriter:
                 stream = torch.cuda.Stream()  # device -> host copies beside, not behind, decode
             except Exception as exc:  # every write will then fail and be counted; none hangs
                 self._warn_once("stream", f"KV disk cache: no CUDA stream for writes: {exc}")
-        while (batch := self._take()) is not None:
-            self._write_batch(batch, stream)
+        while (taken := self._take()) is not None:
+            batch, touches = taken
+            self._apply_touches(touches)
+            if batch:
+                self._write_batch(batch, stream)
 
-    def _take(self) -> list[tuple[_Job, int, str, str]] | None:
-        """Up to a batch of queued blocks, in queue order across jobs; None once closing and empty."""
+    def _take(self) -> tuple[list[tuple[_Job, int, str, str]], list] | None:
+        """Up to a batch of queued blocks, in queue order across jobs, and the touches to apply;
+        None once closing and nothing is left."""
         with self._cv:
-            self._cv.wait_for(lambda: self._jobs or self._closing)
+            self._cv.wait_for(lambda: self._jobs or self._touches or self._closing)
+            touches, self._touches = self._touches, []
+            self._applying += bool(touches)
             batch: list[tuple[_Job, int, str, str]] = []
             while self._jobs and len(batch) < self._batch:
                 job = self._jobs[0]
@@ -247,7 +274,7 @@ class DiskWriter:
                 job.taken += n
                 if job.taken == len(job.blocks):
                     self._jobs.popleft()
-            return batch or None
+            return (batch, touches) if batch or touches else None
 
     def _write_batch(self, batch: list[tuple[_Job, int, str, str]], stream) -> None:
         """Write ``batch`` as one durable batch (``LocalDirStore.put_many``), then evict once."""
