@@ -360,6 +360,31 @@ def test_the_answer_ends_token_by_token_inside_a_verify_window(
     assert engine.layout.stats.grown_rows == grown  # the tail was sized for every window
 
 
+def test_drafts_never_take_a_step_past_the_windows_a_graph_holds(engine, monkeypatch):
+    """On CUDA every draft row is one more one-row window (``one_row_windows``), and a step past
+    ``StepGraphs.max_windows`` of them would run eagerly: the scheduler drafts up to that bound
+    and no further, while drafts still go on below it."""
+    source = cycle_source(engine, {A: B, B: C, C: A})
+    steps: list[list] = []
+
+    def run_step(windows, prev=None):
+        steps.append(list(windows))
+        return source(windows, prev)
+
+    monkeypatch.setattr(engine, "run_step", run_step)
+    monkeypatch.setattr(engine, "speculation", speculation("auto"))
+    monkeypatch.setattr(engine.graphs, "max_windows", 8, raising=False)
+    sched = Scheduler(engine, new_bank(engine, "64M"), max_running=6)
+    for i in range(6):
+        prompt = [A, B, C, A, B, C, EOS, 10 + i, A, B, C, A, B, C, EOS, 10 + i, A]
+        sched.submit(TurnRequest(prompt, SamplingParams(ignore_eos=True), max_tokens=24), lambda e: None)
+    while sched.busy:
+        sched.step()
+    one_row = [sum(len(w.tokens) if w.logits == len(w.tokens) else 1 for w in ws) for ws in steps]
+    assert max(one_row) <= 8  # decode rows, draft rows and prompt windows together
+    assert any(len(w.tokens) > 1 for ws in steps for w in ws if w.logits == len(w.tokens))  # drafted
+
+
 def test_the_cache_after_rejections_equals_a_plain_run(monkeypatch):
     """Real forwards (random:test, fp32, fp32 rows): the rows a speculative turn banks are the rows
     a plain turn banks -- the same token ids, K and V equal up to the rounding of a wider matmul

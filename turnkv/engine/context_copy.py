@@ -251,7 +251,10 @@ class Speculation:
         if mode not in get_args(Speculate):
             raise ValueError(f"--speculate must be one of {', '.join(get_args(Speculate))}, not {mode!r}")
         self.enabled = mode == "auto" and off_because is None
-        self.cost = StepCost(StepCost.PRIOR_ROW_CPU if device == "cpu" else StepCost.PRIOR_ROW)
+        cpu = device == "cpu"
+        self.cost = StepCost(
+            StepCost.PRIOR_ROW_CPU if cpu else StepCost.PRIOR_ROW, None if cpu else StepCost.COMPANY_GPU
+        )
         status = "on" if self.enabled else f"off: {off_because or '--speculate off'}"
         self.stats = SpeculationStats(mode, status)
 

@@ -59,9 +59,15 @@ class StepCost:
 
     PRIOR_ROW = 1 / 64
     PRIOR_ROW_CPU = 1 / 8
+    # on a GPU no draft rides in a step of more windows: each draft row is a one-row window that
+    # reads its conversation's KV again, and in a crowded step no measured batch gained from drafts
+    # (docs/BENCHMARKS.md, "A step timeline under load")
+    COMPANY_GPU = 8
 
-    def __init__(self, prior_row: float = PRIOR_ROW) -> None:
+    def __init__(self, prior_row: float = PRIOR_ROW, most_company: int | None = None) -> None:
+        """``most_company``: the most windows a step with a draft may have (None: any)."""
         self.prior_row = prior_row
+        self.most_company = most_company
         # the step being gathered runs ahead (``company``, docs/SCHEDULER.md): a turn's next window is launched before
         # its verify window's tokens come back, and is lost when that window's draft is cut short
         self.run_ahead = False
@@ -104,7 +110,8 @@ class StepCost:
             n0 = others_rows + 1
             t0 = self.cost(n0, others_rows > others)
             self._key, self._priced = key, (others, n0, t0)
-            self._room = not others or self.cost(n0 + 1, True) <= (1 + OTHERS_LOSS) * t0
+            crowded = self.most_company is not None and self.windows > self.most_company
+            self._room = not crowded and (not others or self.cost(n0 + 1, True) <= (1 + OTHERS_LOSS) * t0)
         return self._priced
 
     def room(self) -> bool:
@@ -120,8 +127,21 @@ class StepCost:
         slope = (mean or 1.0) * self.prior_row
         plain = self.plain.predict(n, slope)
         base = plain if plain is not None else 1.0 + slope * max(n - 1, 0)
-        v = self.verify.predict(n, slope) if verify else None
+        v = self.verify.predict(n, self._between(slope)) if verify else None
         return base if v is None else max(v, base)
+
+    def _between(self, slope: float) -> float:
+        """A verify step's cost per row where its own rows barely varied: at least the line
+        through the two fits' means, plain steps against verify steps of more rows. In a full
+        batch the running set hardly changes, so neither fit sees its rows vary, and the prior
+        (a GPU row nearly free) let 32 turns draft: on CUDA each draft row is a one-row window
+        reading its whole conversation's KV again, and those steps cost 1.7x the plain ones
+        (docs/BENCHMARKS.md, "A step timeline under load")."""
+        p, v = self.plain, self.verify
+        if p.w < 0.5 or v.w < 0.5:
+            return slope
+        dn = v.sn / v.w - p.sn / p.w
+        return max(slope, (v.st / v.w - p.st / p.w) / dn) if dn >= 1 else slope
 
 
 # -- the governor -----------------------------------------------------------------------------

@@ -67,6 +67,8 @@ MAX_GRAPH_BATCH = GRAPH_BATCHES[-1]
 class NoGraphs:
     """Every step runs eagerly; ``status`` says why."""
 
+    max_windows = None  # no bound on a step's windows: none is captured
+
     def __init__(self, status: str) -> None:
         self.status = status
         self.replays = 0
@@ -121,6 +123,11 @@ def padded_inputs(words: list[int], n: int, r: int, np_: int, rp: int) -> list[i
 class StepGraphs:
     """Captured steps of one model (see the module docstring). ``threaded``: the step has
     collectives (tensor parallelism), captured in ``thread_local`` mode (``_capture``)."""
+
+    # the most one-row windows a captured step holds (a decode graph's batch, a mixed step's
+    # narrow table): the scheduler drafts no further, or the step would run eagerly, several
+    # times slower than its replay (docs/BENCHMARKS.md, "A step timeline under load")
+    max_windows = MAX_GRAPH_BATCH
 
     def __init__(
         self,

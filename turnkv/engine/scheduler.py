@@ -196,10 +196,15 @@ class Scheduler:
         spec = self.engine.speculation
         cost = spec.cost  # what the drafts are priced with: this step's company
         rows = sum(len(w.tokens) for _, w in prefill) + len(decode)
+        # a draft row is one more one-row window on CUDA: past what a graph holds the whole step
+        # would run eagerly, so drafts stop there (``StepGraphs.max_windows``; None: no graphs)
+        most = self.engine.graphs.max_windows
+        if most is not None:
+            budget = min(budget, most - len(decode) - len(prefill))
         for e in decode:
             cost.company(len(prefill) + len(decode), rows, self.pipeline.run_ahead)
             # a decode row, or drafts after it (where one can fit: ``room``, once for the company)
-            if (w := window(e, 1 + max(budget, 0), spec.enabled and cost.room())) is not None:
+            if (w := window(e, 1 + max(budget, 0), spec.enabled and budget > 0 and cost.room())) is not None:
                 budget -= len(w.tokens) - 1
                 rows += len(w.tokens) - 1
                 work.append((e, w))
