@@ -35,6 +35,7 @@ from turnkv.engine.guard import Entry, Guard
 from turnkv.engine.logprobs import Ask, StepLogprobs, prompt_scores, step_logprobs
 from turnkv.engine.masks import StepMasks
 from turnkv.engine.step import Staged, StepResult, Window
+from turnkv.engine.step_trace import Marks, from_env
 
 Work = list[tuple[Entry, Window]]  # a step's windows, each with its turn's entry
 
@@ -52,6 +53,7 @@ class InFlight:
     final: bool = False  # finalized: masked, tokens chosen and on their way to the host
     logprobs: StepLogprobs | None = None  # the rows whose turns ask for logprobs (finalize)
     prompt: StepLogprobs | None = None  # the prompt rows scored for their turns (``Window.scores``)
+    marks: Marks | None = None  # its timeline (``step_trace``: TURNKV_STEP_TRACE)
 
     def feeds(self) -> dict[int, int]:
         """``id(turn)`` -> the logit row of its window's last row, for each turn whose window here
@@ -87,6 +89,7 @@ class Pipeline:
         self.stats = StepStats()
         self.observe: Callable[[int, int, float], None] | None = None  # (windows, rows, seconds) per step
         self._done_at = 0.0  # when the last step's tokens were taken
+        self.trace = from_env(engine.shape.device.type == "cuda")  # None unless TURNKV_STEP_TRACE
 
     def settle(self) -> bool:
         """Complete the step in flight now if a turn's next window needs its tokens on the host (a
@@ -147,6 +150,7 @@ class Pipeline:
         ``finalize`` it unless told not to; None if the step broke (its turns failed). ``prev``:
         the step in flight's chosen tokens, which fed windows read."""
         windows = [w for _, w in work]
+        marks = self.trace.begin(self.engine.graphs.replays) if self.trace is not None else None
         t0 = time.perf_counter()
         with Guard("the step's launch", work) as out:  # a broken step fails its turns
             if staged is None:
@@ -155,7 +159,9 @@ class Pipeline:
                 result = self.engine.run_staged(staged, prev)
         if out.failed:
             return None
-        run = InFlight(work, result, t0)
+        run = InFlight(work, result, t0, marks=marks)
+        if marks is not None:
+            marks.launched, marks.graph = time.perf_counter(), self.engine.graphs.replays != marks.graph
         return run if not finalize or self.finalize(run) else None
 
     def finalize(self, run: InFlight) -> bool:
@@ -182,8 +188,10 @@ class Pipeline:
             if chosen is not None and chosen.is_cuda:
                 run.host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
                 run.host.copy_(chosen, non_blocking=True)
-                run.ready = torch.cuda.Event()
+                run.ready = torch.cuda.Event() if run.marks is None else self.trace.end_event()
                 run.ready.record()
+                if run.marks is not None:
+                    run.marks.end = run.ready
             return True
         return False
 
@@ -200,7 +208,10 @@ class Pipeline:
                 chosen = run.host.tolist()
             else:
                 chosen = run.chosen.tolist() if run.chosen is not None else []
-            s.wait_s += time.perf_counter() - t_sync
+            synced = time.perf_counter()
+            s.wait_s += synced - t_sync
+            if run.marks is not None:
+                run.marks.sync, run.marks.synced = t_sync, synced
             self.engine.speculation.cost.observe(windows, time.perf_counter() - run.t0)
             rows = sum(len(w.tokens) for w in windows)
             s.steps += 1
@@ -234,6 +245,10 @@ class Pipeline:
             if self.observe is not None:
                 self.observe(len(windows), rows, seconds)
         s.rows_per_step += a * (rows - s.rows_per_step)
+        if run.marks is not None:
+            with Guard("the step trace", ()):
+                prompt = sum(len(w.tokens) for w in windows if w.logits < len(w.tokens))
+                self.trace.write(run.marks, rows, len(windows), prompt)
 
     def _take_early(self, run: InFlight, chosen: list[int]) -> None:
         """Constrained turns' tokens to their grammars first, then the next step's masks filled on
