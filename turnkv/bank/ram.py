@@ -381,10 +381,11 @@ class RamTier:
             done.record(self._restore)
         k.record_stream(compute)  # read by the steps: freed only after the compute stream's work
         v.record_stream(compute)
-        compute.wait_event(done)  # the step that reads the rows waits on the GPU, not the host
         with self._lock:
             self._releasing.append((done, run, start, nbytes))
-        return Segment(k, v, tokens)
+        # the compute stream joins the copy only when a step first reads these rows: the scheduler
+        # keeps the turn out of steps while ``done`` is pending, so the others' steps overlap it
+        return Segment(k, v, tokens, ready=done)
 
     def _warn(self, message: str) -> None:
         """Once per kind of failure (the first words), then debug: serving goes on either way."""

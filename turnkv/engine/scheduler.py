@@ -47,6 +47,7 @@ from turnkv.engine.pipeline import InFlight, Pipeline, Work
 from turnkv.engine.prompt_order import order
 from turnkv.engine.step import Window
 from turnkv.engine.turn import Turn
+from turnkv.kv.segments import copying, join_copies
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class Scheduler:
             return None  # it raised: the turn failed
 
         decode = [e for e in self.running if e.turn.decodes_next()]
-        prompts = [e for e in self.running if not e.turn.decodes_next()]
+        prompts = self._restored([e for e in self.running if not e.turn.decodes_next()], bool(decode))
         budget = self.budget.prompt_rows(len(decode)) if prompts else 0
         prefill: Work = []
         for e in order(prompts, lambda e: e.turn.rows_left, lambda e: e.admitted, self.steps):
@@ -209,6 +210,28 @@ class Scheduler:
                 rows += len(w.tokens) - 1
                 work.append((e, w))
         return work + prefill
+
+    def _restored(self, prompts: list[Entry], others: bool) -> list[Entry]:
+        """The prompt turns that may have windows this step: a turn whose restored rows are still
+        copying (from the RAM tier, ``Segment.ready``) sits out while other turns can run, so their
+        steps overlap the copy instead of queueing behind it on the compute stream; a turn taken
+        joins its copies (the GPU waits where one is still pending: nothing else could run).
+        Under tensor parallelism every rank must pick the same windows, so none sits out there."""
+
+        def cache_segments(e: Entry) -> tuple:
+            return e.turn.cache.segments() if e.turn.cache is not None else ()
+
+        if self.hook is None:
+            busy = {id(e) for e in prompts if copying(cache_segments(e))}
+            if busy and (others or len(busy) < len(prompts)):
+                prompts = [e for e in prompts if id(e) not in busy]
+        taken = []
+        for e in prompts:
+            with Guard("joining the turn's restore", [(e, None)]) as out:  # a CUDA error fails it alone
+                join_copies(cache_segments(e))
+            if not out.failed:
+                taken.append(e)
+        return taken
 
     def digest(self) -> int:
         """A 62-bit digest of what every replica of this scheduler must agree on between steps

@@ -61,6 +61,9 @@ class Segment:
     k: torch.Tensor = field(repr=False)
     v: torch.Tensor = field(repr=False)
     tokens: tuple[int, ...] = field(repr=False)
+    # a copy still filling k and v (a CUDA event: a restore from the RAM tier); None: they hold the
+    # rows. Readers on the compute stream join it first (``join_copies``), the host never waits.
+    ready: object | None = field(default=None, repr=False)
     id: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +91,28 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment(id={self.id}, rows={self.num_rows}, nbytes={self.nbytes})"
+
+
+def copying(segments: Iterable[Segment]) -> bool:
+    """Whether a copy still fills one of ``segments`` (its event has not completed); never blocks."""
+    return any(s.ready is not None and not s.ready.query() for s in segments)
+
+
+def join_copies(segments: Iterable[Segment], steps: bool = True) -> None:
+    """Order the current stream after every copy still filling ``segments``: what it runs
+    afterwards reads the rows (the GPU waits, not the host). ``steps``: this is the steps' stream,
+    and the copies are forgotten: every other stream that reads a segment later orders itself
+    after an event recorded on the steps' stream (a mirror, a disk write). Any other stream
+    forgets a copy only once it has completed."""
+    for s in segments:
+        ev = s.ready
+        if ev is None:
+            continue
+        done = ev.query()
+        if s.k.is_cuda and not done:
+            torch.cuda.current_stream(s.k.device).wait_event(ev)
+        if steps or done:
+            object.__setattr__(s, "ready", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +192,7 @@ class SegmentedSnapshot:
         """
         if not 0 <= start <= stop <= self.num_tokens or not self.refs:
             raise ValueError(f"rows [{start}, {stop}) of a snapshot of {self.num_tokens}")
+        join_copies((r.segment for r in self.refs), steps=False)  # rows restored a moment ago
         if start == stop:
             seg = self.refs[0].segment
             return seg.k[:, :, :0], seg.v[:, :, :0]
