@@ -146,13 +146,15 @@ class TurnDrafts:
     tokens are ``push``-ed into a list that the index takes in when it is next searched. So a
     turn in a full batch, where no draft fits, costs a list append a step: on a GPU a small
     model's batched steps are short enough that indexing every token and asking the governor in
-    full each step would show (docs/BENCHMARKS.md)."""
+    full each step would show (docs/BENCHMARKS.md). The index itself is built at the first
+    ``draft``: a turn that never drafts (a crowded GPU step never has room) never pays for
+    indexing its prompt, milliseconds for a long one at admission, when no step launches."""
 
     def __init__(self, stats: SpeculationStats, cost: StepCost, prompt: Sequence[int]) -> None:
         self.stats = stats
-        self.index = ContextIndex(prompt)
+        self.index: ContextIndex | None = None  # built from ``_new`` at the first ``draft``
         self.governor = Governor(cost)
-        self._new: list[int] = []  # tokens pushed, not yet in the index
+        self._new: list[int] = list(prompt)  # tokens pushed, not yet in the index
 
     def may_draft(self) -> bool:
         """One decode step: whether a draft may pay in it (``Governor.may_draft``)."""
@@ -169,9 +171,12 @@ class TurnDrafts:
         drafts are what followed the copy's guess of it, and hold only if the guess is right."""
         if limit <= 0:
             return [], 0
-        for tok in self._new:
-            self.index.push(tok)
-        self._new.clear()
+        if self.index is None:
+            self.index = ContextIndex(self._new)  # the prompt and what came since, vectorised
+        else:
+            for tok in self._new:
+                self.index.push(tok)
+        self._new = []
         tokens, match = self.index.draft(min(limit, MAX_DRAFT) + lag, after)
         tokens = tokens[lag:]
         return tokens[: self.governor.length(len(tokens), match)], match
