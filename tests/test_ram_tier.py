@@ -449,3 +449,15 @@ def test_the_warm_up_pins_the_whole_pool_before_ready_and_says_how_long(monkeypa
     report = rt.warm_up()
     assert ram.whole and ram.pool_bytes == ram.budget_bytes
     assert report.ram_s is not None and report.doc()["ram_s"] >= 0
+
+
+def test_a_blocks_rows_in_a_segment_are_one_pitched_copy_and_nothing_else_is():
+    from turnkv.bank.h2d import pitched
+
+    seg = torch.empty(3, 2, 600, 8, dtype=torch.bfloat16)
+    src = torch.empty(3, 2, 256, 8, dtype=torch.bfloat16)
+    # L * Hkv runs of 256 * D elements, one every T * D
+    assert pitched(seg[:, :, 256:512], src) == (600 * 8 * 2, 256 * 8 * 2, 256 * 8 * 2, 6)
+    assert pitched(seg[:, :, :256], src.transpose(0, 1).contiguous().transpose(0, 1)) is None  # src strided
+    assert pitched(seg[:, :1, :256], src[:, :1]) is None  # heads cut: the pitch is not uniform
+    assert pitched(seg[..., :4][:, :, :256], src[..., :4].contiguous()) is None  # rows cut

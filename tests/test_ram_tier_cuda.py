@@ -1,5 +1,5 @@
-"""The host-RAM tier on CUDA: pinned slots, side-stream copies, the compute stream waiting on the
-copy's event, and the disk fed from pinned RAM (run by hand on a GPU; skipped elsewhere). The
+"""The host-RAM tier on CUDA: pinned slots, side-stream copies, the compute stream joining the
+copy's event (``Segment.ready``), one 2-D copy a block, and the disk fed from pinned RAM (run by hand on a GPU; skipped elsewhere). The
 tier's logic is tested on CPU tensors in tests/test_ram_tier.py, whose helpers these reuse."""
 
 from __future__ import annotations
@@ -87,3 +87,21 @@ def test_cuda_a_turn_restored_from_ram_answers_as_cold(tmp_path):
     warm, cached = first_logits(engine, again, "ns", ids)  # what RAM fed the disk restores too
     assert cached == 3 * B and _as_cold(warm, cold)
     again.tier.close()
+
+
+@cuda
+def test_a_block_goes_into_its_rows_of_a_segment_as_one_2d_copy_with_copy_s_bits():
+    from turnkv.bank import h2d
+
+    assert h2d._cudart() is not None  # torch's runtime was found: the 2-D path is the one tested
+    for dtype, (L, H, T, D) in ((torch.bfloat16, (3, 2, 3 * B, 64)), (torch.float32, (2, 4, 2 * B + 5, 8))):
+        dst = torch.zeros((L, H, T, D), dtype=dtype, device="cuda")
+        want = torch.zeros_like(dst)
+        stream = torch.cuda.Stream()
+        for j in range(T // B):
+            src = torch.randn((L, H, B, D)).to(dtype).pin_memory()
+            with torch.cuda.stream(stream):
+                h2d.copy_block(dst[:, :, j * B : (j + 1) * B], src, stream)
+            want[:, :, j * B : (j + 1) * B].copy_(src)
+        stream.synchronize()
+        assert torch.equal(dst, want)

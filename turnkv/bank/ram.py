@@ -23,8 +23,9 @@ namespace share it, and a key names the whole token prefix up to the block's end
 - ``extend`` (admission, after the bank's lookup): the run of blocks RAM holds after the memory
   prefix is copied into one new sealed segment on the device; on CUDA by H2D on a stream of its
   own (allocated there: it waits neither for the steps in flight nor behind the mirrors of other
-  turns, only for a mirror still filling one of its slots), and the compute stream waits on the
-  copy's event (the host does not).
+  turns, only for a mirror still filling one of its slots), each block one 2-D copy
+  (``h2d.copy_block``); the segment carries the copy's event (``Segment.ready``), which the
+  scheduler lets pass before the turn's first step, the other turns' steps running meanwhile.
 - Eviction, when a slot is needed: only *leaves* are candidates (blocks no resident block
   continues), least recently used first. A conversation therefore loses its end first, in LRU
   order by conversation, and a prefix many conversations share (a system prompt) becomes a leaf,
@@ -46,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, block_context, block_keys, host_copy
+from turnkv.bank.h2d import copy_block
 from turnkv.bank.host_memory import host_empty
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
@@ -376,8 +378,8 @@ class RamTier:
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
                 hk, hv = self._rows(i)
-                k[:, :, lo : lo + BLOCK_TOKENS].copy_(hk, non_blocking=True)  # pinned -> device
-                v[:, :, lo : lo + BLOCK_TOKENS].copy_(hv, non_blocking=True)
+                copy_block(k[:, :, lo : lo + BLOCK_TOKENS], hk, self._restore)  # pinned -> device
+                copy_block(v[:, :, lo : lo + BLOCK_TOKENS], hv, self._restore)
             done.record(self._restore)
         k.record_stream(compute)  # read by the steps: freed only after the compute stream's work
         v.record_stream(compute)
