@@ -185,6 +185,8 @@ def test_the_other_builds_equal_the_oracle_too(tmp_path, monkeypatch, isa):
     forms = [cpu_int4.pack(planes(100, 576, 1, seed=9, exact=False), 100, 576)]
     forms.append(cpu_int4.pack_q8(*q8_matrix(100, 576, seed=9, exact=False), 100, 576))
     native = [cpu_int4.mm(rows, f, 100) for f in forms]  # the machine's own build
+    # every block size (1-10 rows: the AVX2 build walks them in passes of their own)
+    native_m = [[cpu_int4.mm(rows[:m], f, 100) for f in forms] for m in range(1, 11)]
     so = tmp_path / f"cpu_int4{isa}.so"
     flags = [*cbuild.FLAGS, *cbuild.OPENMP, isa]
     subprocess.run(["cc", *flags, str(cpu_int4.SOURCE), "-o", str(so)], check=True, capture_output=True)
@@ -200,6 +202,9 @@ def test_the_other_builds_equal_the_oracle_too(tmp_path, monkeypatch, isa):
     assert torch.equal(cpu_int4.mm(y[4:5], packed, 17)[0], cpu_int4.mm(y, packed, 17)[4])
     for f, want in zip(forms, native, strict=True):
         assert torch.equal(cpu_int4.mm(rows, f, 100), want)
+    for m, wants in enumerate(native_m, 1):
+        for f, want in zip(forms, wants, strict=True):
+            assert torch.equal(cpu_int4.mm(rows[:m], f, 100), want), m
     eye = cpu_int4.pack([(torch.eye(96, dtype=torch.uint8), torch.ones(96, 3), torch.zeros(96, 3))], 96, 96)
     assert torch.equal(cpu_int4.mm(y, eye, 96).double(), dequantized(y))
     q, d = q8_matrix(17, 96, seed=5, exact=True)

@@ -166,7 +166,7 @@ static void quantize_rows(int64_t M, int64_t K, const uint16_t *x, int64_t x_str
 /* Quads i0 .. i0 + 3 of a group (16 inputs) for rows 0..R and tiles 0..T, into h[r * T + t]: in
  * 16-bit lane c, column c's sum (exact: |sum| <= 16 * 15 * 127). The sums live in registers of
  * this function's own (an array reached through a pointer chosen at run time stays in memory:
- * a load and a store per add); R * T + 2 T + 3 <= 16 of them fit the 16 ymm registers. */
+ * a load and a store per add); PASS_TILES says how many fit the 16 ymm registers. */
 static inline __attribute__((always_inline)) void half_sums(const int R, const int T, const int i0, const uint8_t *v,
                                                             int64_t tile_bytes, const int8_t *qg, int64_t K,
                                                             __m256i *out) {
@@ -188,10 +188,93 @@ static inline __attribute__((always_inline)) void half_sums(const int R, const i
             for (int t = 0; t < T; t++) {
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[t], x02), _mm256_maddubs_epi16(hi[t], x13));
                 h[r * T + t] = i == i0 ? p : _mm256_add_epi16(h[r * T + t], p);
+                /* the sum in a register, quad by quad: left free, GCC computes every product of
+                   the pass first and adds them at the end, spilling them all */
+                __asm__("" : "+x"(h[r * T + t]));
             }
         }
     }
     for (int j = 0; j < R * T; j++) out[j] = h[j];
+}
+
+#ifndef PASS_ROWS /* rows a pass at most (rows_in_passes; -DPASS_ROWS=... for a tuning run) */
+#define PASS_ROWS 2
+#endif
+#ifndef PASS8_ROWS /* the same for block8() */
+#define PASS8_ROWS 4
+#endif
+
+/* One pass of block() for a group and plane at v: rows 0..R (q, d, dq, acc: the pass's first
+ * row's; acc_stride floats a row), tiles 0..T, the running sums in registers (half_sums). */
+static inline __attribute__((always_inline)) void pass4(const int R, const int T, int64_t G, int64_t g, const int8_t *q,
+                                                        int64_t K, const float *d, const float *dq, const uint8_t *v,
+                                                        int64_t tile_bytes, float *acc, int64_t acc_stride) {
+    /* A quad's 32 bytes split into low and high nibbles give, in 16-bit lane c, the pairs
+       (u0, u2) and (u1, u3) of column c: two vpmaddubsw by the row's (q0, q2) and (q1, q3)
+       sum column c's four products in one lane, 16 columns a register. Four quads (16
+       products of u <= 15 and |q| <= 127: |sum| <= 30480) stay exact in 16 bits; the two
+       halves of the group are interleaved and summed into int32 by vpmaddwd. (32-bit
+       broadcasts with the pairs blended per column were slower on Zen 4: two more
+       instructions a quad and tile.) */
+    __m256i h0[PASS_ROWS * 4], h1[PASS_ROWS * 4];
+    const __m256i ones = _mm256_set1_epi16(1);
+    half_sums(R, T, 0, v + 64, tile_bytes, q + g * GROUP, K, h0);
+    half_sums(R, T, 4, v + 64, tile_bytes, q + g * GROUP, K, h1);
+    /* The group's int32 sums come out of unpack + vpmaddwd in the column order 0-3 8-11 |
+       4-7 12-15 (128-bit lanes); the scales and zeros are put in that order instead of the
+       sums back in theirs (a vperm2i128 took 3.2 cycles on Zen 1), and emit4() restores the order
+       once a call: each column's arithmetic is unchanged, only its lane. */
+    for (int t = 0; t < T; t++) {
+        const uint8_t *sz = v + t * tile_bytes;
+        const __m128i sl = _mm_loadu_si128((const __m128i *)sz), sh = _mm_loadu_si128((const __m128i *)(sz + 16));
+        const __m128i zl = _mm_loadu_si128((const __m128i *)(sz + 32)), zh = _mm_loadu_si128((const __m128i *)(sz + 48));
+        const __m256 s0 = _mm256_cvtph_ps(_mm_unpacklo_epi64(sl, sh)), s1 = _mm256_cvtph_ps(_mm_unpackhi_epi64(sl, sh));
+        const __m256 z0 = _mm256_cvtph_ps(_mm_unpacklo_epi64(zl, zh)), z1 = _mm256_cvtph_ps(_mm_unpackhi_epi64(zl, zh));
+        for (int r = 0; r < R; r++) {
+            const __m256 t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(h0[r * T + t], h1[r * T + t]), ones));
+            const __m256 t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(h0[r * T + t], h1[r * T + t]), ones));
+            const __m256 dr = _mm256_set1_ps(d[r * G + g]), dqr = _mm256_set1_ps(dq[r * G + g]);
+            float *acc0 = acc + r * acc_stride + t * TILE;
+            __m256 v0 = _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, dr), _mm256_loadu_ps(acc0));
+            __m256 v1 = _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, dr), _mm256_loadu_ps(acc0 + 8));
+            _mm256_storeu_ps(acc0, _mm256_fmadd_ps(z0, dqr, v0));
+            _mm256_storeu_ps(acc0 + 8, _mm256_fmadd_ps(z1, dqr, v1));
+        }
+    }
+}
+
+/* Tiles a pass of R rows: the most whose sums, both halves' (2 R T), fit the 16 registers beside
+ * the quad's nibbles (2 T), two broadcasts and the mask: 2 R T + 2 T + 3 <= 16. */
+#define PASS_TILES(R) (13 / (2 * (R) + 2) > 0 ? 13 / (2 * (R) + 2) : 1)
+
+static inline __attribute__((always_inline)) void tiles_in_passes(const int R, const int T, int64_t G, int64_t g,
+                                                                  const int8_t *q, int64_t K, const float *d,
+                                                                  const float *dq, const uint8_t *v, int64_t tile_bytes,
+                                                                  float *acc, int64_t acc_stride) {
+    const int TP = PASS_TILES(R);
+    int t = 0;
+    for (; t + TP <= T; t += TP) pass4(R, TP, G, g, q, K, d, dq, v + t * tile_bytes, tile_bytes, acc + t * TILE, acc_stride);
+    if (T % TP) pass4(R, T % TP, G, g, q, K, d, dq, v + t * tile_bytes, tile_bytes, acc + t * TILE, acc_stride);
+}
+
+/* block()'s rows in passes of up to PASS_ROWS rows, as even as they go (for a maximum of 4, 9 rows
+ * are 3 + 3 + 3, not 4 + 4 + 1: a pass shares its unpacked weights among its rows only). The R x T
+ * running sums of a whole block spill past a few rows and tiles (each add then a load and a
+ * store); a pass's fit the registers, both halves of the group included, so nothing spills at 2
+ * rows x 2 tiles. Each (row, column) gets the same operations in the same order as in one pass,
+ * so the bits are those of every variant (docs/BENCHMARKS.md, 'The AVX2 rows in passes of 4'). */
+#define PASSES(R, MAX) (((R) + (MAX) - 1) / (MAX))
+static inline __attribute__((always_inline)) void rows_in_passes(const int R, const int T, int64_t G, int64_t g,
+                                                                 const int8_t *q, int64_t K, const float *d,
+                                                                 const float *dq, const uint8_t *v, int64_t tile_bytes,
+                                                                 float *acc) {
+    const int n = PASSES(R, PASS_ROWS), rp = R / n, more = R % n; /* `more` passes of rp + 1 rows */
+    int r = 0;
+    for (int i = 0; i < n; r += rp + (i < more), i++)
+        if (i < more)
+            tiles_in_passes(rp + 1, T, G, g, q + r * K, K, d + r * G, dq + r * G, v, tile_bytes, acc + r * T * TILE, T * TILE);
+        else
+            tiles_in_passes(rp, T, G, g, q + r * K, K, d + r * G, dq + r * G, v, tile_bytes, acc + r * T * TILE, T * TILE);
 }
 #endif
 
@@ -235,38 +318,7 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
                 }
             }
 #elif TKV_AVX2
-            /* A quad's 32 bytes split into low and high nibbles give, in 16-bit lane c, the pairs
-               (u0, u2) and (u1, u3) of column c: two vpmaddubsw by the row's (q0, q2) and (q1, q3)
-               sum column c's four products in one lane, 16 columns a register. Four quads (16
-               products of u <= 15 and |q| <= 127: |sum| <= 30480) stay exact in 16 bits; the two
-               halves of the group are interleaved and summed into int32 by vpmaddwd. (32-bit
-               broadcasts with the pairs blended per column were slower on Zen 4: two more
-               instructions a quad and tile.) */
-            __m256i h0[MAX_ROWS * 4], h1[MAX_ROWS * 4];
-            const __m256i ones = _mm256_set1_epi16(1);
-            half_sums(R, T, 0, w + off + 64, tile_bytes, q + g * GROUP, K, h0);
-            half_sums(R, T, 4, w + off + 64, tile_bytes, q + g * GROUP, K, h1);
-            /* The group's int32 sums come out of unpack + vpmaddwd in the column order 0-3 8-11 |
-               4-7 12-15 (128-bit lanes); the scales and zeros are put in that order instead of the
-               sums back in theirs (a vperm2i128 took 3.2 cycles on Zen 1), and emit4() restores the order
-               once a call: each column's arithmetic is unchanged, only its lane. */
-            for (int t = 0; t < T; t++) {
-                const uint8_t *sz = w + t * tile_bytes + off;
-                const __m128i sl = _mm_loadu_si128((const __m128i *)sz), sh = _mm_loadu_si128((const __m128i *)(sz + 16));
-                const __m128i zl = _mm_loadu_si128((const __m128i *)(sz + 32)), zh = _mm_loadu_si128((const __m128i *)(sz + 48));
-                const __m256 s0 = _mm256_cvtph_ps(_mm_unpacklo_epi64(sl, sh)), s1 = _mm256_cvtph_ps(_mm_unpackhi_epi64(sl, sh));
-                const __m256 z0 = _mm256_cvtph_ps(_mm_unpacklo_epi64(zl, zh)), z1 = _mm256_cvtph_ps(_mm_unpackhi_epi64(zl, zh));
-                for (int r = 0; r < R; r++) {
-                    const __m256 t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpacklo_epi16(h0[r * T + t], h1[r * T + t]), ones));
-                    const __m256 t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_unpackhi_epi16(h0[r * T + t], h1[r * T + t]), ones));
-                    const __m256 dr = _mm256_set1_ps(d[r * G + g]), dqr = _mm256_set1_ps(dq[r * G + g]);
-                    float *acc0 = acc + r * T * TILE + t * TILE;
-                    __m256 v0 = _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, dr), _mm256_loadu_ps(acc0));
-                    __m256 v1 = _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, dr), _mm256_loadu_ps(acc0 + 8));
-                    _mm256_storeu_ps(acc0, _mm256_fmadd_ps(z0, dqr, v0));
-                    _mm256_storeu_ps(acc0 + 8, _mm256_fmadd_ps(z1, dqr, v1));
-                }
-            }
+            rows_in_passes(R, T, G, g, q, K, d, dq, w + off, tile_bytes, acc);
 #else
             int32_t sum[MAX_ROWS * 8][TILE];
             memset(sum, 0, sizeof(int32_t) * R * T * TILE);
@@ -295,6 +347,67 @@ static inline __attribute__((always_inline)) void block(const int R, const int T
         }
     }
 }
+
+#if TKV_AVX2
+/* One pass of block8() for a group at v: rows 0..R (q, d, acc: the pass's first row's; acc_stride
+ * floats a row), tiles 0..T; 2 R T running sums, 2 T weights and 2 T magnitudes. */
+static inline __attribute__((always_inline)) void pass8(const int R, const int T, int64_t G, int64_t g, const int8_t *q,
+                                                        int64_t K, const float *d, const uint8_t *v, int64_t tile_bytes,
+                                                        float *acc, int64_t acc_stride) {
+    __m256i sum[PASS8_ROWS * 2 * 2];
+    for (int i = 0; i < R * T * 2; i++) sum[i] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < QUADS; i++) {
+        __m256i wv[2 * 2], wa[2 * 2];
+        for (int j = 0; j < 2 * T; j++) {
+            wv[j] = _mm256_loadu_si256((const __m256i *)(v + (j / 2) * tile_bytes + 64 + i * 64 + (j % 2) * 32));
+            wa[j] = _mm256_sign_epi8(wv[j], wv[j]); /* |q_w|, read unsigned (-128 -> 128) */
+        }
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, q + r * K + g * GROUP + 4 * i, 4);
+            const __m256i xv = _mm256_set1_epi32(quad);
+            for (int j = 0; j < 2 * T; j++) /* |q_w| * (q carrying q_w's sign) = q_w q */
+                sum[r * 2 * T + j] = _mm256_add_epi32(sum[r * 2 * T + j], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j])), ones));
+        }
+    }
+    for (int j = 0; j < 2 * T; j++) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + (j / 2) * tile_bytes + (j % 2) * 16)));
+        for (int r = 0; r < R; r++) {
+            float *a = acc + r * acc_stride + j * 8;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r * 2 * T + j]), _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g])), _mm256_loadu_ps(a)));
+        }
+    }
+}
+
+/* Tiles a pass of R rows in block8(): 2 T R sums, 2 T weights, 2 T magnitudes, a broadcast, ones
+ * and a product fit the 16 registers at 1 row x 2 tiles and 4 x 1; 2 rows x 2 tiles spill a few
+ * but timed faster than two passes of 1 tile (docs/BENCHMARKS.md, as above). */
+#define PASS8_TILES(R) ((R) <= 2 ? 2 : 1)
+
+static inline __attribute__((always_inline)) void tiles_in_passes8(const int R, const int T, int64_t G, int64_t g,
+                                                                   const int8_t *q, int64_t K, const float *d,
+                                                                   const uint8_t *v, int64_t tile_bytes, float *acc,
+                                                                   int64_t acc_stride) {
+    const int TP = PASS8_TILES(R);
+    int t = 0;
+    for (; t + TP <= T; t += TP) pass8(R, TP, G, g, q, K, d, v + t * tile_bytes, tile_bytes, acc + t * TILE, acc_stride);
+    if (T % TP) pass8(R, T % TP, G, g, q, K, d, v + t * tile_bytes, tile_bytes, acc + t * TILE, acc_stride);
+}
+
+/* block8()'s rows in passes of up to PASS8_ROWS, as rows_in_passes() for block(). */
+static inline __attribute__((always_inline)) void rows_in_passes8(const int R, const int T, int64_t G, int64_t g,
+                                                                  const int8_t *q, int64_t K, const float *d,
+                                                                  const uint8_t *v, int64_t tile_bytes, float *acc) {
+    const int n = PASSES(R, PASS8_ROWS), rp = R / n, more = R % n;
+    int r = 0;
+    for (int i = 0; i < n; r += rp + (i < more), i++)
+        if (i < more)
+            tiles_in_passes8(rp + 1, T, G, g, q + r * K, K, d + r * G, v, tile_bytes, acc + r * T * TILE, T * TILE);
+        else
+            tiles_in_passes8(rp, T, G, g, q + r * K, K, d + r * G, v, tile_bytes, acc + r * T * TILE, T * TILE);
+}
+#endif
 
 /* The int8 form (Q8_0): as block(), one plane, signed values, no zero. */
 static inline __attribute__((always_inline)) void block8(const int R, const int T, int64_t G, int64_t P,
@@ -330,30 +443,7 @@ static inline __attribute__((always_inline)) void block8(const int R, const int 
             }
         }
 #elif TKV_AVX2
-        __m256i sum[MAX_ROWS * 8 * 2];
-        for (int i = 0; i < R * T * 2; i++) sum[i] = _mm256_setzero_si256();
-        const __m256i ones = _mm256_set1_epi16(1);
-        for (int i = 0; i < QUADS; i++) {
-            __m256i wv[8 * 2], wa[8 * 2];
-            for (int j = 0; j < 2 * T; j++) {
-                wv[j] = _mm256_loadu_si256((const __m256i *)(w + (j / 2) * tile_bytes + off + 64 + i * 64 + (j % 2) * 32));
-                wa[j] = _mm256_sign_epi8(wv[j], wv[j]); /* |q_w|, read unsigned (-128 -> 128) */
-            }
-            for (int r = 0; r < R; r++) {
-                int32_t quad;
-                memcpy(&quad, q + r * K + g * GROUP + 4 * i, 4);
-                const __m256i xv = _mm256_set1_epi32(quad);
-                for (int j = 0; j < 2 * T; j++) /* |q_w| * (q carrying q_w's sign) = q_w q */
-                    sum[r * 2 * T + j] = _mm256_add_epi32(sum[r * 2 * T + j], _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j])), ones));
-            }
-        }
-        for (int j = 0; j < 2 * T; j++) {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + (j / 2) * tile_bytes + off + (j % 2) * 16)));
-            for (int r = 0; r < R; r++) {
-                float *a = acc + r * T * TILE + j * 8;
-                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r * 2 * T + j]), _mm256_mul_ps(s, _mm256_set1_ps(d[r * G + g])), _mm256_loadu_ps(a)));
-            }
-        }
+        rows_in_passes8(R, T, G, g, q, K, d, w + off, tile_bytes, acc);
 #else
         int32_t sum[MAX_ROWS * 8][TILE];
         memset(sum, 0, sizeof(int32_t) * R * T * TILE);
@@ -449,12 +539,11 @@ static inline void emit4(int R, int T, int64_t t, const float *acc, float *out, 
 #if TKV_VNNI
 #define TILES4 4, 3, 4, 3, 3, 2, 2, 1, 1, 1
 #define TILES8 1, 4, 4, 3, 2, 2, 2, 2, 2, 1
-#elif TKV_AVX2 /* 16 registers; re-timed on the Zen 1 AVX2 CPU, weights in cache, cycles a row, tile and
-                 group: 1 row 79 at 3 tiles (84 at 4), 2 rows 80 at 2 (92 at 4), 3-4 rows 73 at 4
-                 (80-90 at 1-2), 8 rows 64 at 4 (78-80 at 2-3; docs/BENCHMARKS.md, 'turnkv on a
-                 real AVX2-only CPU') */
-#define TILES4 3, 2, 4, 4, 4, 4, 4, 4, 4, 4
-#define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
+#elif TKV_AVX2 /* blocks walked in passes of at most 2 rows (rows_in_passes), so more tiles a block no
+                 longer spill; re-timed on the Zen 4 VM's AVX2 build, weights streaming
+                 (docs/BENCHMARKS.md, 'The AVX2 rows in passes of 4') */
+#define TILES4 3, 2, 2, 2, 2, 2, 2, 2, 2, 2
+#define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 1
 #else /* plain C */
 #define TILES4 2, 2, 1, 1, 1, 1, 1, 4, 3, 3
 #define TILES8 1, 2, 1, 1, 1, 1, 1, 1, 1, 4
@@ -468,16 +557,7 @@ static inline void emit4(int R, int T, int64_t t, const float *acc, float *out, 
 #define TILES8 TKV_TILES8
 #endif
 #define RUN_ROWS_(NAME, BLOCK, EMIT, ...) RUN_ROWS(NAME, BLOCK, EMIT, __VA_ARGS__)
-#if TKV_AVX2 /* GCC's pre-allocation scheduling for the 4-bit rows: on the Zen 1 AVX2 CPU one row in cache
-                85-87 cycles a row, tile and group against 100-103 without, 8 rows 66 against 68
-                (docs/BENCHMARKS.md, 'turnkv on a real AVX2-only CPU'); it only orders instructions */
-#pragma GCC push_options
-#pragma GCC optimize("schedule-insns", "sched-pressure")
-#endif
 RUN_ROWS_(run_rows4, block, emit4, TILES4)
-#if TKV_AVX2
-#pragma GCC pop_options
-#endif
 RUN_ROWS_(run_rows8, block8, emit, TILES8)
 
 /* A matrix's constants, set once per packed matrix (cpu_int4.Matrix), so a call passes one
