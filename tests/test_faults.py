@@ -257,7 +257,9 @@ def test_a_damaged_index_under_a_running_server_is_a_miss_and_the_prompt_is_reco
         h = settled(srv)
         disk = h["disk"]
         assert h["status"] == "ok" and disk["enabled"] is True
-        assert "file is not a database" in disk["degraded"] and disk["faults"] >= 3
+        # the restore of the stored prompt read the broken index (a fault); the other lookups answer
+        # from the keys in memory, and a miss there does not clear the reason
+        assert "file is not a database" in disk["degraded"] and disk["faults"] >= 1
         assert disk["hits"] == 0 and disk["misses"] >= 3
     finally:
         srv.close()

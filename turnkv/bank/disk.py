@@ -13,7 +13,7 @@ Failures never reach a request: an unusable directory disables the tier at start
 write error is counted in ``write_failures`` and logged once, a bad block is a miss. A store call
 that raises at run time (a damaged ``index.sqlite``, an I/O error) is a miss too: the lookup
 finds nothing (the prompt is recomputed) and a write behind is dropped; each is counted in
-``faults``, ``/health.disk.degraded`` gives the reason until a lookup goes through the store again,
+``faults``, ``/health.disk.degraded`` gives the reason until a lookup goes through the store again (not a miss from the keys in memory),
 and one warning is logged when the tier becomes degraded.
 
 Under tensor parallelism every rank has a tier of its own (its KV heads' shard of the same

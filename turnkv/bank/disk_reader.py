@@ -54,9 +54,11 @@ class DiskReader:
         faults = self.stats.faults
         t0 = time.perf_counter()
         with self.store.pinned(keys[first:]):  # eviction keeps off what the lookup finds
-            seg = self._restore(keys, first, have, tokens)
+            seg, read = self._restore(keys, first, have, tokens)
         took = time.perf_counter() - t0
-        if self.stats.faults == faults:
+        # a miss answered from the store's keys in memory (``memory_index``) proves nothing about a
+        # store that failed: only a lookup through it, or a read, clears ``degraded``
+        if self.stats.faults == faults and (read or not getattr(self.store, "memory_index", False)):
             self._answers()
         with self._cv:  # restores may run on several threads
             if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:
@@ -69,8 +71,11 @@ class DiskReader:
         base = prefix.prefix(first * BLOCK_TOKENS).refs if prefix is not None else ()
         return SegmentedSnapshot((*base, SegmentRef(seg, seg.num_rows)))
 
-    def _restore(self, keys: list[str], first: int, have: int, tokens: Sequence[int]) -> Segment | None:
-        """The run of stored blocks ``keys[first:]`` that every rank holds, loaded; None if none."""
+    def _restore(
+        self, keys: list[str], first: int, have: int, tokens: Sequence[int]
+    ) -> tuple[Segment | None, bool]:
+        """The run of stored blocks ``keys[first:]`` that every rank holds, loaded (None if none),
+        and whether blocks were read."""
         try:
             run = self.store.run_length(keys[first:])
         except Exception as exc:  # a damaged index: a miss (the ranks still agree below)
@@ -78,7 +83,7 @@ class DiskReader:
             run = 0
         run = run if self.agree is None else self.agree(run)
         if (first + run) * BLOCK_TOKENS <= have:
-            return None
+            return None, False
         seg = None
         parent = keys[first - 1] if first else ROOT_KEY
         try:
@@ -87,7 +92,7 @@ class DiskReader:
             self._fault("a restore", exc)
         if self.agree is not None:
             seg = _cut(seg, self.agree(seg.num_rows // BLOCK_TOKENS if seg is not None else 0))
-        return seg
+        return seg, True
 
     def load(self, keys: Sequence[str], parent: str, tokens: Sequence[int], first: int) -> Segment | None:
         """Blocks ``keys`` (depths ``first``, ``first + 1``, ...) as one segment on the KV device,

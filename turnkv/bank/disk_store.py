@@ -218,6 +218,11 @@ class LocalDirStore:
                 raise BlockGone(f"block {key[:12]} was deleted before it was read ({exc})") from exc
             raise
 
+    @property
+    def memory_index(self) -> bool:
+        """Lookups answer from the keys in memory, not the index (one server owns the store)."""
+        return self._sole
+
     def has(self, key: str) -> bool:
         if self._sole:
             return key in self._keys
