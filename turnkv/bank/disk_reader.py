@@ -56,9 +56,9 @@ class DiskReader:
         with self.store.pinned(keys[first:]):  # eviction keeps off what the lookup finds
             seg, read = self._restore(keys, first, have, tokens)
         took = time.perf_counter() - t0
-        # a miss answered from the store's keys in memory (``memory_index``) proves nothing about a
-        # store that failed: only a lookup through it, or a read, clears ``degraded``
-        if self.stats.faults == faults and (read or not getattr(self.store, "memory_index", False)):
+        # a miss answered from the store's keys in memory proves nothing about a store that failed:
+        # only a lookup through it, or a read, clears ``degraded``
+        if self.stats.faults == faults and (read or not self.store.memory_index):
             self._answers()
         with self._cv:  # restores may run on several threads
             if seg is None or first * BLOCK_TOKENS + seg.num_rows <= have:

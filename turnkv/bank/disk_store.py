@@ -99,6 +99,10 @@ class BlockStore(Protocol):
         planes are contiguous) when given, else into private memory; raises ``BlockError``."""
         ...
 
+    # ``has`` and ``run_length`` answer from keys kept in memory, not the index: a miss then proves
+    # nothing about a failing store (``DiskReader.extend`` does not clear ``degraded`` on one)
+    memory_index: bool
+
     def has(self, key: str) -> bool: ...
 
     def run_length(self, keys: Sequence[str]) -> int:
@@ -145,7 +149,7 @@ class LocalDirStore:
         # with the lock this process is the directory's one writer, so the index's keys are known
         # here: ``has`` and ``run_length`` (asked on the engine thread) answer from memory, never
         # waiting behind a writer's transaction (``disk_writer``'s module docstring)
-        self._sole = lock
+        self.memory_index = lock
         self._keys: set[str] = set()
         self._pins: Counter[str] = Counter()  # key -> restores holding it (``pinned``)
         self.bad_entries = 0  # entries of the wrong kind that writes replaced
@@ -218,19 +222,14 @@ class LocalDirStore:
                 raise BlockGone(f"block {key[:12]} was deleted before it was read ({exc})") from exc
             raise
 
-    @property
-    def memory_index(self) -> bool:
-        """Lookups answer from the keys in memory, not the index (one server owns the store)."""
-        return self._sole
-
     def has(self, key: str) -> bool:
-        if self._sole:
+        if self.memory_index:
             return key in self._keys
         with self._mu:
             return self._db.execute("SELECT 1 FROM blocks WHERE key = ?", (key,)).fetchone() is not None
 
     def run_length(self, keys: Sequence[str]) -> int:
-        if self._sole:
+        if self.memory_index:
             return leading(k in self._keys for k in keys)
         n = 0
         for lo in range(0, len(keys), 500):  # under SQLite's bound on a statement's parameters
@@ -301,6 +300,8 @@ class LocalDirStore:
                 victims.append(key)
                 over -= size
                 sizes += size
+            if not victims:  # every candidate is pinned
+                return 0
             self._db.execute("BEGIN")
             try:
                 self._db.executemany("DELETE FROM blocks WHERE key = ?", [(k,) for k in victims])

@@ -17,8 +17,8 @@
 Both are called on the engine thread, which must never wait for the disk: there the store is
 only asked ``has`` (``LocalDirStore`` answers from memory), and the blocks found already stored
 are marked used by the writer threads (``touch``: an index write that could wait behind a
-writer's transaction or a WAL checkpoint, which stalled every running turn for ~200 ms on the
-H200: docs/BENCHMARKS.md, "A step timeline under load").
+writer's transaction or a WAL checkpoint, and stalled every running turn while it waited:
+docs/BENCHMARKS.md, "A step timeline under load").
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ def _pin_keys(pins: Counter, mu: threading.Lock, keys: list[str]):
 class SharedDirStore:
     """A :class:`BlockStore` in a directory that many processes write and read at once."""
 
+    memory_index = False  # other processes write it: every lookup goes to the directory
+
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).expanduser()
         self.blocks = self.root / "blocks"
@@ -283,6 +285,8 @@ class StoreDown(ConnectionError):
 
 class RedisStore:
     """A :class:`BlockStore` in a Redis server (blocks and index); shared by every process using it."""
+
+    memory_index = False  # every lookup asks the server
 
     def __init__(self, url: str, prefix: str = "turnkv:", timeout_s: float = 2.0) -> None:
         import redis

@@ -135,8 +135,8 @@ class StepCost:
         through the two fits' means, plain steps against verify steps of more rows. In a full
         batch the running set hardly changes, so neither fit sees its rows vary, and the prior
         (a GPU row nearly free) let 32 turns draft: on CUDA each draft row is a one-row window
-        reading its whole conversation's KV again, and those steps cost 1.7x the plain ones
-        (docs/BENCHMARKS.md, "A step timeline under load")."""
+        reading its whole conversation's KV again, and those steps cost far more than the plain
+        ones (docs/BENCHMARKS.md, "A step timeline under load")."""
         p, v = self.plain, self.verify
         if p.w < 0.5 or v.w < 0.5:
             return slope

@@ -161,7 +161,7 @@ class Pipeline:
             return None
         run = InFlight(work, result, t0, marks=marks)
         if marks is not None:
-            marks.launched, marks.graph = time.perf_counter(), self.engine.graphs.replays != marks.graph
+            marks.launched, marks.graph = time.perf_counter(), self.engine.graphs.replays != marks.replays
         return run if not finalize or self.finalize(run) else None
 
     def finalize(self, run: InFlight) -> bool:

@@ -218,17 +218,15 @@ class Scheduler:
         joins its copies (the GPU waits where one is still pending: nothing else could run).
         Under tensor parallelism every rank must pick the same windows, so none sits out there."""
 
-        def cache_segments(e: Entry) -> tuple:
-            return e.turn.cache.segments() if e.turn.cache is not None else ()
-
+        segments = [(e, e.turn.cache.segments() if e.turn.cache is not None else ()) for e in prompts]
         if self.hook is None:
-            busy = {id(e) for e in prompts if copying(cache_segments(e))}
-            if busy and (others or len(busy) < len(prompts)):
-                prompts = [e for e in prompts if id(e) not in busy]
+            busy = [copying(segs) for _, segs in segments]
+            if any(busy) and (others or not all(busy)):
+                segments = [pair for pair, b in zip(segments, busy, strict=True) if not b]
         taken = []
-        for e in prompts:
+        for e, segs in segments:
             with Guard("joining the turn's restore", [(e, None)]) as out:  # a CUDA error fails it alone
-                join_copies(cache_segments(e))
+                join_copies(segs)
             if not out.failed:
                 taken.append(e)
         return taken

@@ -26,7 +26,8 @@ class Marks:
 
     launch: float
     start: torch.cuda.Event | None  # recorded before the step's first kernel (CUDA)
-    graph: int | bool = 0  # the graphs' replay count at launch, then whether the step replayed one
+    replays: int = 0  # the graphs' replay count at launch
+    graph: bool = False  # whether the step replayed a graph (set once launched)
     launched: float = 0.0
     end: torch.cuda.Event | None = None  # recorded after the copy of its tokens
     sync: float = 0.0
@@ -67,7 +68,7 @@ class StepTrace:
             "rows": rows,
             "windows": windows,
             "prompt_rows": prompt_rows,
-            "graph": bool(m.graph),
+            "graph": m.graph,
         }
         if m.start is not None and m.end is not None:
             rec["device_ms"] = round(m.start.elapsed_time(m.end), 4)
