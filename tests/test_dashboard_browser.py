@@ -47,7 +47,7 @@ ARGS = [
 ]
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
 WAIT_MS = 30_000
-LONG_TOKENS = 160  # a turn long enough (seconds on a CPU) for the page to see it running
+LONG_TOKENS = 640  # a turn of several of the page's 1 s polls on a CPU (160 took 0.94 s with drafts)
 CONVS = "#convs [data-conv]"  # one element per banked conversation
 
 
