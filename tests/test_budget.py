@@ -180,3 +180,55 @@ def test_bad_budget_flags_are_one_line_errors_before_loading(monkeypatch, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("turnkv: error:"), lines
     assert needle in lines[0], lines[0]
+
+
+def test_a_kept_probe_is_read_back_only_for_the_sizes_it_measured(tmp_path):
+    """``probe_cache``: a complete probe survives a restart; another size list, a torn or
+    nonsense file, or an incomplete probe give nothing back (measured again)."""
+    from turnkv.engine import probe_cache
+
+    path = tmp_path / "probe" / "k.json"
+    sizes = [64, 128, 256]
+    p = Probe(StepCurve(tuple(sizes), (5.0, 6.0, 9.5)), 3.2, True)
+    probe_cache.save(path, p)
+    back = probe_cache.load(path, sizes)
+    assert back is not None and back.cached and back.curve == p.curve and back.seconds == 0.0
+    assert back.ceiling(64) == p.ceiling(64)
+    assert probe_cache.load(path, [64, 128]) is None  # other sizes: measure again
+    assert probe_cache.load(tmp_path / "missing.json", sizes) is None
+    path.write_text('{"rows": [64, 128, 256], "ms": [5.0, 0, 9.5]}')
+    assert probe_cache.load(path, sizes) is None
+    path.write_text("{not json")
+    assert probe_cache.load(path, sizes) is None
+    probe_cache.save(tmp_path / "partial.json", Probe(p.curve, 1.0, False))
+    assert not (tmp_path / "partial.json").exists()
+    probe_cache.save(None, p)  # a device whose probe is not kept: nothing happens
+
+
+def test_a_cpu_engine_measures_its_probe_every_start(monkeypatch):
+    from turnkv.engine import probe_cache
+    from turnkv.runtime import build
+
+    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32")
+    rt = build(cfg, "generate", progress=False)
+    assert probe_cache.probe_path(rt.engine, 4, [16, 32]) is None
+
+
+def test_a_kept_probe_replaces_the_measurement_at_the_next_start(monkeypatch, tmp_path):
+    """``Runtime.measure_budget`` over a kept curve (forced on this CPU): the first start measures
+    and keeps it, the second reads it back and probes nothing, with the same ceiling."""
+    from turnkv.engine import budget_probe, probe_cache
+    from turnkv.runtime import build
+
+    monkeypatch.setattr(probe_cache, "probe_path", lambda engine, running, sizes: tmp_path / "p.json")
+    cfg = EngineConfig(model="random:test", device="cpu", dtype="float32")
+    first = build(cfg, "serve", progress=False)
+    first.measure_budget()
+    assert first.probe is not None and not first.probe.cached and (tmp_path / "p.json").exists()
+    ran = []
+    monkeypatch.setattr(budget_probe, "probe", lambda *a, **k: ran.append(1))
+    second = build(cfg, "serve", engine=first.engine, progress=False)
+    second.measure_budget()
+    assert ran == [] and second.probe.cached and second.probe.curve == first.probe.curve
+    assert second.step_budget().ceiling == first.step_budget().ceiling
+    assert second.step_budget().health()["probe_cached"] is True

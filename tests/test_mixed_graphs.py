@@ -134,3 +134,26 @@ def test_one_mixed_graph_serves_every_context_its_split_count_read_from_the_tabl
     assert key_a == key_b and same_a and same_b
     assert counts_a[0] < counts_b[0]  # the decode row's table: more splits past 4096 keys
     assert graphs.captures == before + 1
+
+
+def test_a_warm_up_step_captures_its_graph_without_replaying_it_and_the_replay_is_the_eager_step():
+    """``Engine.warm_step`` (the warm-up's capture_mixed and verify steps): the graph is captured,
+    nothing is replayed; the next step of that key replays it, equal to the eager step bit for bit."""
+    from turnkv.engine.step import Window
+
+    cfg = EngineConfig(model="random:test", device="cuda", dtype="bfloat16", attention="auto")
+    engine = load_engine(cfg)
+    graphs = engine.graphs
+
+    def windows():
+        caches = [engine.new_cache(), engine.new_cache()]
+        engine.prefill(caches[1], list(range(40, 90)))
+        return [Window(caches[0], list(range(100, 300)), logits=1), Window(caches[1], [7])]
+
+    captures, replays = graphs.captures, graphs.replays
+    engine.warm_step(windows())
+    assert graphs.captures == captures + 1 and graphs.replays == replays  # captured, not replayed
+    staged = engine.stage(windows()).step
+    assert graphs.graphs.get(staged.key) is staged.captured  # the next step of the key has a graph
+    eager = graphs.eager(staged).logits.clone()
+    assert torch.equal(graphs.replay(staged).logits, eager) and graphs.captures == captures + 1

@@ -160,7 +160,7 @@ def test_the_warm_up_captures_every_possible_mixed_key(budget, running):
         def new_cache(self):
             return object()
 
-        def run_step(self, windows):
+        def warm_step(self, windows):
             assert len({id(w.cache) for w in windows}) == len(windows)  # one window a conversation
             kv = []
             for w in windows:

@@ -105,3 +105,29 @@ def test_a_block_goes_into_its_rows_of_a_segment_as_one_2d_copy_with_copy_s_bits
             want[:, :, j * B : (j + 1) * B].copy_(src)
         stream.synchronize()
         assert torch.equal(dst, want)
+
+
+@cuda
+def test_cuda_a_pool_carved_from_a_pinned_reserve_is_page_locked_and_restores_the_rows(monkeypatch):
+    """The reserve pins on its own threads (``HostReserve``); the tier's ``k``/``v`` are halves of
+    its chunks, page-locked through the chunk's registration, and copies in and out are right."""
+    import turnkv.bank.ram as ram_module
+    from turnkv.bank.host_memory import HostReserve
+
+    block = B * CUDA_SHAPE.bytes_per_row
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * block)
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
+    reserve = HostReserve(8 * block, 2 * block)  # pinned
+    ram = RamTier("fp", CUDA_SHAPE, 8, None, reserve)
+    ram.grow_behind()
+    assert ram.wait_whole() and len(ram._bases) == 4 and reserve.failed is None
+    assert all(t.is_pinned() for chunk in ram._chunks for t in chunk)
+    ids = list(range(7 * B))
+    snap = _device_rows(ids, seed=9)
+    ram.write_behind("ns", snap)
+    got = ram.extend("ns", [*ids, 1], None)
+    assert got is not None and got.num_tokens == 7 * B
+    k, v = got.read_rows(0, 7 * B)
+    wk, wv = snap.read_rows(0, 7 * B)
+    assert torch.equal(k, wk) and torch.equal(v, wv)
+    assert ram.flush()

@@ -165,7 +165,7 @@ def test_verify_steps_cover_solo_and_company_decode_graphs():
         def prefill(self, cache, tokens):
             cache.n = len(tokens)
 
-        def run_step(self, windows):
+        def warm_step(self, windows):
             runs.append([(w.cache.n, len(w.tokens), w.logits) for w in windows])
 
     assert warmup.verify_steps(Engine()) == len(runs)

@@ -129,11 +129,12 @@ def chat_template(spec: str) -> str:
 
 
 def new_bank(
-    engine: Engine, budget: str | int | None = None, disk: bool = False, auto: int | None = None
+    engine: Engine, budget: str | int | None = None, disk: bool = False, auto: int | None = None, reserve=None
 ) -> SessionBank:
     """A session bank of ``budget`` bytes (default ``--bank-bytes``; ``auto``: ``auto`` bytes, or
     ``auto_budget_bytes`` of one process) for ``engine``'s caches; with ``disk``, over the tiers
-    (``_open_tiers``: host RAM unless ``--no-ram``, then the disk unless ``--no-disk``)."""
+    (``_open_tiers``: host RAM unless ``--no-ram``, its pool from ``reserve`` when one was started,
+    then the disk unless ``--no-disk``)."""
     cfg = engine.cfg
     budget = cfg.bank_bytes if budget is None else budget
     if budget == "auto":
@@ -147,18 +148,18 @@ def new_bank(
         copy_on_restore=engine.layout.copies_on_restore,
         session_ttl_s=cfg.session_ttl,
         session_share=cfg.session_share,
-        tier=_open_tiers(engine) if disk else None,
+        tier=_open_tiers(engine, reserve) if disk else None,
     )
 
 
-def _open_tiers(engine: Engine):
+def _open_tiers(engine: Engine, reserve=None):
     """The chain behind the bank (``bank.tiers``): the host-RAM tier (``--ram-bytes``; off where
     its pinned memory cannot be had, with the reason on ``/health.ram``) in front of the disk."""
     from turnkv.bank.ram_budget import open_ram
     from turnkv.bank.tiers import TierChain
 
     disk = None if engine.cfg.no_disk else _open_tier(engine)
-    ram, off = open_ram(engine, disk)
+    ram, off = open_ram(engine, disk, reserve)
     return TierChain(ram, disk, off)
 
 
@@ -229,7 +230,7 @@ class Runtime:
         # prefill throughput one for one, so auto sets none there (a given --itl-target-ms applies)
         relative = self.engine.shape.device.type == "cuda"
         floor = min(p.curve.rows[0], ceiling)
-        return AdaptiveBudget(p.curve, ceiling, self.cfg.itl_target(), floor, p.seconds, relative)
+        return AdaptiveBudget(p.curve, ceiling, self.cfg.itl_target(), floor, p.seconds, relative, p.cached)
 
     def new_bank(self, budget: str | int | None = None, disk: bool = False) -> SessionBank:
         return new_bank(self.engine, budget, disk, self.auto_bank_bytes)
@@ -269,18 +270,21 @@ class Runtime:
         elif self.hook is not None or self.engine.tp is not None:
             report.note = "off: tensor parallelism (each rank compiles on its first steps)"
         else:
-            pinned = self.pin_ram(progress)
+            waited = self.pin_ram(progress)
             self.measure_budget(progress)
             report = warm_up(self.scheduler(self.new_bank()), progress, _warm_grammar(self))
-            report.ram_s = pinned
+            report.ram_s = waited
+            if waited is not None:
+                report.ram_pin_s = self.bank.tier.ram.pin_seconds
         WATCH.mark_ready(self.engine)
         self.warm = report
         return report
 
     def pin_ram(self, progress: WarmProgress | None = None) -> float | None:
-        """Pin the RAM tier's whole pool before the warm-up and before ready; its seconds (None:
-        no RAM tier). Registering pages holds the CUDA driver's lock: beside a loaded server it
-        stalled the steps and ran at a twentieth of its idle rate; before ready nothing waits."""
+        """Wait for the RAM tier's whole pool before the budget probe and the warm-up; the seconds
+        waited (None: no RAM tier; the pinning itself began beside the load: ``HostReserve``).
+        Registering pages holds the CUDA driver's lock: beside a loaded server it stalled the
+        steps and ran at a twentieth of its idle rate, beside a timed step it would skew it."""
         from turnkv.bank.tiers import TierChain
 
         tier = self.bank.tier if self.bank is not None else None
@@ -297,6 +301,7 @@ class Runtime:
         """``--max-batch-tokens auto``: time steps of prompt rows (``engine.budget_probe``) over a
         bank of its own, before the warm-up (which compiles up to the ceiling chosen here). Not
         under tensor parallelism (every rank must decide alike: the budget stays fixed)."""
+        from turnkv.engine import probe_cache
         from turnkv.engine.budget_probe import probe, probe_sizes
 
         if self.cfg.batch_tokens() is not None or self.probe is not None:
@@ -307,9 +312,14 @@ class Runtime:
         if progress is not None:
             progress.phase = "budget"
         room = (self.engine.max_context or 1 << 20) - 8
-        most = max(probe_sizes(self.engine.shape.device.type, room))
+        sizes = probe_sizes(self.engine.shape.device.type, room)
+        most = max(sizes)
         running = max(self.cfg.max_running, -(-most // self.engine.prefill_chunk))
-        self.probe = probe(self.scheduler(self.new_bank(), running, most, run_ahead=False))
+        kept = probe_cache.probe_path(self.engine, running, sizes)  # None: measured every start
+        self.probe = probe_cache.load(kept, sizes)
+        if self.probe is None:
+            self.probe = probe(self.scheduler(self.new_bank(), running, most, run_ahead=False))
+            probe_cache.save(kept, self.probe)
 
     def run_turn(
         self, request: TurnRequest, bank: SessionBank | None = None, interruptible: bool = False
@@ -345,8 +355,17 @@ def build(
     cfg: EngineConfig, role: Role = "serve", engine: Engine | None = None, progress: bool = True
 ) -> Runtime:
     """Assemble ``role``'s parts (``engine``: reuse a loaded one, as tests and benches do)."""
+    from turnkv.bank.ram_budget import start_reserve
+
     triton_cache()
-    engine = engine if engine is not None else load_engine(cfg, progress)
+    # the RAM tier's pool is pinned beside the load and the self-check (``HostReserve``)
+    reserve = start_reserve(cfg) if engine is None and role in KEEPS else None
+    try:
+        engine = engine if engine is not None else load_engine(cfg, progress)
+    except BaseException:
+        if reserve is not None:
+            reserve.close()
+        raise
     if engine.shape.device.type == "cuda":
         from turnkv.engine.jit_watch import WATCH
 
@@ -359,7 +378,7 @@ def build(
         group.driver = group.driver or Leader(group)  # one leader per group, whatever it serves
         hook = group.driver
     auto = _auto_budget(engine)
-    bank = None if role == "follower" else new_bank(engine, cfg.bank_bytes, role in KEEPS, auto)
+    bank = None if role == "follower" else new_bank(engine, cfg.bank_bytes, role in KEEPS, auto, reserve)
     return Runtime(cfg, engine, resolve(cfg, engine), bank, hook, auto)
 
 

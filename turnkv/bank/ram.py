@@ -1,13 +1,16 @@
 """The host-RAM tier: sealed KV rows mirrored to host memory, restored when the bank lost them.
 
 Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
-chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed: ``START_CHUNKS`` at start (a
-failure of the first turns the tier off), the rest before the warm-up (``Runtime.pin_ram``, which
-waits for ``grow_behind``'s thread), or, when no warm-up runs, once the server serves; a failure
-stops the growth, with the reason on ``/health.ram``. On CUDA a chunk's pages are faulted first
-and then registered (``host_memory.host_empty``): the driver's lock is held for the registration
-only, where ``cudaHostAlloc`` held it for the faulting too. Pinning beside a loaded server still
-stalled its steps, so a served pool is whole before ready and no step ever pins. Pinned on
+chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed. A server's pool is pinned on threads
+of their own from before the model loads (``host_memory.HostReserve``, started by
+``runtime.build``: beside the load and the self-check a stall of the driver's lock costs nothing);
+the tier takes ``START_CHUNKS`` of it at once (a failure of the first turns the tier off) and the
+rest before the budget probe and the warm-up (``Runtime.pin_ram`` waits for ``grow_behind``'s
+thread), or, when no warm-up runs, once the server serves; a failure stops the growth, with the
+reason on ``/health.ram``. On CUDA a chunk's pages are faulted first and then registered: the
+driver's lock is held for the registration only, where ``cudaHostAlloc`` held it for the
+faulting too. Pinning beside a loaded server still stalled its steps, so a served pool is whole
+before ready and no step ever pins. Pinned on
 CUDA (copies at the bus's speed, no per-turn ``pin_memory``), plain CPU tensors on a CPU device
 (where the bank already is in RAM: the tier is off there unless asked for, and CI tests its
 logic with it). Blocks are keyed by the disk tier's chained keys
@@ -39,6 +42,7 @@ Thread safety: one lock over the slots; copies run outside it, on slots pinned u
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -48,14 +52,14 @@ import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, block_context, block_keys, host_copy
 from turnkv.bank.h2d import copy_block
-from turnkv.bank.host_memory import host_empty
+from turnkv.bank.host_memory import HostReserve, host_empty
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 28  # the pool is registered by this much at a time (the longest lock hold)
-START_CHUNKS = 4  # pinned at start; the rest before the warm-up (``Runtime.pin_ram``)
+START_CHUNKS = 4  # taken at start; the rest before the warm-up (``Runtime.pin_ram``)
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -106,6 +110,7 @@ class RamTier:
     shape: KVShape
     capacity: int
     below: object | None = None  # a DiskTier (write_host, write_behind, queued)
+    reserve: HostReserve | None = None  # pinned chunks taken early (``host_memory.HostReserve``)
     stats: RamStats = field(default_factory=RamStats)
     name = "ram"
 
@@ -116,6 +121,7 @@ class RamTier:
         self.block_bytes = BLOCK_TOKENS * s.bytes_per_row  # k and v of one block
         self.per_chunk = max(1, min(self.capacity, CHUNK_BYTES // self.block_bytes))
         self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []  # [n, L, Hkv, 256, D] each
+        self._bases: list[torch.Tensor] = []  # the reserve's chunks under them (their registrations)
         self._free: list[int] = []
         self.grow_failed: str | None = None  # why the pool stopped growing below its budget
         self._warned: set[str] = set()
@@ -132,6 +138,9 @@ class RamTier:
         self._inflight: list[tuple[object, SegmentedSnapshot, list[int]]] = []
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
         self._grower: threading.Thread | None = None
+        # the pool's pinning began with its reserve (beside the model's load) or here
+        self._started = self.reserve.started if self.reserve is not None else time.perf_counter()
+        self.pin_seconds: float | None = None  # from that start until the pool was whole
         self._closing = False  # close(): the grower stops at its next chunk
         self._grow()  # the first chunk now: a failure raises, and the caller serves without RAM
         for _ in range(START_CHUNKS - 1):
@@ -144,11 +153,21 @@ class RamTier:
         s, have = self.shape, len(self._chunks) * self.per_chunk
         n = min(self.per_chunk, self.capacity - have)
         dims = (n, s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
-        k = host_empty(dims, s.dtype, pinned=self.cuda)  # pinned: async copies on CUDA
-        v = host_empty(dims, s.dtype, pinned=self.cuda)
+        k, v = self._carve(dims)
         with self._lock:
             self._chunks.append((k, v))
             self._free.extend(range(have + n - 1, have - 1, -1))
+
+    def _carve(self, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``, ``v`` of ``dims``: halves of the reserve's next chunk when it has one that big,
+        else allocated here (pinned on CUDA: async copies at the bus's speed)."""
+        dtype = self.shape.dtype
+        half = math.prod(dims) * dtype.itemsize
+        base = self.reserve.take() if self.reserve is not None else None
+        if base is not None and base.numel() >= 2 * half:
+            self._bases.append(base)  # its registration lives as long as this tensor does
+            return base[:half].view(dtype).view(dims), base[half : 2 * half].view(dtype).view(dims)
+        return host_empty(dims, dtype, pinned=self.cuda), host_empty(dims, dtype, pinned=self.cuda)
 
     @property
     def whole(self) -> bool:
@@ -173,6 +192,9 @@ class RamTier:
                     f"pinned memory stopped at {self.pool_bytes / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
                 )
                 log.warning("KV RAM tier: %s; it holds what it has", self.grow_failed)
+        self.pin_seconds = time.perf_counter() - self._started
+        if self.reserve is not None:
+            self.reserve.close()  # lets go of a chunk the pool had no use for
 
     def wait_whole(self, timeout: float | None = None) -> bool:
         """Wait for ``grow_behind``'s thread (tests, benches); whether the pool is whole."""
@@ -436,6 +458,8 @@ class RamTier:
 
     def close(self) -> None:
         self._closing = True
+        if self.reserve is not None:
+            self.reserve.close()
         if self._grower is not None:
             self._grower.join()
         self.flush()

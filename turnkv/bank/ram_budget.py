@@ -75,22 +75,39 @@ def ram_budget(cfg: EngineConfig, device: torch.device | str | None = None) -> t
     return n, None
 
 
-def open_ram(engine, below=None):
-    """``(RamTier or None, why it is off)`` for ``engine``'s KV rows, feeding ``below`` (a DiskTier).
-    A pinned allocation that fails leaves the tier off with the reason (serving goes on)."""
+def open_ram(engine, below=None, reserve=None):
+    """``(RamTier or None, why it is off)`` for ``engine``'s KV rows, feeding ``below`` (a DiskTier);
+    ``reserve``: the pool's pinned memory, taken before the load (``start_reserve``: its size is
+    the budget). A pinned allocation that fails leaves the tier off with the reason (serving goes on)."""
     from turnkv.bank.disk_blocks import BLOCK_TOKENS
     from turnkv.bank.ram import RamTier
 
-    size, off = ram_budget(engine.cfg, engine.shape.device)
+    size, off = (reserve.total, None) if reserve is not None else ram_budget(engine.cfg, engine.shape.device)
     if size == 0:
         return None, off or "off"
     block = BLOCK_TOKENS * engine.shape.bytes_per_row  # k and v of 256 rows
     capacity = size // block
-    if capacity == 0:
-        return None, f"--ram-bytes {size} is smaller than one block ({block} bytes)"
     try:
-        return RamTier(engine.info.fingerprint, engine.shape, capacity, below), None
+        if capacity == 0:
+            return None, f"--ram-bytes {size} is smaller than one block ({block} bytes)"
+        return RamTier(engine.info.fingerprint, engine.shape, capacity, below, reserve), None
     except (RuntimeError, MemoryError) as exc:  # pinning failed: serve without the tier
         reason = f"allocating pinned host memory for the RAM tier failed: {exc}"
         log.warning("KV RAM tier off: %s; serving goes on", str(reason).splitlines()[0])
         return None, reason.splitlines()[0]
+    finally:
+        if reserve is not None and capacity == 0:  # no tier to take its chunks
+            reserve.close()
+
+
+def start_reserve(cfg: EngineConfig):
+    """The RAM tier's pool, taken on threads of its own before the model loads
+    (``host_memory.HostReserve``: pinning beside the load and the self-check costs nothing;
+    pinned on CUDA, plain pages on a CPU device), or None where there is no tier."""
+    from turnkv.bank.host_memory import HostReserve
+    from turnkv.bank.ram import CHUNK_BYTES
+    from turnkv.models.load import resolve_device
+
+    device = resolve_device(cfg.device)
+    size, _ = ram_budget(cfg, device)
+    return HostReserve(size, CHUNK_BYTES, pinned=device.type == "cuda") if size > 0 else None

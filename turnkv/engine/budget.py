@@ -133,6 +133,7 @@ class AdaptiveBudget:
         floor: int,
         probe_s: float = 0.0,
         relative: bool = True,
+        probe_cached: bool = False,
     ) -> None:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"the prompt floor must be in 1..{ceiling} rows (got {floor})")
@@ -141,6 +142,7 @@ class AdaptiveBudget:
         self.target_ms = target_ms
         self.floor = floor
         self.probe_s = probe_s
+        self.probe_cached = probe_cached  # the curve was kept from an earlier start (``probe_cache``)
         self.relative = relative
         self.residual_ms = 0.0  # measured minus predicted, moving average (attention, overlap)
         self.last = Decision()
@@ -184,6 +186,7 @@ class AdaptiveBudget:
             "residual_ms": round(self.residual_ms, 3),
             "curve": {"rows": list(self.curve.rows), "ms": [round(m, 3) for m in self.curve.ms]},
             "probe_s": round(self.probe_s, 2),
+            "probe_cached": self.probe_cached,
             "last": {
                 "decode_rows": last.decode,
                 "prompt_rows": last.prompt,

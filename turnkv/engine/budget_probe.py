@@ -36,6 +36,7 @@ class Probe:
     curve: StepCurve
     seconds: float  # the probe's own time (start-up)
     complete: bool  # every size of ``probe_sizes`` ran
+    cached: bool = False  # read back from an earlier start's measurement (``probe_cache``)
 
     def ceiling(self, prefill_chunk: int) -> int:
         """The most rows of a step: the knee, never fewer than ``prefill_chunk`` (the fixed

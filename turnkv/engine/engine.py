@@ -236,6 +236,20 @@ class Engine:
         )
         return StepResult(asked, result.logits)
 
+    def warm_step(self, windows: Sequence[Window]) -> None:
+        """The warm-up's step: its graph captured and not replayed (only the graph is wanted, not
+        the logits); a step no graph holds (graphs off, past their limits) runs eagerly instead,
+        so its kernels compile all the same."""
+        staged = self.stage(windows)
+        if isinstance(staged.step, GraphStep):
+            try:
+                if self.graphs.prepare(staged.step):
+                    return
+            except Exception as exc:
+                self._down(exc)
+                raise
+        self.run_staged(staged)
+
     def verify_rows(self, start: int) -> int:
         """The most rows a verify window whose first row is cache row ``start`` may have (the
         backend's ``verify_rows``: on the fused route within its first row's key bucket)."""

@@ -246,6 +246,18 @@ class StepGraphs:
         self.mixed_replays += staged.mixed
         return self._result(staged, captured.logits, ids, pos, rows, matmul)
 
+    def prepare(self, staged: GraphStep) -> bool:
+        """Capture the graph of ``staged`` if it is not yet, replaying nothing (the warm-up);
+        whether it is captured now (False: sealed, or graphs off)."""
+        if self.graphs.get(staged.key) is staged.captured:
+            return True
+        if not self.capture or self.sealed:
+            return False
+        ids, pos, rows, matmul = self._buffers(staged, None)
+        self._capture(staged.captured, ids, pos, rows, staged.step, matmul)
+        self.graphs[staged.key] = staged.captured
+        return True
+
     def _miss(self, staged: GraphStep, prev: torch.Tensor | None) -> StepResult:
         self.misses += 1
         if staged.key not in self.missed:

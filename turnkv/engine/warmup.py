@@ -81,8 +81,10 @@ class WarmReport:
     # mixed graph keys the limits allow (``mixed_keys.shapes``) and how many of them it captured
     mixed_keys: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    phase_steps: dict[str, list[int]] = field(default_factory=dict)  # phase -> [steps, graphs captured]
     note: str = ""
-    ram_s: float | None = None  # the RAM tier's pool pinned before it (``Runtime.pin_ram``)
+    ram_s: float | None = None  # waited for the RAM tier's pool before it (``Runtime.pin_ram``)
+    ram_pin_s: float | None = None  # the pool's pinning, from its start beside the load
 
     def doc(self) -> dict:
         return {
@@ -94,8 +96,10 @@ class WarmReport:
             "kernels": self.kernels,
             "mixed_keys": self.mixed_keys,
             "phases": {k: round(v, 2) for k, v in self.phases.items()},
+            "phase_steps": self.phase_steps,
             "note": self.note,
             "ram_s": None if self.ram_s is None else round(self.ram_s, 2),
+            "ram_pin_s": None if self.ram_pin_s is None else round(self.ram_pin_s, 2),
         }
 
 
@@ -261,7 +265,7 @@ def verify_steps(engine) -> int:
             for rows in [r for r in sizes if 1 < r <= MAX_WINDOW_ROWS]:
                 windows = [Window(caches[0], _prompt(rows, 9000 + rows, vocab), logits=rows)]
                 windows += [Window(caches[c], [101 + c]) for c in range(1, convs)]
-                engine.run_step(windows)
+                engine.warm_step(windows)  # the graph only: the step's logits are not wanted
                 steps += 1
         del caches
     return steps
@@ -292,7 +296,7 @@ def capture_mixed(sched: Scheduler) -> int:
         windows = [
             Window(caches[i], _prompt(p.rows, 11000 + i, vocab), logits=p.logits) for i, p in enumerate(parts)
         ]
-        engine.run_step(windows)
+        engine.warm_step(windows)  # the graph only: the step's logits are not wanted
         steps += 1
     return steps
 
@@ -305,23 +309,25 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     progress.done = 0
     progress.state = "warming"
     t0 = time.perf_counter()
-    progress.phase = "kernels"
-    report.kernels = compile_kernels(sched.engine)
-    report.phases["kernels"] = time.perf_counter() - t0
-    for name, groups in phases:
+
+    engine = sched.engine
+
+    def kernels() -> int:
+        report.kernels = compile_kernels(engine)
+        return 0  # launches, not steps
+
+    def turns(groups: list[Group]):
+        return lambda: sum(_drive(sched, group, progress, report) for group in groups)
+
+    work = [("kernels", kernels), *((name, turns(groups)) for name, groups in phases)]
+    work += [("verify", lambda: verify_steps(engine)), ("graphs", lambda: capture_mixed(sched))]
+    for name, run in work:
         progress.phase = name
-        t = time.perf_counter()
-        for group in groups:
-            report.steps += _drive(sched, group, progress, report)
+        t, captured = time.perf_counter(), _captures(sched)
+        steps = run()
+        report.steps += steps
         report.phases[name] = time.perf_counter() - t
-    progress.phase = "verify"
-    t = time.perf_counter()
-    report.steps += verify_steps(sched.engine)
-    report.phases["verify"] = time.perf_counter() - t
-    progress.phase = "graphs"
-    t = time.perf_counter()
-    report.steps += capture_mixed(sched)
-    report.phases["graphs"] = time.perf_counter() - t
+        report.phase_steps[name] = [steps, _captures(sched) - captured]
     graphs = getattr(sched.engine, "graphs", None)
     if graphs is not None:
         report.captures = int(getattr(graphs, "captures", 0))
@@ -332,6 +338,10 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     if report.failed:
         log.warning("warm-up: %d of %d turns failed (see above); serving anyway", report.failed, report.turns)
     return report
+
+
+def _captures(sched: Scheduler) -> int:
+    return int(getattr(getattr(sched.engine, "graphs", None), "captures", 0))
 
 
 def mixed_coverage(sched: Scheduler, graphs) -> dict[str, int]:

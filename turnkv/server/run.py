@@ -129,11 +129,12 @@ def start(cfg: EngineConfig, gate, progress, port: int) -> None:
     if report.note:
         warm = f"warm-up {report.note}"
     if rt.probe is not None:  # --max-batch-tokens auto's measurement (before the warm-up)
-        warm = f"budget probe {rt.probe.seconds:.1f} s (ceiling {rt.step_budget().ceiling} rows), {warm}"
-    if report.ram_s is not None:  # the RAM tier's pool, pinned first
-        warm = (
-            f"RAM pool {srv.bank.tier.ram.pool_bytes / 2**30:.1f} GiB pinned in {report.ram_s:.1f} s, {warm}"
-        )
+        took = "kept from an earlier start" if rt.probe.cached else f"{rt.probe.seconds:.1f} s"
+        warm = f"budget probe {took} (ceiling {rt.step_budget().ceiling} rows), {warm}"
+    if report.ram_s is not None:  # the RAM tier's pool, pinned beside the load, waited for first
+        pinned = srv.bank.tier.ram.pool_bytes / 2**30
+        took = "" if report.ram_pin_s is None else f" in {report.ram_pin_s:.1f} s beside the load,"
+        warm = f"RAM pool {pinned:.1f} GiB pinned{took} {report.ram_s:.1f} s waited, {warm}"
     print(
         f"turnkv: serving {rt.engine.info.model_name} on http://{cfg.host}:{port}/v1 ({_facts(cfg, rt, srv)})"
         f"\nturnkv: ready in {ready:.1f} s: load {loaded - check:.1f} s, self-check {check:.1f} s, {warm}",
