@@ -18,7 +18,10 @@ seconds per GB (``time.process_time``: less disturbed by other jobs on a shared 
 - ``restore``: the disk tier's whole restore, ``DiskTier.extend`` of the blocks' tokens on
   ``--device`` (lookup, reads, checks, assembly into one segment, on CUDA the host->device
   copies, synchronized), on a tier opened for each run: ``restore_first`` is a fresh tier's first
-  restore (what a replica that never saw the conversation pays), ``restore`` the next one.
+  restore (what a replica that never saw the conversation pays), ``restore`` the next one;
+  ``restore_written`` (one run) a fresh tier's restore right after the write, before any other
+  read: what a replica on the writer's host pays after the writer's death (the page cache as the
+  writer left it; ``shared_restore.py`` measures that through the servers).
 
 With ``--cold`` the block files are dropped from the page cache (``POSIX_FADV_DONTNEED``) before
 each run of ``read``, ``get`` and each restore: the disk's own rate, as a replica on another host
@@ -159,6 +162,20 @@ def main() -> None:
     store.close()
     keys = [b.key for b in blocks]
     t = args.threads
+    sync = torch.cuda.synchronize if shape.device.type == "cuda" else (lambda: None)
+
+    def restore(tier: DiskTier) -> tuple[float, float]:
+        """(wall s, CPU s) of ``tier``'s restore of every block, the copies synchronized."""
+        c0, t0 = time.process_time(), time.perf_counter()
+        snap = tier.extend(NS, tokens, None)
+        sync()
+        took = time.perf_counter() - t0, time.process_time() - c0
+        assert snap is not None and snap.num_tokens == len(tokens), "the restore missed blocks"
+        return took
+
+    written = DiskTier.open(_store_for(args, root), "bench", shape, 1 << 50, load_threads=t)
+    written_s = restore(written)  # the first read of the blocks since the write
+    written.close()
     cold = (lambda: drop_page_cache(root)) if args.cold and args.store != "redis" else (lambda: None)
     bufs = [bytearray(block_bytes + (1 << 20)) for _ in range(t)]
     dims = (layers, heads, BLOCK_TOKENS, dim)
@@ -220,20 +237,15 @@ def main() -> None:
         )
         record("pin_per_block", wall, cpu, live * block_bytes)
         del pins
-    sync = torch.cuda.synchronize if shape.device.type == "cuda" else (lambda: None)
     firsts, thens = [], []
     for _ in range(args.repeat):  # a fresh tier each run: its first restore, then a second one
         tier = DiskTier.open(_store_for(args, root), "bench", shape, 1 << 50, load_threads=t)
         for out in (firsts, thens):
             cold()
-            c0, t0 = time.process_time(), time.perf_counter()
-            snap = tier.extend(NS, tokens, None)
-            sync()
-            out.append((time.perf_counter() - t0, time.process_time() - c0))
-            assert snap is not None and snap.num_tokens == len(tokens), "the restore missed blocks"
-            del snap
+            out.append(restore(tier))
         assert tier.stats.corrupt == 0 and tier.stats.faults == 0, tier.stats
         tier.close()
+    record("restore_written", *written_s)
     record("restore_first", statistics.median(w for w, _ in firsts), statistics.median(c for _, c in firsts))
     record("restore", statistics.median(w for w, _ in thens), statistics.median(c for _, c in thens))
     results = {

@@ -1,6 +1,6 @@
 """The disk tier's restore on CUDA: blocks read into the pinned ring (``disk_staging``), verified
-there and copied to the device while later blocks are read (run by hand on a GPU; skipped
-elsewhere). The restore's logic is tested on CPU tensors in tests/test_disk_tier.py."""
+there and copied to the device while later blocks are read, each tensor one 2-D copy into its
+rows (run by hand on a GPU; skipped elsewhere). The restore's logic is tested on CPU tensors in tests/test_disk_tier.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _tiers(root):
 
 
 @cuda
-def test_a_restore_through_the_ring_is_the_written_rows_bit_for_bit(tmp_path):
+def test_a_restore_through_the_ring_is_the_written_rows_bit_for_bit_in_one_allocation(tmp_path):
     writer, reader = _tiers(tmp_path)
     assert reader._staging.slots == 4 and reader._staging.k.is_pinned()
     ids = prompt(BLOCKS * B + 5)
@@ -34,11 +34,16 @@ def test_a_restore_through_the_ring_is_the_written_rows_bit_for_bit(tmp_path):
     writer.write_behind("ns", snap)
     assert writer.flush(60)
     for _ in range(2):  # the second restore reuses slots whose last copies were the first's
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
         got = reader.extend("ns", ids, None)
         assert got is not None and got.num_tokens == BLOCKS * B
         (ref,) = got.refs
         want = snap.refs[0].segment
         torch.cuda.synchronize()
+        # the segment's k and v, nothing per block (copy_ into a block's strided rows allocated
+        # a device temporary for each tensor)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] - allocated == 2
         assert torch.equal(ref.segment.k.view(torch.int16), want.k[:, :, : BLOCKS * B].view(torch.int16))
         assert torch.equal(ref.segment.v.view(torch.int16), want.v[:, :, : BLOCKS * B].view(torch.int16))
     assert reader.stats.corrupt == 0 and reader.stats.hits == 2

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,12 +24,14 @@ import torch
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, Block, BlockError, block_keys
 from turnkv.bank.disk_store import BlockGone
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
+from turnkv.threads import available_cores
 
 log = logging.getLogger("turnkv.bank.disk")
 
 # readers verifying blocks in parallel (hashing and numpy copies run without the GIL); a block's
-# read and checksum are one core's work, so a restore scales with the cores up to here
-LOAD_THREADS = max(2, min(16, os.cpu_count() or 2))
+# read and checksum are one core's work, so a restore scales with the cores this process may use
+# (its affinity and CPU quota, not the host's count: more readers than cores only contend) up to here
+LOAD_THREADS = max(2, min(16, available_cores()))
 
 
 class DiskReader:

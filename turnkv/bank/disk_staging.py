@@ -10,6 +10,11 @@ stages"). Block ``i``
 of a restore uses slot ``i % slots``; its reader waits for the copy out of that slot of block
 ``i - slots`` (a CUDA event) before it reads, so the reads run ahead of the copies by up to
 ``slots`` blocks and the copies overlap them. One restore holds the ring at a time (``lock``).
+
+Each of a block's ``k`` and ``v`` goes into its rows of the segment as one 2-D copy
+(``h2d.copy_block``, as the RAM tier's restores): ``Tensor.copy_`` into those strided rows went
+through a device temporary and a copy kernel for each, on the thread that checks the blocks in
+turn (the restore's serial part).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS
+from turnkv.bank.h2d import copy_block
 from turnkv.bank.host_memory import host_empty
 from turnkv.kv.cache import KVShape
 
@@ -58,8 +64,9 @@ class Staging:
     ) -> None:
         """Copy block ``i``'s ``(k, v)`` (read into its slot) into ``rows`` (device views) on the
         current stream; the slot is read into again once these copies have ended."""
+        stream = torch.cuda.current_stream()
         for src, dst in zip(block, rows, strict=True):
-            dst.copy_(src, non_blocking=True)
+            copy_block(dst, src, stream)
         done = torch.cuda.Event()
-        done.record()
+        done.record(stream)
         self._copied[i % self.slots] = done
