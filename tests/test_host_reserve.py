@@ -10,7 +10,7 @@ import torch
 from disk_helpers import GIB, first_logits, prompt, tiny_engine, turn
 
 import turnkv.bank.host_memory as host_memory
-import turnkv.bank.ram as ram_module
+import turnkv.bank.ram_pool as ram_module
 from turnkv.bank.disk_blocks import BLOCK_TOKENS as B
 from turnkv.bank.host_memory import HostReserve
 from turnkv.bank.ram import RamTier
@@ -76,11 +76,13 @@ def test_a_pool_carved_from_a_reserve_restores_a_lost_turn_as_if_computed_cold(e
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     reserve = HostReserve(8 * block, 2 * block, pinned=False)
     ram = RamTier(engine.info.fingerprint, engine.shape, 8, None, reserve)
-    ram.grow_behind()
-    assert ram.wait_whole() and ram.pool_bytes == ram.budget_bytes and ram.pin_seconds is not None
-    bases = ram._bases
-    assert len(bases) == 4 and all(_inside(k, bases) and _inside(v, bases) for k, v in ram._chunks)
-    assert len({t.data_ptr() for kv in ram._chunks for t in kv}) == 8  # k and v apart, no overlap
+    ram.pool.grow_behind()
+    assert (
+        ram.pool.wait_whole() and ram.pool.pool_bytes == ram.budget_bytes and ram.pool.pin_seconds is not None
+    )
+    bases = ram.pool.bases
+    assert len(bases) == 4 and all(_inside(k, bases) and _inside(v, bases) for k, v in ram.pool.chunks)
+    assert len({t.data_ptr() for kv in ram.pool.chunks for t in kv}) == 8  # k and v apart, no overlap
 
     bank = _bank(engine, ram)
     ids = prompt(3 * B + 40, seed=1)
@@ -99,9 +101,9 @@ def test_a_tier_whose_reserve_ends_short_allocates_the_rest_itself(engine, monke
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     reserve = HostReserve(3 * block, 2 * block, pinned=False)  # one whole chunk, one too short
     ram = RamTier(engine.info.fingerprint, engine.shape, 6, None, reserve)
-    ram.grow_behind()
-    assert ram.wait_whole() and ram.pool_bytes == ram.budget_bytes and ram.grow_failed is None
-    assert len(ram._bases) == 1 and len(ram._chunks) == 3
+    ram.pool.grow_behind()
+    assert ram.pool.wait_whole() and ram.pool.pool_bytes == ram.budget_bytes and ram.pool.grow_failed is None
+    assert len(ram.pool.bases) == 1 and len(ram.pool.chunks) == 3
 
 
 def test_a_servers_tier_takes_its_budget_from_the_reserve_started_before_the_load(monkeypatch, tmp_path):
@@ -125,9 +127,9 @@ def test_a_servers_tier_takes_its_budget_from_the_reserve_started_before_the_loa
     ram = rt.bank.tier.ram
     assert reserve is not None and ram.reserve is reserve and reserve.total == 8 << 20
     report = rt.warm_up()
-    assert ram.whole and ram.budget_bytes <= 8 << 20 and ram.pool_bytes == ram.budget_bytes
+    assert ram.pool.whole and ram.budget_bytes <= 8 << 20 and ram.pool.pool_bytes == ram.budget_bytes
     assert (
-        ram._bases
+        ram.pool.bases
         and report.ram_pin_s is not None
         and report.doc()["ram_pin_s"] >= report.doc()["ram_s"] >= 0
     )

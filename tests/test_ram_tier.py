@@ -176,17 +176,17 @@ def test_the_pool_starts_with_its_first_chunks_and_grows_behind_the_steps_across
     """At start the pool holds its first chunks (a full pool drops, never allocates on the
     caller's thread); ``grow_behind`` adds the rest on a thread of its own, and a restore reads
     across the chunks."""
-    import turnkv.bank.ram as ram_module
+    import turnkv.bank.ram_pool as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)  # two slots a chunk
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     ram = RamTier("fp", SHAPE, 5)
-    assert len(ram._chunks) == 1 and not ram.whole  # only the first chunk at start
+    assert len(ram.pool.chunks) == 1 and not ram.pool.whole  # only the first chunk at start
     ids = list(range(5 * B))
     ram.write_behind("ns", _rows(ids))
-    assert len(ram._chunks) == 1 and ram.health()["blocks"] == 2 and ram.health()["dropped"] == 3
-    ram.grow_behind()
-    assert ram.wait_whole(30) and len(ram._chunks) == 3  # 2 + 2 + 1 slots
+    assert len(ram.pool.chunks) == 1 and ram.health()["blocks"] == 2 and ram.health()["dropped"] == 3
+    ram.pool.grow_behind()
+    assert ram.pool.wait_whole(30) and len(ram.pool.chunks) == 3  # 2 + 2 + 1 slots
     ram.write_behind("ns", _rows(ids))
     assert ram.health()["blocks"] == 5
     got = ram.extend("ns", [*ids, 1], None)
@@ -196,7 +196,7 @@ def test_the_pool_starts_with_its_first_chunks_and_grows_behind_the_steps_across
 def test_close_stops_the_grower_at_its_next_chunk(monkeypatch):
     import threading
 
-    import turnkv.bank.ram as ram_module
+    import turnkv.bank.ram_pool as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", B * SHAPE.bytes_per_row)  # one slot a chunk
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
@@ -209,16 +209,16 @@ def test_close_stops_the_grower_at_its_next_chunk(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(ram_module, "host_empty", slow)
-    ram.grow_behind()
+    ram.pool.grow_behind()
     closer = threading.Thread(target=ram.close)
     closer.start()
     gate.set()
     closer.join(10)
-    assert not closer.is_alive() and len(ram._chunks) < 50  # it stopped well short of its budget
+    assert not closer.is_alive() and len(ram.pool.chunks) < 50  # it stopped well short of its budget
 
 
 def test_a_pool_that_stops_growing_keeps_its_slots_and_says_why_on_health(monkeypatch):
-    import turnkv.bank.ram as ram_module
+    import turnkv.bank.ram_pool as ram_module
 
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * B * SHAPE.bytes_per_row)
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
@@ -228,8 +228,8 @@ def test_a_pool_that_stops_growing_keeps_its_slots_and_says_why_on_health(monkey
         raise RuntimeError("CUDA error: out of memory\nmore lines")
 
     monkeypatch.setattr(ram_module, "host_empty", no_memory)
-    ram.grow_behind()
-    assert ram.wait_whole(30)  # stopped: whole as far as it goes
+    ram.pool.grow_behind()
+    assert ram.pool.wait_whole(30)  # stopped: whole as far as it goes
     reason = ram.health()["reason"]
     assert "stopped at" in reason and "out of memory" in reason and "\n" not in reason
     monkeypatch.undo()
@@ -384,8 +384,8 @@ def test_the_cli_names_the_flag_and_its_env_twin(monkeypatch):
 def test_a_failed_allocation_leaves_the_tier_off_with_the_reason(engine, monkeypatch):
     """A first chunk the allocator cannot give (here: more than the address space) turns the tier
     off; the server goes on with the reason on /health.ram."""
-    import turnkv.bank.ram as ram_module
     import turnkv.bank.ram_budget as rb
+    import turnkv.bank.ram_pool as ram_module
 
     monkeypatch.setattr(rb, "ram_budget", lambda cfg, device=None: (1 << 62, None))
     monkeypatch.setattr(ram_module, "CHUNK_BYTES", 1 << 62)
@@ -435,7 +435,7 @@ def test_the_server_restores_from_ram_and_reports_it_on_health_and_metrics(tmp_p
 def test_the_warm_up_pins_the_whole_pool_before_ready_and_says_how_long(monkeypatch, tmp_path):
     """``Runtime.warm_up`` pins the rest of the RAM pool first (no step, capture or request runs
     beside it); the report keeps its seconds for the startup line and ``/health``."""
-    import turnkv.bank.ram as ram_module
+    import turnkv.bank.ram_pool as ram_module
     from turnkv.config import EngineConfig
     from turnkv.runtime import build
 
@@ -445,9 +445,9 @@ def test_the_warm_up_pins_the_whole_pool_before_ready_and_says_how_long(monkeypa
     cfg = EngineConfig(model="random:test", device="cpu", dtype="float32", ram_bytes="8M", no_disk=True)
     rt = build(cfg, "serve", progress=False)
     ram = rt.bank.tier.ram
-    assert ram is not None and not ram.whole and ram.pool_bytes < ram.budget_bytes
+    assert ram is not None and not ram.pool.whole and ram.pool.pool_bytes < ram.budget_bytes
     report = rt.warm_up()
-    assert ram.whole and ram.pool_bytes == ram.budget_bytes
+    assert ram.pool.whole and ram.pool.pool_bytes == ram.budget_bytes
     assert report.ram_s is not None and report.doc()["ram_s"] >= 0
 
 

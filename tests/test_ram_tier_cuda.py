@@ -33,7 +33,7 @@ def _device_rows(tokens: list[int], seed: int) -> SegmentedSnapshot:
 @cuda
 def test_cuda_slots_are_pinned_and_restores_read_the_rows_without_a_host_wait():
     ram = RamTier("fp", CUDA_SHAPE, 8)
-    assert all(t.is_pinned() for chunk in ram._chunks for t in chunk)
+    assert all(t.is_pinned() for chunk in ram.pool.chunks for t in chunk)
     ids = list(range(3 * B))
     snap = _device_rows(ids, seed=1)
     ram.write_behind("ns", snap)  # D2H on the side stream, after the rows' kernels
@@ -111,7 +111,7 @@ def test_a_block_goes_into_its_rows_of_a_segment_as_one_2d_copy_with_copy_s_bits
 def test_cuda_a_pool_carved_from_a_pinned_reserve_is_page_locked_and_restores_the_rows(monkeypatch):
     """The reserve pins on its own threads (``HostReserve``); the tier's ``k``/``v`` are halves of
     its chunks, page-locked through the chunk's registration, and copies in and out are right."""
-    import turnkv.bank.ram as ram_module
+    import turnkv.bank.ram_pool as ram_module
     from turnkv.bank.host_memory import HostReserve
 
     block = B * CUDA_SHAPE.bytes_per_row
@@ -119,9 +119,9 @@ def test_cuda_a_pool_carved_from_a_pinned_reserve_is_page_locked_and_restores_th
     monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
     reserve = HostReserve(8 * block, 2 * block)  # pinned
     ram = RamTier("fp", CUDA_SHAPE, 8, None, reserve)
-    ram.grow_behind()
-    assert ram.wait_whole() and len(ram._bases) == 4 and reserve.failed is None
-    assert all(t.is_pinned() for chunk in ram._chunks for t in chunk)
+    ram.pool.grow_behind()
+    assert ram.pool.wait_whole() and len(ram.pool.bases) == 4 and reserve.failed is None
+    assert all(t.is_pinned() for chunk in ram.pool.chunks for t in chunk)
     ids = list(range(7 * B))
     snap = _device_rows(ids, seed=9)
     ram.write_behind("ns", snap)

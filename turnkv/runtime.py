@@ -275,7 +275,7 @@ class Runtime:
             report = warm_up(self.scheduler(self.new_bank()), progress, _warm_grammar(self))
             report.ram_s = waited
             if waited is not None:
-                report.ram_pin_s = self.bank.tier.ram.pin_seconds
+                report.ram_pin_s = self.bank.tier.ram.pool.pin_seconds
         WATCH.mark_ready(self.engine)
         self.warm = report
         return report
@@ -288,13 +288,13 @@ class Runtime:
         from turnkv.bank.tiers import TierChain
 
         tier = self.bank.tier if self.bank is not None else None
-        if not isinstance(tier, TierChain) or tier.ram is None or tier.ram.whole:
+        if not isinstance(tier, TierChain) or tier.ram is None or tier.ram.pool.whole:
             return None
         if progress is not None:
             progress.phase = "ram"
         t0 = time.perf_counter()
-        tier.ram.grow_behind()
-        tier.ram.wait_whole()
+        tier.ram.pool.grow_behind()
+        tier.ram.pool.wait_whole()
         return time.perf_counter() - t0
 
     def measure_budget(self, progress: WarmProgress | None = None) -> None:

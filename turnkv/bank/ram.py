@@ -1,16 +1,7 @@
 """The host-RAM tier: sealed KV rows mirrored to host memory, restored when the bank lost them.
 
-Memory is one pool of ``capacity`` blocks of 256 tokens (``k``, ``v`` ``[n, L, Hkv, 256, D]`` per
-chunk), allocated in chunks of ``CHUNK_BYTES`` and never freed. A server's pool is pinned on threads
-of their own from before the model loads (``host_memory.HostReserve``, started by
-``runtime.build``: beside the load and the self-check a stall of the driver's lock costs nothing);
-the tier takes ``START_CHUNKS`` of it at once (a failure of the first turns the tier off) and the
-rest before the budget probe and the warm-up (``Runtime.pin_ram`` waits for ``grow_behind``'s
-thread), or, when no warm-up runs, once the server serves; a failure stops the growth, with the
-reason on ``/health.ram``. On CUDA a chunk's pages are faulted first and then registered: the
-driver's lock is held for the registration only, where ``cudaHostAlloc`` held it for the
-faulting too. Pinning beside a loaded server still stalled its steps, so a served pool is whole
-before ready and no step ever pins. Pinned on
+Memory is one pool of blocks of 256 tokens (``ram_pool.RamPool``: allocated in chunks, never
+freed, pinned beside the model's load and whole before the server says ready). Pinned on
 CUDA (copies at the bus's speed, no per-turn ``pin_memory``), plain CPU tensors on a CPU device
 (where the bank already is in RAM: the tier is off there unless asked for, and CI tests its
 logic with it). Blocks are keyed by the disk tier's chained keys
@@ -42,7 +33,6 @@ Thread safety: one lock over the slots; copies run outside it, on slots pinned u
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -52,14 +42,13 @@ import torch
 
 from turnkv.bank.disk_blocks import BLOCK_TOKENS, ROOT_KEY, block_context, block_keys, host_copy
 from turnkv.bank.h2d import copy_block
-from turnkv.bank.host_memory import HostReserve, host_empty
+from turnkv.bank.host_memory import HostReserve
+from turnkv.bank.ram_pool import RamPool
 from turnkv.kv.cache import KVShape
 from turnkv.kv.segments import Segment, SegmentedSnapshot, SegmentRef
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 28  # the pool is registered by this much at a time (the longest lock hold)
-START_CHUNKS = 4  # taken at start; the rest before the warm-up (``Runtime.pin_ram``)
 RAM_KEYS = (
     "bytes",
     "budget_bytes",
@@ -119,11 +108,7 @@ class RamTier:
         self.context = block_context(self.fingerprint, s)
         self.cuda = torch.device(s.device).type == "cuda"
         self.block_bytes = BLOCK_TOKENS * s.bytes_per_row  # k and v of one block
-        self.per_chunk = max(1, min(self.capacity, CHUNK_BYTES // self.block_bytes))
-        self._chunks: list[tuple[torch.Tensor, torch.Tensor]] = []  # [n, L, Hkv, 256, D] each
-        self._bases: list[torch.Tensor] = []  # the reserve's chunks under them (their registrations)
         self._free: list[int] = []
-        self.grow_failed: str | None = None  # why the pool stopped growing below its budget
         self._warned: set[str] = set()
         self._slots: dict[int, _Slot] = {}
         self._by_key: dict[str, int] = {}
@@ -137,81 +122,11 @@ class RamTier:
         # (copy done, the rows it reads, the slots it fills)
         self._inflight: list[tuple[object, SegmentedSnapshot, list[int]]] = []
         self._releasing: list[tuple[object, list[int], object, int]] = []  # (done, pins, start, bytes)
-        self._grower: threading.Thread | None = None
-        # the pool's pinning began with its reserve (beside the model's load) or here
-        self._started = self.reserve.started if self.reserve is not None else time.perf_counter()
-        self.pin_seconds: float | None = None  # from that start until the pool was whole
-        self._closing = False  # close(): the grower stops at its next chunk
-        self._grow()  # the first chunk now: a failure raises, and the caller serves without RAM
-        for _ in range(START_CHUNKS - 1):
-            if not self.whole:
-                self._grow()
+        self.pool = RamPool(s, self.capacity, self.cuda, self.reserve, self._add_slots)
 
-    def _grow(self) -> None:
-        """One more chunk of slots (raises RuntimeError/MemoryError when the memory is not had).
-        The allocation runs outside the lock: faulting and registering a chunk take tens of ms."""
-        s, have = self.shape, len(self._chunks) * self.per_chunk
-        n = min(self.per_chunk, self.capacity - have)
-        dims = (n, s.num_layers, s.num_kv_heads, BLOCK_TOKENS, s.head_dim)
-        k, v = self._carve(dims)
+    def _add_slots(self, slots: range) -> None:
         with self._lock:
-            self._chunks.append((k, v))
-            self._free.extend(range(have + n - 1, have - 1, -1))
-
-    def _carve(self, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k``, ``v`` of ``dims``: halves of the reserve's next chunk when it has one that big,
-        else allocated here (pinned on CUDA: async copies at the bus's speed)."""
-        dtype = self.shape.dtype
-        half = math.prod(dims) * dtype.itemsize
-        base = self.reserve.take() if self.reserve is not None else None
-        if base is not None and base.numel() >= 2 * half:
-            self._bases.append(base)  # its registration lives as long as this tensor does
-            return base[:half].view(dtype).view(dims), base[half : 2 * half].view(dtype).view(dims)
-        return host_empty(dims, dtype, pinned=self.cuda), host_empty(dims, dtype, pinned=self.cuda)
-
-    @property
-    def whole(self) -> bool:
-        """The pool holds its whole budget (or stopped growing: ``grow_failed`` says why)."""
-        return len(self._chunks) * self.per_chunk >= self.capacity or self.grow_failed is not None
-
-    def grow_behind(self) -> None:
-        """Pin the rest of the pool on a thread of its own, a chunk at a time. Each chunk's slots
-        are free as it lands; until then the pool holds what it has (a full pool evicts or drops,
-        it never allocates in a step). A server waits for it before its warm-up
-        (``Runtime.pin_ram``): beside loaded steps it stalls them."""
-        if self._grower is None and not self.whole:
-            self._grower = threading.Thread(target=self._grow_all, name="turnkv-ram-grow", daemon=True)
-            self._grower.start()
-
-    def _grow_all(self) -> None:
-        while not self.whole and not self._closing:
-            try:
-                self._grow()
-            except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
-                self.grow_failed = (
-                    f"pinned memory stopped at {self.pool_bytes / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
-                )
-                log.warning("KV RAM tier: %s; it holds what it has", self.grow_failed)
-        self.pin_seconds = time.perf_counter() - self._started
-        if self.reserve is not None:
-            self.reserve.close()  # lets go of a chunk the pool had no use for
-
-    def wait_whole(self, timeout: float | None = None) -> bool:
-        """Wait for ``grow_behind``'s thread (tests, benches); whether the pool is whole."""
-        if self._grower is not None:
-            self._grower.join(timeout)
-        return self.whole
-
-    def _rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ``i``'s ``k``, ``v`` ``[L, Hkv, 256, D]`` (contiguous host views)."""
-        c, j = divmod(i, self.per_chunk)
-        k, v = self._chunks[c]
-        return k[j], v[j]
-
-    @property
-    def pool_bytes(self) -> int:
-        """What the pool holds now (``budget_bytes`` once whole)."""
-        return len(self._chunks) * self.per_chunk * self.block_bytes
+            self._free.extend(reversed(slots))  # taken from the end: lowest first
 
     @property
     def budget_bytes(self) -> int:
@@ -255,7 +170,7 @@ class RamTier:
                 self._slots[i].ready = done
             resident = [(d, keys[d], self._by_key[keys[d]]) for d in range(len(chain))]
             if self.below is not None:
-                rows = {d: self._rows(i) for d, _, i in resident}
+                rows = {d: self.pool.rows(i) for d, _, i in resident}
                 self.below.write_host(namespace, tuple(snapshot.tokens), rows, self._last_done())
         if self.below is not None and len(resident) < whole:  # the rest from the device
             self.below.write_behind(namespace, snapshot)
@@ -267,7 +182,7 @@ class RamTier:
         if not self.cuda:
             for depth, i in staged:
                 k, v = snapshot.read_rows(depth * BLOCK_TOKENS, (depth + 1) * BLOCK_TOKENS)
-                hk, hv = self._rows(i)
+                hk, hv = self.pool.rows(i)
                 host_copy(hk, k)  # not torch's copy: its thread pool competes with compute
                 host_copy(hv, v)
             return None
@@ -277,7 +192,7 @@ class RamTier:
             self._stream.wait_event(made)
             for depth, i in staged:
                 k, v = snapshot.read_rows(depth * BLOCK_TOKENS, (depth + 1) * BLOCK_TOKENS)
-                hk, hv = self._rows(i)
+                hk, hv = self.pool.rows(i)
                 hk.copy_(k, non_blocking=True)  # device -> pinned host
                 hv.copy_(v, non_blocking=True)
             done = torch.cuda.Event()
@@ -378,7 +293,7 @@ class RamTier:
             t0 = time.perf_counter()
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
-                hk, hv = self._rows(i)
+                hk, hv = self.pool.rows(i)
                 host_copy(k[:, :, lo : lo + BLOCK_TOKENS], hk)
                 host_copy(v[:, :, lo : lo + BLOCK_TOKENS], hv)
             with self._lock:
@@ -399,7 +314,7 @@ class RamTier:
             start.record(self._restore)
             for j, i in enumerate(run):
                 lo = j * BLOCK_TOKENS
-                hk, hv = self._rows(i)
+                hk, hv = self.pool.rows(i)
                 copy_block(k[:, :, lo : lo + BLOCK_TOKENS], hk, self._restore)  # pinned -> device
                 copy_block(v[:, :, lo : lo + BLOCK_TOKENS], hv, self._restore)
             done.record(self._restore)
@@ -457,11 +372,7 @@ class RamTier:
         return True
 
     def close(self) -> None:
-        self._closing = True
-        if self.reserve is not None:
-            self.reserve.close()
-        if self._grower is not None:
-            self._grower.join()
+        self.pool.close()
         self.flush()
 
     def health(self) -> dict:
@@ -471,7 +382,7 @@ class RamTier:
             facts = asdict(self.stats) | {"blocks": len(self._slots), "capacity_blocks": self.capacity}
         facts |= {"bytes": facts["blocks"] * self.block_bytes, "budget_bytes": self.budget_bytes}
         rate = facts["restore_bytes"] / facts["restore_s"] / 1e9 if facts["restore_s"] > 0 else 0.0
-        return {"enabled": True, "reason": self.grow_failed, "restore_gbps": round(rate, 3)} | {
+        return {"enabled": True, "reason": self.pool.grow_failed, "restore_gbps": round(rate, 3)} | {
             k: int(facts[k]) for k in RAM_KEYS
         }
 

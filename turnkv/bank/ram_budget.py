@@ -105,7 +105,7 @@ def start_reserve(cfg: EngineConfig):
     (``host_memory.HostReserve``: pinning beside the load and the self-check costs nothing;
     pinned on CUDA, plain pages on a CPU device), or None where there is no tier."""
     from turnkv.bank.host_memory import HostReserve
-    from turnkv.bank.ram import CHUNK_BYTES
+    from turnkv.bank.ram_pool import CHUNK_BYTES
     from turnkv.models.load import resolve_device
 
     device = resolve_device(cfg.device)

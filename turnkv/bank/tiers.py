@@ -60,7 +60,7 @@ class TierChain:
         """The server is up (warm: no graph capture follows): the RAM tier pins what of its pool
         the warm-up did not (all of it with ``--warmup off``; ``grow_behind``)."""
         if self.ram is not None:
-            self.ram.grow_behind()
+            self.ram.pool.grow_behind()
 
     def parts(self) -> list[Tier]:
         return [t for t in (self.ram, self.disk) if t is not None]

@@ -132,7 +132,7 @@ def start(cfg: EngineConfig, gate, progress, port: int) -> None:
         took = "kept from an earlier start" if rt.probe.cached else f"{rt.probe.seconds:.1f} s"
         warm = f"budget probe {took} (ceiling {rt.step_budget().ceiling} rows), {warm}"
     if report.ram_s is not None:  # the RAM tier's pool, pinned beside the load, waited for first
-        pinned = srv.bank.tier.ram.pool_bytes / 2**30
+        pinned = srv.bank.tier.ram.pool.pool_bytes / 2**30
         took = "" if report.ram_pin_s is None else f" in {report.ram_pin_s:.1f} s beside the load,"
         warm = f"RAM pool {pinned:.1f} GiB pinned{took} {report.ram_s:.1f} s waited, {warm}"
     print(
