@@ -103,7 +103,7 @@ def stop_all(reps: list[Replica], grace: float = 10) -> None:
 
 def settle(reps: list[Replica], timeout: float = 30) -> float:
     """Wait until no server's resident memory moved by 64 MiB in a second: a server started with
-    ``--warmup off`` pins its RAM pool once it serves (``RamTier.grow_behind``; with the warm-up
+    ``--warmup off`` pins its RAM pool once it serves (``RamPool.grow_behind``; with the warm-up
     the pool is whole before ready), which would share the host with a measured request of another
     process. Returns the seconds waited."""
     t0 = time.perf_counter()
