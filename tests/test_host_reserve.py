@@ -127,6 +127,12 @@ def test_a_servers_tier_takes_its_budget_from_the_reserve_started_before_the_loa
     ram = rt.bank.tier.ram
     assert reserve is not None and ram.reserve is reserve and reserve.total == 8 << 20
     report = rt.warm_up()
+    doc = report.doc()
+    assert set(doc["phase_steps"]) == set(doc["phases"]) and all(
+        len(v) == 3 for v in doc["phase_steps"].values()
+    )
+    steps, captured, compiled = doc["phase_steps"]["smoke"]
+    assert steps >= 1 and captured == compiled == 0  # the CPU's one turn: no graphs, no JIT
     assert ram.pool.whole and ram.budget_bytes <= 8 << 20 and ram.pool.pool_bytes == ram.budget_bytes
     assert (
         ram.pool.bases

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from turnkv.attention.segment_table import GRAPH_BATCHES, ROW_BUCKETS, row_bucket
 from turnkv.engine.events import Banked, Failed, TurnRequest
+from turnkv.engine.jit_watch import WATCH
 from turnkv.engine.mixed_keys import key, layout, shapes
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
@@ -81,7 +82,8 @@ class WarmReport:
     # mixed graph keys the limits allow (``mixed_keys.shapes``) and how many of them it captured
     mixed_keys: dict[str, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
-    phase_steps: dict[str, list[int]] = field(default_factory=dict)  # phase -> [steps, graphs captured]
+    # phase -> [steps, graphs captured, Triton kernel variants first used (``jit_watch``)]
+    phase_steps: dict[str, list[int]] = field(default_factory=dict)
     note: str = ""
     ram_s: float | None = None  # waited for the RAM tier's pool before it (``Runtime.pin_ram``)
     ram_pin_s: float | None = None  # the pool's pinning, from its start beside the load
@@ -323,11 +325,11 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     work += [("verify", lambda: verify_steps(engine)), ("graphs", lambda: capture_mixed(sched))]
     for name, run in work:
         progress.phase = name
-        t, captured = time.perf_counter(), _captures(sched)
+        t, captured, compiled = time.perf_counter(), _captures(sched), WATCH.compiles
         steps = run()
         report.steps += steps
         report.phases[name] = time.perf_counter() - t
-        report.phase_steps[name] = [steps, _captures(sched) - captured]
+        report.phase_steps[name] = [steps, _captures(sched) - captured, WATCH.compiles - compiled]
     graphs = getattr(sched.engine, "graphs", None)
     if graphs is not None:
         report.captures = int(getattr(graphs, "captures", 0))
