@@ -5,6 +5,8 @@ chunks out of them and behaves as with memory of its own. On a CPU the chunks ar
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from disk_helpers import GIB, first_logits, prompt, tiny_engine, turn
@@ -147,3 +149,29 @@ def test_no_tier_no_reserve_and_a_tier_too_small_for_a_block_lets_its_reserve_go
     reserve = HostReserve(1024, 1024, pinned=False)
     tier, why = open_ram(engine, None, reserve)
     assert tier is None and "smaller than one block" in why and reserve.take() is None
+
+
+def test_an_allocator_that_fails_ends_the_reserve_with_its_reason_and_never_hangs_a_taker(monkeypatch):
+    def no_memory(*a, **k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes")
+
+    monkeypatch.setattr(host_memory.torch, "zeros", no_memory)
+    r = HostReserve(10 * 4096, 4096, pinned=False)
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(r.take()), daemon=True)
+    taker.start()
+    taker.join(10)
+    assert not taker.is_alive() and got == [None]
+    assert "can't allocate memory" in r.failed and r.made == 0
+
+
+def test_a_tier_that_cannot_be_had_lets_its_reserve_go(engine, monkeypatch):
+    def no_memory(*a, **k):
+        raise MemoryError("no pages")
+
+    monkeypatch.setattr(ram_module, "host_empty", no_memory)
+    block = B * engine.shape.bytes_per_row
+    reserve = HostReserve(4 * block, 16, pinned=False)  # chunks too small for a block: the tier allocates
+    tier, why = open_ram(engine, None, reserve)
+    assert tier is None and "failed" in why
+    assert reserve.take() is None  # closed: its chunks went with it

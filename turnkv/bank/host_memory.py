@@ -82,9 +82,10 @@ class HostReserve:
                     break
                 n = min(self.chunk, self.total - i * self.chunk)
                 self._faulted.put(torch.zeros(n, dtype=torch.uint8))  # faults every page
-        except MemoryError as exc:
-            self.failed = f"faulting host memory failed: {exc}"
-        self._faulted.put(None)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator raises RuntimeError
+            self.failed = f"faulting host memory failed: {str(exc).splitlines()[0]}"
+        finally:
+            self._faulted.put(None)  # the registering thread ends, and ``take`` answers
 
     def _register(self) -> None:
         while (t := self._faulted.get()) is not None:

@@ -87,17 +87,16 @@ def open_ram(engine, below=None, reserve=None):
         return None, off or "off"
     block = BLOCK_TOKENS * engine.shape.bytes_per_row  # k and v of 256 rows
     capacity = size // block
-    try:
-        if capacity == 0:
-            return None, f"--ram-bytes {size} is smaller than one block ({block} bytes)"
-        return RamTier(engine.info.fingerprint, engine.shape, capacity, below, reserve), None
-    except (RuntimeError, MemoryError) as exc:  # pinning failed: serve without the tier
-        reason = f"allocating pinned host memory for the RAM tier failed: {exc}"
-        log.warning("KV RAM tier off: %s; serving goes on", str(reason).splitlines()[0])
-        return None, reason.splitlines()[0]
-    finally:
-        if reserve is not None and capacity == 0:  # no tier to take its chunks
-            reserve.close()
+    off = f"--ram-bytes {size} is smaller than one block ({block} bytes)"
+    if capacity > 0:
+        try:
+            return RamTier(engine.info.fingerprint, engine.shape, capacity, below, reserve), None
+        except (RuntimeError, MemoryError) as exc:  # pinning failed: serve without the tier
+            off = f"allocating pinned host memory for the RAM tier failed: {exc}".splitlines()[0]
+            log.warning("KV RAM tier off: %s; serving goes on", off)
+    if reserve is not None:
+        reserve.close()  # no tier takes its chunks
+    return None, off
 
 
 def start_reserve(cfg: EngineConfig):
