@@ -238,9 +238,7 @@ class StepGraphs:
         if self.graphs.get(staged.key) is not captured and self.sealed:
             return self._miss(staged, prev)
         ids, pos, rows, matmul = self._buffers(staged, prev)
-        if self.graphs.get(staged.key) is not captured:
-            self._capture(captured, ids, pos, rows, staged.step, matmul)
-            self.graphs[staged.key] = captured
+        self._ensure(staged, ids, pos, rows, matmul)
         captured.graph.replay()
         self.replays += 1
         self.mixed_replays += staged.mixed
@@ -253,10 +251,14 @@ class StepGraphs:
             return True
         if not self.capture or self.sealed:
             return False
-        ids, pos, rows, matmul = self._buffers(staged, None)
-        self._capture(staged.captured, ids, pos, rows, staged.step, matmul)
-        self.graphs[staged.key] = staged.captured
+        self._ensure(staged, *self._buffers(staged, None))
         return True
+
+    def _ensure(self, staged: GraphStep, ids, pos, rows, matmul: MatmulPlan) -> None:
+        """Capture the graph of ``staged`` on these buffers unless it holds that key already."""
+        if self.graphs.get(staged.key) is not staged.captured:
+            self._capture(staged.captured, ids, pos, rows, staged.step, matmul)
+            self.graphs[staged.key] = staged.captured
 
     def _miss(self, staged: GraphStep, prev: torch.Tensor | None) -> StepResult:
         self.misses += 1

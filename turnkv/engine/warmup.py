@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from turnkv.attention.segment_table import GRAPH_BATCHES, ROW_BUCKETS, row_bucket
 from turnkv.engine.events import Banked, Failed, TurnRequest
-from turnkv.engine.jit_watch import WATCH
+from turnkv.engine.jit_watch import WATCH, graph_captures
 from turnkv.engine.mixed_keys import key, layout, shapes
 from turnkv.engine.sampling import SamplingParams
 from turnkv.engine.scheduler import Scheduler
@@ -325,11 +325,11 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     work += [("verify", lambda: verify_steps(engine)), ("graphs", lambda: capture_mixed(sched))]
     for name, run in work:
         progress.phase = name
-        t, captured, compiled = time.perf_counter(), _captures(sched), WATCH.compiles
+        t, captured, compiled = time.perf_counter(), graph_captures(engine), WATCH.compiles
         steps = run()
         report.steps += steps
         report.phases[name] = time.perf_counter() - t
-        report.phase_steps[name] = [steps, _captures(sched) - captured, WATCH.compiles - compiled]
+        report.phase_steps[name] = [steps, graph_captures(engine) - captured, WATCH.compiles - compiled]
     graphs = getattr(sched.engine, "graphs", None)
     if graphs is not None:
         report.captures = int(getattr(graphs, "captures", 0))
@@ -340,10 +340,6 @@ def warm_up(sched: Scheduler, progress: WarmProgress, grammar=None) -> WarmRepor
     if report.failed:
         log.warning("warm-up: %d of %d turns failed (see above); serving anyway", report.failed, report.turns)
     return report
-
-
-def _captures(sched: Scheduler) -> int:
-    return int(getattr(getattr(sched.engine, "graphs", None), "captures", 0))
 
 
 def mixed_coverage(sched: Scheduler, graphs) -> dict[str, int]:
