@@ -162,12 +162,14 @@ def test_a_client_leaving_mid_stream_frees_its_slot_and_its_rows_are_banked(load
 
 def test_a_turn_waiting_past_the_queue_timeout_gets_a_503_with_retry_after(loaded):
     per_row = 2 * 2 * 2 * 64 * 4  # random:test fp32: 2 layers x 2 KV heads x 64 dims, K and V
-    live = Live(loaded, max_running=8, bank_bytes=str(1600 * per_row), queue_timeout=0.5)  # one turn fits
+    # one turn fits; the timeout is short beside the first turn's 1400 tokens (0.55 s for 1000 on a
+    # fast CI machine, so a 0.5 s timeout once let the second turn in)
+    live = Live(loaded, max_running=8, bank_bytes=str(1600 * per_row), queue_timeout=0.1)
     try:
         long = {
             "model": MODEL,
             "messages": [SYSTEM, {"role": "user", "content": "x"}],
-            "max_tokens": 1000,
+            "max_tokens": 1400,
             "temperature": 0,
             "ignore_eos": True,
         }
