@@ -22,6 +22,7 @@ the whole step and pauses while drafts keep failing, so free text pays almost no
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import get_args
 
@@ -36,10 +37,26 @@ CHAIN = 16  # earlier occurrences of the newest bigram examined per draft
 MAX_MATCH = 64  # a match longer than this is as good as this long
 
 
+def _grouped(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, sk)`` of tokens ``t`` [n]: the positions i of the bigrams ``t[i], t[i+1]`` sorted by
+    bigram, ascending within one, and their keys ``a << 32 | b`` in that order. One plain sort of
+    ``(bigram, position)`` packed in an int64 where it fits (8x faster than a stable argsort at
+    12K tokens), else the argsort."""
+    n, v = len(t) - 1, int(t.max()) + 1
+    if v * v * n < 1 << 62:
+        packed = (t[:-1] * v + t[1:]) * n + np.arange(n)
+        packed.sort()
+        order, pair = np.divmod(packed, n)[::-1]
+        return order, (pair // v) << 32 | pair % v
+    keys = (t[:-1] << 32) | t[1:]
+    order = np.argsort(keys, kind="stable")
+    return order, keys[order]
+
+
 class ContextIndex:
     """Every token of one conversation, indexed by bigram as hash chains (LZ77's match finder).
 
-    ``head[(a, b)]`` is the last position ``i`` with ``tokens[i-1:i+1] == [a, b]``; ``prev[i]`` is
+    ``last(a, b)`` is the last position ``i`` with ``tokens[i-1:i+1] == [a, b]``; ``prev[i]`` is
     the position of the occurrence before that. ``draft`` walks the chain of the newest bigram
     (at most ``CHAIN`` occurrences), extends each match backwards (at most ``MAX_MATCH`` tokens),
     and proposes what followed the longest match (the most recent among equals); where that runs
@@ -51,26 +68,42 @@ class ContextIndex:
     """
 
     def __init__(self, tokens: Sequence[int] = ()) -> None:
-        self.tokens: list[int] = [int(t) for t in tokens]
+        t = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.tokens: list[int] = t.tolist()
         n = len(self.tokens)
         self.prev: list[int] = [-1] * n
-        self.head: dict[tuple[int, int], int] = {}
+        # the chain heads: those of the built tokens as two sorted lists (a dict of every bigram
+        # was most of a long prompt's build), those of pushes since in a dict over them
+        self._keys: list[int] = []  # sorted bigram keys (a << 32 | b) of the built tokens
+        self._last: list[int] = []  # [len(_keys)] each one's last position
+        self._head: dict[int, int] = {}  # pushes since: key -> last position
         if n < 2:
             return
-        t = np.asarray(self.tokens, dtype=np.int64)
-        keys = t[:-1] * (1 << 32) + t[1:]  # [n-1] the bigram ending at position i+1
-        order = np.argsort(keys, kind="stable")  # positions grouped by bigram, ascending within
-        sk = keys[order]
+        order, sk = _grouped(t)
         same = np.concatenate(([False], sk[1:] == sk[:-1]))  # [n-1] the previous one is the same bigram
         prev = np.full(n, -1, dtype=np.int64)
         prev[order[same] + 1] = order[np.flatnonzero(same) - 1] + 1
         self.prev = prev.tolist()
         last = np.concatenate((sk[1:] != sk[:-1], [True]))  # the last occurrence of each bigram
-        ends = (order[last] + 1).tolist()
-        self.head = {(self.tokens[i - 1], self.tokens[i]): i for i in ends}
+        self._keys, self._last = sk[last].tolist(), (order[last] + 1).tolist()
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def last(self, a: int, b: int) -> int:
+        """The last position ``i`` with ``tokens[i-1:i+1] == [a, b]``, or -1."""
+        key = a << 32 | b
+        i = self._head.get(key)
+        if i is not None:
+            return i
+        j = bisect_left(self._keys, key)
+        return self._last[j] if j < len(self._keys) and self._keys[j] == key else -1
+
+    def heads(self) -> dict[tuple[int, int], int]:
+        """Every bigram's chain head, ``{(a, b): last position}`` (for tests: ``last`` is the lookup)."""
+        out = {(k >> 32, k & 0xFFFFFFFF): i for k, i in zip(self._keys, self._last, strict=True)}
+        out.update({(k >> 32, k & 0xFFFFFFFF): i for k, i in self._head.items()})
+        return out
 
     def push(self, tok: int) -> None:
         """Append one token (accepted or sampled) to the conversation (``pop`` takes it back)."""
@@ -80,9 +113,8 @@ class ContextIndex:
         if i == 0:
             self.prev.append(-1)
             return
-        key = (toks[i - 1], toks[i])
-        self.prev.append(self.head.get(key, -1))
-        self.head[key] = i
+        self.prev.append(self.last(toks[i - 1], toks[i]))
+        self._head[toks[i - 1] << 32 | toks[i]] = i
 
     def pop(self) -> None:
         """Take back the newest token (its bigram's chain head goes back to the one before)."""
@@ -90,11 +122,11 @@ class ContextIndex:
         i = len(toks) - 1
         p = self.prev.pop()
         if i > 0:
-            key = (toks[i - 1], toks[i])
-            if p < 0:
-                del self.head[key]
+            key = toks[i - 1] << 32 | toks[i]
+            if p < 0:  # no earlier occurrence, built or pushed: the lookup finds none again
+                del self._head[key]
             else:
-                self.head[key] = p
+                self._head[key] = p
         toks.pop()
 
     def draft(self, limit: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
