@@ -175,3 +175,65 @@ def test_a_tier_that_cannot_be_had_lets_its_reserve_go(engine, monkeypatch):
     tier, why = open_ram(engine, None, reserve)
     assert tier is None and "failed" in why
     assert reserve.take() is None  # closed: its chunks went with it
+
+
+def test_a_reserve_that_stops_gives_the_pool_its_reason_and_no_chunk_is_allocated_beside_it(
+    engine, monkeypatch
+):
+    block = B * engine.shape.bytes_per_row
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * block)
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
+    calls = []
+
+    def register(t):
+        calls.append(t)
+        if len(calls) > 1:
+            raise RuntimeError("cudaHostRegister failed: out of memory (driver limit)")
+        return t
+
+    def allocate(*a, **k):  # the pool's own allocation: the driver would refuse it the same way
+        raise AssertionError("allocated beside a reserve that had stopped")
+
+    monkeypatch.setattr(host_memory, "_register", register)
+    monkeypatch.setattr(ram_module, "host_empty", allocate)
+    reserve = HostReserve(6 * block, 2 * block, pinned=True)
+    ram = RamTier(engine.info.fingerprint, engine.shape, 6, None, reserve)
+    ram.pool.grow_behind()
+    assert ram.pool.wait_whole(10)
+    assert len(ram.pool.chunks) == 1 and "driver limit" in ram.pool.grow_failed
+
+
+def test_closing_a_pool_whose_grower_waits_for_the_reserve_allocates_nothing(engine, monkeypatch):
+    block = B * engine.shape.bytes_per_row
+    monkeypatch.setattr(ram_module, "CHUNK_BYTES", 2 * block)
+    monkeypatch.setattr(ram_module, "START_CHUNKS", 1)
+    zeros, made = host_memory.torch.zeros, []
+    reserve: list[HostReserve] = []
+
+    def slow_zeros(*a, **k):  # the first chunk at once, the next ones only once the pool closes
+        made.append(1)
+        while len(made) > 1 and not reserve[0]._closing:
+            threading.Event().wait(0.005)
+        return zeros(*a, **k)
+
+    allocated = []
+
+    def allocate(*a, **k):  # a chunk of its own while closing (the grower's thread would hide a raise)
+        allocated.append(a)
+        return torch.empty(a[0], dtype=a[1])
+
+    monkeypatch.setattr(host_memory.torch, "zeros", slow_zeros)
+    monkeypatch.setattr(ram_module, "host_empty", allocate)
+    reserve.append(HostReserve(6 * block, 2 * block, pinned=False))
+    ram = RamTier(engine.info.fingerprint, engine.shape, 6, None, reserve[0])
+    ram.pool.grow_behind()
+    threading.Event().wait(0.05)  # the grower waits in take()
+    closer = threading.Thread(target=ram.pool.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert (
+        not closer.is_alive()
+        and allocated == []
+        and len(ram.pool.chunks) == 1
+        and ram.pool.grow_failed is None
+    )

@@ -34,6 +34,10 @@ CHUNK_BYTES = 1 << 28  # the pool is registered by this much at a time (the long
 START_CHUNKS = 4  # taken at start; the rest before the warm-up (``Runtime.pin_ram``)
 
 
+class PoolClosed(Exception):
+    """``RamPool.close`` ended the growth while a chunk was awaited."""
+
+
 class RamPool:
     """Slots ``0 .. capacity - 1``; ``on_slots(range)`` hands each chunk's new slots to the tier
     (under its lock) once their memory is in place. ``pinned``: page-locked (CUDA)."""
@@ -78,6 +82,11 @@ class RamPool:
         dtype = self.shape.dtype
         half = math.prod(dims) * dtype.itemsize
         base = self.reserve.take() if self.reserve is not None else None
+        if base is None and self.reserve is not None:
+            if self._closing:  # close() ended the reserve under a waiting take: no chunk of its own
+                raise PoolClosed
+            if self.reserve.failed is not None:  # the driver's reason; allocating here would meet it again
+                raise RuntimeError(f"the reserve stopped: {self.reserve.failed}")
         if base is not None and base.numel() >= 2 * half:
             self.bases.append(base)  # its registration lives as long as this tensor does
             return base[:half].view(dtype).view(dims), base[half : 2 * half].view(dtype).view(dims)
@@ -112,6 +121,8 @@ class RamPool:
         while not self.whole and not self._closing:
             try:
                 self.grow()
+            except PoolClosed:
+                break
             except (RuntimeError, MemoryError) as exc:  # keep serving with the slots it has
                 self.grow_failed = (
                     f"pinned memory stopped at {self.pool_bytes / 2**30:.1f} GiB: {str(exc).splitlines()[0]}"
