@@ -212,7 +212,7 @@ def test_closing_a_pool_whose_grower_waits_for_the_reserve_allocates_nothing(eng
 
     def slow_zeros(*a, **k):  # the first chunk at once, the next ones only once the pool closes
         made.append(1)
-        while len(made) > 1 and not reserve[0]._closing:
+        while len(made) > 1 and not (reserve and reserve[0]._closing):  # (its thread may run first)
             threading.Event().wait(0.005)
         return zeros(*a, **k)
 
